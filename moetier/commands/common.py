@@ -1,0 +1,73 @@
+"""Flags shared by the commands that load a model, and their translation to EngineConfig."""
+from __future__ import annotations
+
+import argparse
+
+from ..config import EngineConfig, parse_size
+from ..errors import UserError
+from ..runtime.sampling import SamplingParams
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model directory (config.json + *.safetensors), or a Hugging Face repo id; "
+                        "default: the embedded default model")
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 "
+                                                  "(default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--ctx", type=positive_int, default=None, metavar="N",
+                   help="context length in tokens (KV cache size); default min(model max, 4096)")
+    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+    g.add_argument("--gpu-mem", default=None, metavar="SIZE", help="GPU memory budget, e.g. 8GiB, or auto")
+    g.add_argument("--ram-mem", default=None, metavar="SIZE", help="RAM budget for the expert bank, or auto")
+    g.add_argument("--gpu-reserve", default=None, metavar="SIZE", help="VRAM left free when --gpu-mem is auto")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the model's generation_config.json, else llama.cpp's)")
+    g.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--temperature", "--temp", type=float, default=None, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens; 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 0.95)")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p * p_max (default 0.05)")
+    g.add_argument("--repetition-penalty", "--repeat-penalty", type=float, default=None, help="default 1.0 (off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(device=args.device, dtype=args.dtype, max_context=args.ctx, threads=args.threads,
+                        gpu_mem=parse_size(args.gpu_mem), ram_mem=parse_size(args.ram_mem),
+                        gpu_reserve=parse_size(args.gpu_reserve), seed=getattr(args, "seed", None))
+
+
+LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+
+
+def sampling_params(args, engine) -> SamplingParams:
+    if args.max_tokens < 0:
+        raise UserError(f"--max-tokens must be >= 0 (got {args.max_tokens})")
+    values = {**LLAMA_DEFAULTS, **engine.sampling_defaults()}
+    for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        if getattr(args, k) is not None:
+            values[k] = getattr(args, k)
+    return SamplingParams(**values, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed).check()
+
+
+def load_engine(args):
+    from ..runtime.engine import Engine
+    return Engine.load(args.model, engine_config(args))

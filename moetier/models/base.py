@@ -1,0 +1,57 @@
+"""The decoder skeleton every architecture shares: embed -> blocks -> norm -> lm_head.
+
+An architecture file defines its `Block` (attention + feed-forward, math only) and a
+`CausalLM` subclass naming it. Names follow Hugging Face (`model.layers.N...`), so
+checkpoints load mostly by name; the differences live in each file's `CHECKPOINT` table.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelArgs
+from ..runtime.kv_cache import Cache
+from .layers import RMSNorm, Rope
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs, blocks: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(tokens [T], cache) -> logits [T, V] (or [1, V] with last_only) and advances the cache."""
+
+    # Checkpoint name table (see weights/loader.py): regex renames from checkpoint names to ours,
+    # and the per-expert tensor names that make up our stacked expert tensors.
+    CHECKPOINT: dict = {}
+
+    def __init__(self, args: ModelArgs, blocks: list[nn.Module], rope: Rope | None):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args, blocks)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rope = rope
+
+    def make_cache(self, max_len: int, dtype, device) -> Cache:
+        return Cache([blk.make_cache(max_len, dtype, device) for blk in self.model.layers], max_len)
+
+    def rope_tables(self, positions: torch.Tensor, dtype):
+        return self.rope(positions, dtype) if self.rope is not None else None
+
+    def forward(self, tokens: torch.Tensor, cache: Cache, last_only: bool = False) -> torch.Tensor:
+        start = cache.length
+        t = tokens.shape[0]
+        if start + t > cache.max_len:
+            raise ValueError(f"{start + t} positions exceed the cache's {cache.max_len}")
+        h = self.model.embed_tokens(tokens)
+        rope = self.rope_tables(torch.arange(start, start + t, device=tokens.device), h.dtype)
+        for i, block in enumerate(self.model.layers):
+            h = block(h, rope, cache[i], start)
+        cache.advance(t)
+        if last_only:
+            h = h[-1:]
+        return self.lm_head(self.model.norm(h))

@@ -1,0 +1,267 @@
+"""Building blocks shared by the architectures: math only, no devices, files or caches policy.
+
+Shapes: a sequence is flat, x [T, D] (T tokens of one sequence); heads are [T, H, Dh].
+Module and parameter names follow the Hugging Face checkpoints, so most tensors load by name.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelArgs
+from ..runtime.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+# ---------------------------------------------------------------- RoPE
+def rope_inv_freq(rp: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale for rope types default, linear and yarn."""
+    base = float(rp.get("rope_theta", 10000.0))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+    kind = rp.get("rope_type", "default")
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(rp["factor"]), 1.0
+    if kind != "yarn":
+        raise NotImplementedError(f"RoPE type {kind!r} is not supported yet (default, linear and yarn are)")
+    factor = rp.get("factor") or max_position_embeddings / rp["original_max_position_embeddings"]
+    orig = rp["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = rp.get("attention_factor")
+    if attn is None:
+        m, m_all = rp.get("mscale"), rp.get("mscale_all_dim")
+        attn = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = rp.get("beta_fast") or 32, rp.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rp.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv, float(attn)
+
+
+class Rope(nn.Module):
+    """cos/sin tables for positions; `apply` rotates the first `dim` features of each head."""
+
+    def __init__(self, rp: dict, dim: int, max_position_embeddings: int, interleaved: bool = False):
+        super().__init__()
+        inv, self.scale = rope_inv_freq(rp, dim, max_position_embeddings)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.dim = dim
+        self.interleaved = interleaved
+
+    def forward(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]  # [T, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x [T, H, Dh]; cos/sin [T, R] with R <= Dh: rotate the first R features (partial RoPE)."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    if interleaved:  # pairs (0,1),(2,3)... -> halves, as DeepSeek's checkpoints store them
+        t, h, _ = rot.shape
+        rot = rot.view(t, h, r // 2, 2).transpose(-1, -2).reshape(t, h, r)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = rot * cos + rotate_half(rot) * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+# ---------------------------------------------------------------- attention
+def causal_mask(t: int, s: int, start: int, window: int | None, device) -> torch.Tensor:
+    """Bool [T, S]: query start+i sees key j when j <= start+i (and j > start+i-window)."""
+    q = torch.arange(start, start + t, device=device)[:, None]
+    k = torch.arange(s, device=device)[None, :]
+    mask = k <= q
+    if window:
+        mask &= k > q - window
+    return mask
+
+
+def attention(q, k, v, start: int, scale: float, window: int | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with S = start + T -> [T, H, Dv]."""
+    t, h, _ = q.shape
+    s, hkv = k.shape[0], k.shape[1]
+    need_mask = t > 1 or (window is not None and s > window)
+    mask = causal_mask(t, s, start, window, q.device) if need_mask else None
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, scale=scale, enable_gqa=hkv != h)
+        return out[0].transpose(0, 1)
+    # attention sinks (GPT-OSS): one extra logit per head that takes probability mass, no value
+    rep = h // hkv
+    kr = k.repeat_interleave(rep, dim=1).transpose(0, 1)           # [H, S, Dh]
+    vr = v.repeat_interleave(rep, dim=1).transpose(0, 1)           # [H, S, Dv]
+    scores = torch.matmul(q.transpose(0, 1), kr.transpose(1, 2)) * scale  # [H, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(h, t, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs, vr).transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head q/k RMSNorm, biases, sinks, sliding window."""
+
+    def __init__(self, args: ModelArgs, qk_norm: bool = False, sinks: bool = False,
+                 window: int | None = None, o_bias: bool | None = None, rotary_dim: int | None = None):
+        super().__init__()
+        d, self.h, self.hkv, self.dh = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(d, self.h * self.dh, bias=bias)
+        self.k_proj = nn.Linear(d, self.hkv * self.dh, bias=bias)
+        self.v_proj = nn.Linear(d, self.hkv * self.dh, bias=bias)
+        self.o_proj = nn.Linear(self.h * self.dh, d, bias=bias if o_bias is None else o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.dh, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.dh, args.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.sinks = nn.Parameter(torch.zeros(self.h)) if sinks else None
+        self.window = window
+        self.scale = self.dh ** -0.5
+
+    def make_cache(self, max_len: int, dtype, device) -> KVCache:
+        return KVCache(max_len, (self.hkv, self.dh), (self.hkv, self.dh), dtype, device)
+
+    def forward(self, x: torch.Tensor, rope: tuple, kv: KVCache, start: int) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.h, self.dh)
+        k = self.k_proj(x).view(t, self.hkv, self.dh)
+        v = self.v_proj(x).view(t, self.hkv, self.dh)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k, v = kv.update(start, k, v)
+        out = attention(q, k, v, start, self.scale, self.window, self.sinks)
+        return self.o_proj(out.reshape(t, self.h * self.dh))
+
+
+# ---------------------------------------------------------------- feed-forward
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward (dense layers, shared experts)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class DenseExperts(nn.Module):
+    """All experts of one layer as stacked tensors, computed in place.
+
+    gate_up_proj [E, 2I, D] (gate rows first, then up rows), down_proj [E, D, I]; optional biases
+    gate_up_bias [E, 2I], down_bias [E, D]. `act(gate, up)` is the gated activation.
+    forward(x [T, D], ids [T, k], w [T, k]) -> [T, D] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = False,
+                 act: Callable = swiglu):
+        super().__init__()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * hidden))
+            self.down_bias = nn.Parameter(torch.zeros(num_experts, dim))
+        else:
+            self.gate_up_bias = self.down_bias = None
+        self.act = act
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert on rows x [n, D] -> [n, D]."""
+        h = F.linear(x, self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+        gate, up = h.chunk(2, dim=-1)
+        return F.linear(self.act(gate, up), self.down_proj[e],
+                        None if self.down_bias is None else self.down_bias[e])
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, ids, w, self.num_experts, self.expert)
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
+                    run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Sort the T*k (token, expert) pairs by expert, run each used expert once over its rows,
+    scale by the routing weights and add back per token (in ascending expert order, as
+    transformers does). One host sync (the per-expert counts)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = order // k                                   # token of each sorted pair
+    xs = x[rows]                                        # [T*k, D]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start:start + n] = run(e, xs[start:start + n])
+            start += n
+    ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, ys)
+
+
+# ---------------------------------------------------------------- routers
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, keep the top k (renormalised if asked). -> ids [T, k], w [T, k]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w.to(logits.dtype)
+
+
+class SoftmaxRouter(nn.Module):
+    """Linear gate -> softmax -> top-k (Qwen3-MoE, Mixtral, OLMoE)."""
+
+    def __init__(self, dim: int, num_experts: int, k: int, normalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.k, self.normalize = k, normalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(F.linear(x, self.weight), self.k, self.normalize)

@@ -1,0 +1,49 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): GQA with per-head q/k RMSNorm,
+softmax top-k router, SwiGLU experts; dense MLP on `mlp_only_layers` / off `decoder_sparse_step`."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import ModelArgs
+from .base import CausalLM
+from .layers import MLP, Attention, DenseExperts, RMSNorm, Rope, SoftmaxRouter
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = SoftmaxRouter(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
+        self.experts = DenseExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+
+    def forward(self, x):
+        ids, w = self.gate(x)             # [T, k]
+        return self.experts(x, ids, w)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, i: int):
+        super().__init__()
+        self.self_attn = Attention(args, qk_norm=True)
+        sparse = (i not in args.get("mlp_only_layers", [])) and args.num_experts > 0 \
+            and (i + 1) % args.get("decoder_sparse_step", 1) == 0
+        self.mlp = MoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def make_cache(self, max_len, dtype, device):
+        return self.self_attn.make_cache(max_len, dtype, device)
+
+    def forward(self, h, rope, kv, start):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(CausalLM):
+    CHECKPOINT = {
+        "experts": {"gate_up_proj": ["experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight"],
+                    "down_proj": ["experts.{e}.down_proj.weight"]},
+    }
+
+    def __init__(self, args: ModelArgs):
+        rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
+        super().__init__(args, [Block(args, i) for i in range(args.num_hidden_layers)], rope)

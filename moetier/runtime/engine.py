@@ -1,0 +1,187 @@
+"""The engine: owns the model, its device, the tokenizer and sessions.
+
+    engine = Engine.load("path/to/model")            # or Engine.load() for the embedded default
+    for ev in engine.generate("Hello", max_tokens=32):
+        print(ev.text, end="")                       # TokenEvent ... then one Done (ev.stats)
+
+A `Session` keeps the cache of one conversation: a new request on the same session reuses the
+longest common token prefix and computes only the rest (`stats["cached_tokens"]`).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from ..config import EngineConfig, ModelArgs
+from ..errors import ContextOverflow, UserError
+from ..weights.tokenizer import Detokenizer, Tokenizer
+from .generate import Done, TokenEvent, generate_stream
+from .kv_cache import Cache
+from .sampling import Sampler, SamplingParams
+
+DEFAULT_CONTEXT = 4096
+
+
+def default_model_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets" / "default"
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A local directory, or a Hugging Face repo id (downloaded when huggingface_hub is installed)."""
+    if model is None:
+        path = default_model_path()
+        if not (path / "config.json").exists():
+            raise UserError(f"the embedded default model is missing from {path}; reinstall moetier")
+        return path
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if str(model).count("/") == 1 and not str(model).startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError:
+            raise UserError(f"{model}: no such directory; to download it from the Hugging Face hub, "
+                            "pip install huggingface_hub") from None
+        try:
+            return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja",
+                                                                       "*.model", "*.txt"]))
+        except Exception as e:
+            raise UserError(f"{model}: not a local path, and the hub download failed: {e}") from None
+    raise UserError(f"{model}: no such model directory or file")
+
+
+class Session:
+    """One conversation's cache and the tokens it holds."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+        self.tokens: list[int] = []
+        self.lock = threading.Lock()
+
+    def reuse(self, prompt: list[int]) -> int:
+        """Keep the longest common prefix with `prompt` (at least one token left to compute)."""
+        n = 0
+        limit = min(len(self.tokens), self.cache.length, len(prompt) - 1)
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        if not self.cache.can_truncate and n < self.cache.length:
+            n = 0  # recurrent state cannot roll back without a snapshot
+        self.cache.truncate(n) if self.cache.can_truncate else setattr(self.cache, "length", n)
+        self.tokens = self.tokens[:n]
+        return n
+
+
+class Engine:
+    def __init__(self, model, args: ModelArgs, tokenizer: Tokenizer | None, config: EngineConfig,
+                 device: str, dtype, path: Path, eos_ids: set[int], generation_defaults: dict):
+        self.model, self.args, self.tokenizer, self.config = model, args, tokenizer, config
+        self.device, self.dtype, self.path = device, dtype, path
+        self.eos_ids = eos_ids
+        self.generation_defaults = generation_defaults
+        self.max_context = config.max_context or min(args.max_position_embeddings, DEFAULT_CONTEXT)
+        self.prefill_chunk = 2048
+        self.name = path.name if path != default_model_path() else "moetier-default"
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, config: EngineConfig | None = None) -> "Engine":
+        from ..weights.loader import load_model
+        config = config or EngineConfig()
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        path = resolve_model_path(model)
+        device = config.resolved_device()
+        dtype = config.resolved_dtype(device)
+        net, args, _ = load_model(path, device=device, dtype=dtype, progress=config.progress)
+        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+        gen = {}
+        if (path / "generation_config.json").exists():
+            gen = json.loads((path / "generation_config.json").read_text())
+        eos = set(args.eos_token_id)
+        g_eos = gen.get("eos_token_id")
+        if g_eos is not None:
+            eos |= {g_eos} if isinstance(g_eos, int) else set(g_eos)
+        if tokenizer is not None and "eos_token" in tokenizer.special:
+            tid = tokenizer.token_to_id(tokenizer.special["eos_token"])
+            if tid is not None:
+                eos.add(tid)
+        return cls(net, args, tokenizer, config, device, dtype, path, eos, gen)
+
+    def new_session(self, max_context: int | None = None) -> Session:
+        return Session(self.model.make_cache(max_context or self.max_context, self.dtype, self.device))
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               prompt_ids: list[int] | None = None) -> list[int]:
+        if prompt_ids is not None:
+            ids = list(prompt_ids)
+            bad = [i for i in ids if not (0 <= int(i) < self.args.vocab_size)]
+            if bad:
+                raise UserError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
+            return ids
+        if self.tokenizer is None:
+            raise UserError(f"{self.path} has no tokenizer.json; pass token ids (--prompt-ids) instead of text")
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        if prompt is None:
+            raise UserError("nothing to generate from: give a prompt, chat messages or prompt ids")
+        return self.tokenizer.encode(prompt)
+
+    def sampling_defaults(self) -> dict:
+        """The checkpoint's generation_config.json sampling values, for callers that want them."""
+        g = self.generation_defaults
+        keys = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty"}
+        out = {ours: g[theirs] for ours, theirs in keys.items() if g.get(theirs) is not None}
+        if g.get("do_sample") is False:
+            out["temperature"] = 0.0
+        return out
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 prompt_ids: list[int] | None = None, max_tokens: int = 256,
+                 params: SamplingParams = SamplingParams(), stop: list[str] | str = (),
+                 session: Session | None = None, logprobs: int | None = None,
+                 cancel: Callable[[], bool] | None = None, ignore_eos: bool = False
+                 ) -> Iterator[TokenEvent | Done]:
+        """Stream the generation: TokenEvent per token, then Done. Raises UserError on bad input
+        before anything is computed."""
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise UserError(f"max_tokens must be a non-negative integer (got {max_tokens!r})")
+        params.check()
+        ids = self.encode(prompt, messages, prompt_ids)
+        if not ids:
+            raise UserError("the prompt is empty: give at least one token")
+        session = session or self.new_session()
+        limit = session.cache.max_len
+        if len(ids) >= limit:
+            raise ContextOverflow(f"the prompt has {len(ids)} tokens but the context holds {limit}; "
+                                  "shorten the prompt or raise --ctx", len(ids), limit)
+        return self._run(ids, session, max_tokens, params, [stop] if isinstance(stop, str) else list(stop),
+                         logprobs, cancel, set() if ignore_eos else self.eos_ids)
+
+    def _run(self, ids, session, max_tokens, params, stops, logprobs, cancel, eos):
+        with session.lock:
+            cached = session.reuse(ids)
+            sampler = Sampler(params, self.args.vocab_size, self.device, ids)
+            detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+            session.tokens = list(ids)
+            for ev in generate_stream(self.model, session.cache, ids, ids[cached:], sampler, max_tokens, eos,
+                                      detok, stops, logprobs, cancel, self.prefill_chunk, cached):
+                if isinstance(ev, TokenEvent) and ev.token_id >= 0:
+                    session.tokens.append(ev.token_id)
+                if isinstance(ev, Done):
+                    # the cache holds every generated token except the last sampled one
+                    session.tokens = session.tokens[:session.cache.length]
+                    ev.stats["device"] = self.device
+                    ev.stats["dtype"] = str(self.dtype).removeprefix("torch.")
+                yield ev
+
+    def complete(self, *args, **kwargs) -> Done:
+        """Run `generate` to the end and return the final Done."""
+        done = None
+        for ev in self.generate(*args, **kwargs):
+            if isinstance(ev, Done):
+                done = ev
+        return done

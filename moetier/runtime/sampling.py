@@ -1,0 +1,106 @@
+"""Sampling: penalties -> temperature -> top-k -> top-p -> min-p -> draw (the order transformers uses).
+
+Temperature 0 is greedy. A seed makes the draws reproducible (a private torch.Generator).
+Repetition penalty (HF semantics) covers prompt and output; presence/frequency penalties
+(OpenAI semantics) cover the output only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0          # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def check(self) -> "SamplingParams":
+        bad = []
+        if not (self.temperature >= 0):
+            bad.append(f"temperature must be >= 0 (got {self.temperature})")
+        if self.top_k < 0:
+            bad.append(f"top_k must be >= 0 (got {self.top_k})")
+        if not (0 < self.top_p <= 1):
+            bad.append(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not (0 <= self.min_p <= 1):
+            bad.append(f"min_p must be in [0, 1] (got {self.min_p})")
+        if not (self.repetition_penalty > 0):
+            bad.append(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if not (-2 <= self.presence_penalty <= 2) or not (-2 <= self.frequency_penalty <= 2):
+            bad.append("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if bad:
+            raise UserError("; ".join(bad))
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, out_counts: torch.Tensor,
+                    p: SamplingParams) -> torch.Tensor:
+    """logits [V]; seen [V] bool (prompt + output); out_counts [V] (output only)."""
+    if p.repetition_penalty != 1.0:
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if p.frequency_penalty or p.presence_penalty:
+        logits = logits - p.frequency_penalty * out_counts - p.presence_penalty * (out_counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k / nucleus top-p / min-p sets. logits [V] (already tempered)."""
+    logits = logits.clone()
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p   # mass before this token already >= p
+        drop[0] = False
+        logits[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits[probs < min_p * probs.max()] = float("-inf")
+    return logits
+
+
+class Sampler:
+    """Holds the per-sequence state sampling needs (penalty counts, the RNG)."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, device, prompt_ids: list[int] = ()):
+        self.p = params.check()
+        self.device = device
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if len(prompt_ids):
+            self.seen[torch.tensor(list(prompt_ids), device=device).clamp_(0, vocab_size - 1)] = True
+        self.gen = torch.Generator(device=device)
+        if params.seed is not None:
+            self.gen.manual_seed(params.seed)
+        else:
+            self.gen.seed()
+
+    def observe(self, token: int) -> None:
+        self.seen[token] = True
+        self.counts[token] += 1
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits [V] (any float dtype) -> token id."""
+        x = apply_penalties(logits.float(), self.seen, self.counts, self.p)
+        if self.p.greedy:
+            return int(torch.argmax(x))
+        x = filter_logits(x / self.p.temperature, self.p.top_k, self.p.top_p, self.p.min_p)
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.gen))

@@ -1,0 +1,166 @@
+"""Build a model from a Hugging Face directory: config -> ModelArgs -> module (on meta) -> tensors.
+
+Each architecture's `Model.CHECKPOINT` table says how checkpoint names differ from ours:
+  "renames":  [(regex, replacement), ...] applied to checkpoint names (e.g. Mixtral's
+              block_sparse_moe -> mlp),
+  "experts":  {our stacked param: [per-expert names with {e}, concatenated on dim 0]},
+  "fused":    {our stacked param: (checkpoint suffix, transform)} for fused layouts that need
+              reshaping (GPT-OSS's interleaved [E, D, 2I] gate/up).
+A fused tensor already in our layout (transformers 5's `experts.gate_up_proj`) loads by name.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelArgs
+from ..errors import CheckpointError, UserError
+from ..models import model_class
+from .safetensors import Checkpoint
+
+EXPERT_PARAM = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<name>[A-Za-z_]+)$")
+
+
+def read_config(directory: Path) -> ModelArgs:
+    path = directory / "config.json"
+    if not directory.exists():
+        raise UserError(f"{directory}: no such model directory or file")
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing; a model directory needs config.json next to its *.safetensors")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if "model_type" not in cfg:
+        raise CheckpointError(f"{path}: has no model_type; cannot tell which architecture this is")
+    return ModelArgs.from_hf(cfg)
+
+
+class ExpertSource:
+    """Per-expert weights of one MoE layer, read lazily from the checkpoint in our layout:
+    get(e) -> {"gate_up_proj": [2I, D], "down_proj": [D, I], ...biases}."""
+
+    def __init__(self, ckpt: "NamedCheckpoint", prefix: str, names: list[str]):
+        self.ckpt, self.prefix, self.names = ckpt, prefix, names
+
+    def get(self, e: int) -> dict[str, torch.Tensor]:
+        return {n: self.ckpt.expert_tensor(self.prefix, n, e) for n in self.names}
+
+    def stacked(self, name: str, num_experts: int) -> torch.Tensor:
+        fused = self.ckpt.fused_tensor(self.prefix, name)
+        if fused is not None:
+            return fused
+        return torch.stack([self.ckpt.expert_tensor(self.prefix, name, e) for e in range(num_experts)])
+
+
+class NamedCheckpoint:
+    """A checkpoint seen through an architecture's name table."""
+
+    def __init__(self, ckpt: Checkpoint, table: dict):
+        self.ckpt, self.table = ckpt, table
+        self.names: dict[str, str] = {}
+        rules = [(re.compile(a), b) for a, b in table.get("renames", [])]
+        for k in ckpt.keys():
+            ours = k
+            for rx, rep in rules:
+                ours = rx.sub(rep, ours)
+            self.names[ours] = k
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise CheckpointError(f"{self.ckpt.dir}: tensor {name} not found in the checkpoint")
+        return self.ckpt.tensor(self.names[name])
+
+    def fused_tensor(self, prefix: str, name: str) -> torch.Tensor | None:
+        full = f"{prefix}.experts.{name}"
+        if full in self.names:
+            return self.tensor(full)
+        spec = self.table.get("fused", {}).get(name)
+        if spec is not None and f"{prefix}.experts.{spec[0]}" in self.names:
+            return spec[1](self.tensor(f"{prefix}.experts.{spec[0]}"))
+        return None
+
+    def expert_tensor(self, prefix: str, name: str, e: int) -> torch.Tensor:
+        fused = self.fused_tensor(prefix, name)
+        if fused is not None:
+            return fused[e]
+        parts = self.table.get("experts", {}).get(name)
+        if parts is None:
+            raise CheckpointError(f"{self.ckpt.dir}: no tensor for {prefix}.experts.{name} "
+                                  "(neither fused nor per-expert names found)")
+        ts = [self.tensor(f"{prefix}.{p.format(e=e)}") for p in parts]
+        return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    setattr(mod, attr, nn.Parameter(value, requires_grad=False))
+
+
+def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, progress: bool = False,
+               skip: re.Pattern | None = None):
+    """-> (model, args, NamedCheckpoint). Params whose names match `skip` stay on meta
+    (the memory tiers load experts themselves)."""
+    directory = Path(directory)
+    args = read_config(directory)
+    cls = model_class(args.model_type)
+    ckpt = NamedCheckpoint(Checkpoint(directory), cls.CHECKPOINT)
+    with torch.device("meta"):
+        model = cls(args)
+    params = list(model.named_parameters())
+    bar = _progress(len(params), f"loading {directory.name}", progress)
+    for name, p in params:
+        if skip is not None and skip.search(name):
+            bar.update(1)
+            continue
+        t = _fetch(ckpt, args, name)
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(t.shape)}, "
+                                  f"but config.json implies {tuple(p.shape)}; the config and weights disagree")
+        t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        _set_param(model, name, t.contiguous())
+        bar.update(1)
+    bar.close()
+    for mod in model.modules():  # buffers were computed on the CPU at construction
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None:
+                mod._buffers[bname] = buf.to(device)
+    model.eval()
+    return model, args, ckpt
+
+
+def _fetch(ckpt: NamedCheckpoint, args: ModelArgs, name: str) -> torch.Tensor:
+    if ckpt.has(name):
+        return ckpt.tensor(name)
+    m = EXPERT_PARAM.match(name)
+    if m:
+        return ExpertSource(ckpt, m["prefix"], [m["name"]]).stacked(m["name"], args.num_experts)
+    if name == "lm_head.weight" and (args.tie_word_embeddings or not ckpt.has(name)) \
+            and ckpt.has("model.embed_tokens.weight"):
+        return ckpt.tensor("model.embed_tokens.weight")
+    raise CheckpointError(f"{ckpt.ckpt.dir}: tensor {name} not found; expected for model_type "
+                          f"{args.model_type!r}. Is the checkpoint complete?")
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False)
