@@ -8,8 +8,15 @@ import sys
 from . import __version__
 from .errors import UserError
 
-# command -> module under moetier.commands
-COMMANDS = ["run", "chat"]
+# command -> module under moetier.commands (in help order; each module has add_parser + main)
+ORDER = ["run", "chat", "serve", "plan", "profile", "bench", "verify", "quantize", "synth"]
+
+
+def commands() -> list[str]:
+    import pkgutil
+    from . import commands as pkg
+    found = {m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name != "common"}
+    return [c for c in ORDER if c in found] + sorted(found - set(ORDER))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the expert bank in RAM, the rest on SSD. With no MODEL, commands use the embedded default model.")
     p.add_argument("--version", action="version", version=f"moetier {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in commands():
         importlib.import_module(f".commands.{name}", __package__).add_parser(sub)
     return p
 

@@ -178,6 +178,20 @@ class Engine:
                     ev.stats["dtype"] = str(self.dtype).removeprefix("torch.")
                 yield ev
 
+    def memory_stats(self) -> dict:
+        """Where the experts are and how often each tier served them (the chat page's tier panel,
+        `stats.memory` in `run --json`). Without memory tiers every expert sits on the model's device."""
+        tier = "gpu" if self.device.startswith("cuda") else "ram"
+        layers = [i for i, blk in enumerate(self.model.model.layers)
+                  if hasattr(getattr(blk, "mlp", None), "experts")]
+        n = self.args.num_experts
+        return {
+            "tiers": {t: {"experts": len(layers) * n if t == tier else 0} for t in ("gpu", "ram", "ssd")},
+            "layers": [{"layer": i, "gpu": n if tier == "gpu" else 0, "ram": n if tier == "ram" else 0,
+                        "ssd": 0, "hit_rate": 1.0} for i in layers],
+            "hit_rate": 1.0,
+        }
+
     def complete(self, *args, **kwargs) -> Done:
         """Run `generate` to the end and return the final Done."""
         done = None
