@@ -112,7 +112,10 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
     (the memory tiers load experts themselves)."""
     directory = Path(directory)
     args = read_config(directory)
-    cls = model_class(args.model_type)
+    try:
+        cls = model_class(args.model_type)
+    except UserError as e:
+        raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
     ckpt = NamedCheckpoint(Checkpoint(directory), cls.CHECKPOINT)
     with torch.device("meta"):
         model = cls(args)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, UserError
 
-SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class Tokenizer:
