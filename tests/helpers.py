@@ -10,11 +10,13 @@ from safetensors.torch import save_file
 from moetier.weights.loader import load_model
 
 
-def tiny_checkpoint(path: Path, hf_cls, config, seed: int = 0, fused: bool = False, scale: float = 1.0):
+def tiny_checkpoint(path: Path, hf_cls, config, seed: int = 0, fused: bool = False, scale: float = 1.0,
+                    init=None):
     """Build a random `hf_cls(config)` (fp32), save it to `path` and return the reference model.
     fused=True writes the in-memory (transformers 5 fused-expert) state dict instead of the
     per-expert names that save_pretrained converts back to. `scale` multiplies every weight's
-    init std so tiny models produce non-trivial logits."""
+    init std so tiny models produce non-trivial logits. `init(model)`, if given, runs after the
+    random init and before saving (e.g. to randomise buffers such as a router's correction bias)."""
     torch.manual_seed(seed)
     model = hf_cls(config).eval()
     with torch.no_grad():
@@ -23,6 +25,8 @@ def tiny_checkpoint(path: Path, hf_cls, config, seed: int = 0, fused: bool = Fal
                 p.normal_(0, 0.02 * scale if p.dim() >= 2 else 0.1)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
+        if init is not None:
+            init(model)
     model.save_pretrained(path)
     if fused:
         for f in path.glob("*.safetensors"):

@@ -265,3 +265,36 @@ class SoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_topk(F.linear(x, self.weight), self.k, self.normalize)
+
+
+class GroupedSigmoidRouter(nn.Module):
+    """DeepSeek-V3 / GLM4-MoE router. Sigmoid scores [T, E]; experts are chosen by score +
+    e_score_correction_bias, only inside the best `topk_group` of `n_group` equal groups (a group
+    scores as the sum of its top 2); the weights are the chosen experts' uncorrected scores,
+    renormalised if asked, times `scaling`. -> ids [T, k], w [T, k]."""
+
+    def __init__(self, dim: int, num_experts: int, k: int, n_group: int = 1, topk_group: int = 1,
+                 normalize: bool = True, scaling: float = 1.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        # a parameter (not a buffer) so it loads from the checkpoint like any other weight
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.k, self.n_group, self.topk_group = k, n_group, topk_group
+        self.normalize, self.scaling = normalize, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()        # [T, E], fp32 as trained
+        choice = scores + self.e_score_correction_bias.float()
+        t, e = choice.shape
+        if self.n_group > 1:
+            per = e // self.n_group
+            groups = choice.view(t, self.n_group, per)
+            group_scores = groups.topk(min(2, per), dim=-1).values.sum(dim=-1)          # [T, G]
+            keep = torch.topk(group_scores, self.topk_group, dim=-1, sorted=False).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(per, dim=1), float("-inf"))
+        ids = torch.topk(choice, self.k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        if self.normalize:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, (w * self.scaling).to(x.dtype)
