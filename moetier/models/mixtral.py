@@ -1,0 +1,53 @@
+"""Mixtral (8x7B, 8x22B): GQA without biases, optional sliding window on every layer, softmax
+top-k router renormalised over the k, SwiGLU experts."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import ModelArgs
+from ..errors import CheckpointError
+from .base import CausalLM
+from .layers import Attention, DenseExperts, RMSNorm, Rope, SoftmaxRouter
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = SoftmaxRouter(args.hidden_size, args.num_experts, args.num_experts_per_tok, normalize=True)
+        self.experts = DenseExperts(args.num_experts, args.hidden_size, args.intermediate_size)
+
+    def forward(self, x):
+        ids, w = self.gate(x)             # [T, k]
+        return self.experts(x, ids, w)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args, window=args.sliding_window)
+        self.mlp = MoE(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def make_cache(self, max_len, dtype, device):
+        return self.self_attn.make_cache(max_len, dtype, device)
+
+    def forward(self, h, rope, kv, start):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Model(CausalLM):
+    # Hub checkpoints (and save_pretrained) name the MoE block `block_sparse_moe` with per-expert
+    # w1 (gate), w3 (up), w2 (down); transformers 5 in memory: mlp.gate, mlp.experts.{gate_up,down}_proj.
+    CHECKPOINT = {
+        "renames": [(r"\.block_sparse_moe\.", ".mlp.")],
+        "experts": {"gate_up_proj": ["experts.{e}.w1.weight", "experts.{e}.w3.weight"],
+                    "down_proj": ["experts.{e}.w2.weight"]},
+    }
+
+    def __init__(self, args: ModelArgs):
+        if args.hidden_act != "silu":
+            raise CheckpointError(f"Mixtral with hidden_act={args.hidden_act!r} is not supported (only silu is)")
+        rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
+        super().__init__(args, [Block(args) for _ in range(args.num_hidden_layers)], rope)
