@@ -45,6 +45,25 @@ def random_model(cfg: dict, device: str, dtype, seed: int = 0):
     return model.eval(), args
 
 
+def decode_rate(model, dtype, dev, gen: int, graph: bool) -> float:
+    from moetier.runtime.cuda_graph import DecodeGraph
+    cache = model.make_cache(16 + gen + 1, dtype, dev)
+    logits = prefill(model, cache, list(range(16)), dev, 8192)
+    g = DecodeGraph(model, cache) if graph else None
+    buf = torch.zeros(1, dtype=torch.long, device=dev)
+    with torch.inference_mode():
+        tok = int(torch.argmax(logits))
+        for step in range(gen):
+            if step == 8:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+            buf.fill_(tok)
+            logits = g.step(buf)[-1] if graph else model(buf, cache, last_only=True)[-1]
+            tok = int(torch.argmax(logits))
+        torch.cuda.synchronize()
+    return (gen - 8) / (time.perf_counter() - t)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
@@ -82,19 +101,10 @@ def main():
             out["routing"] = {"experts_used_layer0": int((seen[0] > 0).sum()), "top8_share_layer0":
                               round(float(seen[0].topk(8).values.sum() / seen[0].sum()), 3),
                               "max_expert_share": round(float(share.max()), 4)}
-    # decode: greedy, one token at a time (eager PyTorch; CUDA graphs are the speed issue's work)
-    cache = model.make_cache(16 + a.gen + 1, dtype, dev)
-    logits = prefill(model, cache, list(range(16)), dev, 8192)
-    with torch.inference_mode():
-        tok = int(torch.argmax(logits))
-        for step in range(a.gen):
-            if step == 8:
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-            logits = model(torch.tensor([tok], device=dev), cache, last_only=True)[-1]
-            tok = int(torch.argmax(logits))
-        torch.cuda.synchronize()
-    dec = (a.gen - 8) / (time.perf_counter() - t)
+    # decode: greedy, one token at a time, eager and as one CUDA graph per step
+    from moetier.runtime.cuda_graph import DecodeGraph
+    out["decode_tok_s_eager"] = round(decode_rate(model, dtype, dev, a.gen, graph=False), 1)
+    dec = decode_rate(model, dtype, dev, a.gen, graph=True)
     d, l = args.hidden_size, args.num_hidden_layers
     attn = d * args.head_dim * (args.num_attention_heads * 2 + args.num_key_value_heads * 2)
     active = l * (attn + args.num_experts * d + args.num_experts_per_tok * 3 * d * args.moe_intermediate_size)

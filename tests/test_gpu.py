@@ -51,3 +51,25 @@ def test_other_architectures_on_cuda_fp32(tmp_path, arch):
     gpu, _, _ = load_model(path, device="cuda")
     prompt = list(range(3, 10))
     assert greedy_tokens(gpu, prompt, 24) == greedy_tokens(cpu, prompt, 24)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_gives_the_eager_tokens(tiny_model_dir, dtype):
+    from moetier import EngineConfig, SamplingParams
+    from moetier.runtime.engine import Engine
+    tokens = {}
+    for graphs in (False, True):
+        eng = Engine.load(tiny_model_dir, EngineConfig(device="cuda", dtype=dtype, cuda_graphs=graphs,
+                                                       max_context=128, progress=False))
+        done = eng.complete(prompt_ids=list(range(5, 17)), max_tokens=40, params=SamplingParams(temperature=0),
+                            ignore_eos=True)
+        tokens[graphs] = done.token_ids
+        # a second turn on the same session replays the same captured graph after prefix reuse
+        s = eng.new_session()
+        eng.complete(prompt_ids=list(range(5, 17)), max_tokens=5, params=SamplingParams(temperature=0),
+                     session=s, ignore_eos=True)
+        again = eng.complete(prompt_ids=list(range(5, 17)), max_tokens=40, params=SamplingParams(temperature=0),
+                             session=s, ignore_eos=True)
+        assert again.token_ids == done.token_ids
+    assert tokens[True] == tokens[False]

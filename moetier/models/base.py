@@ -42,16 +42,20 @@ class CausalLM(nn.Module):
     def rope_tables(self, positions: torch.Tensor, dtype):
         return self.rope(positions, dtype) if self.rope is not None else None
 
-    def forward(self, tokens: torch.Tensor, cache: Cache, last_only: bool = False) -> torch.Tensor:
-        start = cache.length
+    def forward(self, tokens: torch.Tensor, cache: Cache, last_only: bool = False,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        """`pos` (a 0-d device tensor) is the start position for CUDA-graph capture: shapes stay
+        static, attention covers the whole cache under a mask, and the caller advances the cache."""
+        start = cache.length if pos is None else pos
         t = tokens.shape[0]
-        if start + t > cache.max_len:
+        if pos is None and start + t > cache.max_len:
             raise ValueError(f"{start + t} positions exceed the cache's {cache.max_len}")
         h = self.model.embed_tokens(tokens)
-        rope = self.rope_tables(torch.arange(start, start + t, device=tokens.device), h.dtype)
+        rope = self.rope_tables(start + torch.arange(t, device=tokens.device), h.dtype)
         for i, block in enumerate(self.model.layers):
             h = block(h, rope, cache[i], start)
-        cache.advance(t)
+        if pos is None:
+            cache.advance(t)
         if last_only:
             h = h[-1:]
         return self.lm_head(self.model.norm(h))

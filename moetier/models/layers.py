@@ -103,9 +103,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 # ---------------------------------------------------------------- attention
-def causal_mask(t: int, s: int, start: int, window: int | None, device) -> torch.Tensor:
-    """Bool [T, S]: query start+i sees key j when j <= start+i (and j > start+i-window)."""
-    q = torch.arange(start, start + t, device=device)[:, None]
+def causal_mask(t: int, s: int, start, window: int | None, device) -> torch.Tensor:
+    """Bool [T, S]: query start+i sees key j when j <= start+i (and j > start+i-window).
+    `start` is an int, or a device tensor in CUDA-graph decode (then S is the whole cache)."""
+    q = (start + torch.arange(t, device=device))[:, None]
     k = torch.arange(s, device=device)[None, :]
     mask = k <= q
     if window:
@@ -113,12 +114,13 @@ def causal_mask(t: int, s: int, start: int, window: int | None, device) -> torch
     return mask
 
 
-def attention(q, k, v, start: int, scale: float, window: int | None = None,
+def attention(q, k, v, start, scale: float, window: int | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with S = start + T -> [T, H, Dv]."""
+    """q [T, H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with S = start + T -> [T, H, Dv]
+    (S = the whole cache when `start` is a device tensor: the mask does the rest)."""
     t, h, _ = q.shape
     s, hkv = k.shape[0], k.shape[1]
-    need_mask = t > 1 or (window is not None and s > window)
+    need_mask = t > 1 or (window is not None and s > window) or isinstance(start, torch.Tensor)
     mask = causal_mask(t, s, start, window, q.device) if need_mask else None
     if sinks is None:
         out = F.scaled_dot_product_attention(
@@ -221,7 +223,26 @@ class DenseExperts(nn.Module):
                         None if self.down_bias is None else self.down_bias[e])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return gathered_experts(x, ids, w, self)
         return grouped_experts(x, ids, w, self.num_experts, self.expert)
+
+
+def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts) -> torch.Tensor:
+    """No host sync (CUDA-graph capturable): gather each (token, slot)'s weights and bmm.
+    Copies k expert matrices per token, so it is only the correctness fallback for small T;
+    kernels.ops' fused decode kernel is the fast path."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)[:, :, None]                       # [T*k, D, 1]
+    h = torch.bmm(ex.gate_up_proj[flat], xs)[..., 0]                      # [T*k, 2I]
+    if ex.gate_up_bias is not None:
+        h = h + ex.gate_up_bias[flat]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.bmm(ex.down_proj[flat], ex.act(gate, up)[:, :, None])[..., 0]  # [T*k, D]
+    if ex.down_bias is not None:
+        y = y + ex.down_bias[flat]
+    return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1)
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,

@@ -1,0 +1,42 @@
+"""The decode step as one CUDA graph: static token/position buffers, replayed per token.
+
+Eager PyTorch launches cost more than the whole token on a GPU (LESSONS.md §10: 13-21 ms for 48
+layers vs ~3 ms graphed). The graph covers embedding -> all layers -> logits; sampling stays
+outside (one host sync per token, which streaming needs anyway).
+"""
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import Cache
+
+
+class DecodeGraph:
+    """Captures model(token [T], cache, pos=p) for one cache; `step(tokens)` replays it at cache.length."""
+
+    def __init__(self, model, cache: Cache, t: int = 1, warmup: int = 2):
+        self.model, self.cache, self.t = model, cache, t
+        dev = next(model.parameters()).device
+        self.tokens = torch.zeros(t, dtype=torch.long, device=dev)
+        self.pos = torch.zeros((), dtype=torch.long, device=dev)
+        saved = cache.length
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(warmup):  # warm-up writes land at position 0..t-1 and are overwritten later
+                model(self.tokens, cache, pos=self.pos)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self.logits = model(self.tokens, cache, pos=self.pos)
+        cache.length = saved
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [t] (device) -> logits [t, V] (a buffer the next replay overwrites)."""
+        if self.cache.length + self.t > self.cache.max_len:
+            raise ValueError("the cache is full")
+        self.tokens.copy_(tokens)
+        self.pos.fill_(self.cache.length)
+        self.graph.replay()
+        self.cache.advance(self.t)
+        return self.logits
