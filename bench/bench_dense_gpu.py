@@ -45,6 +45,21 @@ def random_model(cfg: dict, device: str, dtype, seed: int = 0):
     return model.eval(), args
 
 
+def read_bandwidth(dev: str) -> float:
+    """Bytes/s of a streaming read (a sum over 4 GiB, median of 10)."""
+    x = torch.randn(2**30, device=dev, dtype=torch.float32)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        x.sum()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del x
+    return 4 * 2**30 / sorted(times[2:])[5]
+
+
 def decode_rate(model, dtype, dev, gen: int, graph: bool) -> float:
     from moetier.runtime.cuda_graph import DecodeGraph
     cache = model.make_cache(16 + gen + 1, dtype, dev)
@@ -69,14 +84,16 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--prompt-len", default="512")
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--hbm-bw", type=float, default=4.2e12 / 2, help="HBM read bandwidth, bytes/s")
+    ap.add_argument("--hbm-bw", type=float, default=None, help="HBM read bandwidth, bytes/s (default: measured)")
     a = ap.parse_args()
     dev, dtype = "cuda", torch.bfloat16
     cfg = dict(QWEN3_30B_A3B, num_hidden_layers=a.layers)
     t0 = time.perf_counter()
     model, args = random_model(cfg, dev, dtype)
     load_s = time.perf_counter() - t0
-    out = {"model": "qwen3-30b-a3b-shaped (random bf16)", "layers": a.layers, "build_s": round(load_s, 1),
+    if a.hbm_bw is None:
+        a.hbm_bw = read_bandwidth(dev)
+    out = {"model": "qwen3-30b-a3b-shaped (random bf16)", "hbm_read_bw": round(a.hbm_bw / 1e9, 1), "layers": a.layers, "build_s": round(load_s, 1),
            "gpu": torch.cuda.get_device_name(), "prefill": {}}
     seen = torch.zeros(args.num_hidden_layers, args.num_experts, device=dev)
     hooks = []
