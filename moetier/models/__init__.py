@@ -13,6 +13,9 @@ ARCHS = {
     "deepseek_v3": "deepseek_v3",
     "glm4_moe": "glm4_moe",
     "gpt_oss": "gpt_oss",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",        # Qwen3.5-MoE: the multimodal checkpoint's text model
+    "qwen3_5_moe_text": "qwen3_next",
 }
 
 

@@ -20,6 +20,7 @@ class DecodeGraph:
         self.tokens = torch.zeros(t, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
         saved = cache.length
+        snap = cache.snapshot()  # warm-up and capture write at position 0: put the cache back after
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
@@ -29,6 +30,7 @@ class DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph):
             self.logits = model(self.tokens, cache, pos=self.pos)
+        cache.restore(snap)
         cache.length = saved
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

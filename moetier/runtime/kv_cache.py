@@ -14,8 +14,10 @@ class KVCache:
     """Preallocated keys and values of one attention layer: k [max_len, *k_shape], v [max_len, *v_shape]."""
 
     def __init__(self, max_len: int, k_shape: tuple, v_shape: tuple, dtype, device):
-        self.k = torch.empty((max_len, *k_shape), dtype=dtype, device=device)
-        self.v = torch.empty((max_len, *v_shape), dtype=dtype, device=device)
+        # zeros, not empty: graph decode attends over the whole buffer under a mask, and a masked
+        # NaN from uninitialised memory would still poison the output (0 * NaN = NaN)
+        self.k = torch.zeros((max_len, *k_shape), dtype=dtype, device=device)
+        self.v = torch.zeros((max_len, *v_shape), dtype=dtype, device=device)
 
     def update(self, start, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write T new positions at `start`; return views of all positions [0, start + T).
