@@ -82,6 +82,13 @@ class ModelArgs:
         known = {k: v for k, v in cfg.items() if k in names and v is not None}
         return cls(**known, extra=cfg)
 
+    @classmethod
+    def from_gguf(cls, metadata: dict, shapes: dict | None = None) -> "ModelArgs":
+        """Normalise GGUF metadata (`general.architecture`, `{arch}.block_count`, ...); `shapes`
+        (tensor name -> torch shape) tells what only the tensors say (tied output, dense layers)."""
+        from .weights.gguf_arch import hf_config
+        return cls.from_hf(hf_config(metadata, shapes))
+
     @property
     def rope_theta(self) -> float:
         return float(self.rope_parameters.get("rope_theta", 10000.0))
@@ -129,6 +136,20 @@ class EngineConfig:
     threads: int | None = None
     seed: int | None = None
     progress: bool = True
+    cuda_graphs: bool = True        # decode step as one CUDA graph (off: eager, for debugging)
+    # memory tiers (moetier/memory); any of these turns them on
+    tiers: bool = False             # set when a budget flag was given, even "auto"
+    cpu_moe: bool = False           # every layer's experts stay off the fast tier (llama.cpp --cpu-moe)
+    n_cpu_moe: int = 0              # ... the experts of layers 0..N-1 (llama.cpp --n-cpu-moe)
+    override_tensor: tuple = ()     # ((regex, "gpu"|"cpu"|"disk"), ...): the first matching rule wins
+    cache_policy: str | None = None  # lru | lfu | static | mix; None: lru, or mix with an expert profile
+    expert_profile: str | None = None  # profile JSON: pin/preload the hottest experts
+    save_profile: str | None = None  # write the expert counts seen while running to this file at exit
+    prefetch: str = "auto"          # on | off | auto (on only where measured to help)
+    cpu_threads: int | None = None  # threads for CPU expert work (torch intra-op threads)
+    direct_io: bool = False         # O_DIRECT reads of streamed experts (bypass the page cache)
+    prefill_copy_tokens: int | None = None  # copy a missed expert to the fast tier in prefill from this
+                                            # many tokens per chunk on (None: the measured rule; 0: never)
 
     def resolved_device(self) -> str:
         import torch

@@ -21,6 +21,7 @@ from torch import nn
 from ..config import ModelArgs
 from ..errors import CheckpointError, UserError
 from ..models import model_class
+from .gguf import is_gguf, open_checkpoint
 from .safetensors import Checkpoint
 
 EXPERT_PARAM = re.compile(r"^(?P<prefix>.*)\.experts\.(?P<name>[A-Za-z_]+)$")
@@ -108,15 +109,20 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, progress: bool = False,
                skip: re.Pattern | None = None):
-    """-> (model, args, NamedCheckpoint). Params whose names match `skip` stay on meta
-    (the memory tiers load experts themselves)."""
+    """-> (model, args, NamedCheckpoint or GGUFCheckpoint). `directory` is a model directory or a
+    .gguf file. Params whose names match `skip` stay on meta (the memory tiers load experts themselves)."""
     directory = Path(directory)
-    args = read_config(directory)
+    if is_gguf(directory):  # a .gguf file (or one part of a split set): GGUFCheckpoint, same interface
+        ckpt = open_checkpoint(directory)
+        args = ckpt.args
+    else:
+        args = read_config(directory)
     try:
         cls = model_class(args.model_type)
     except UserError as e:
-        raise CheckpointError(f"{directory / 'config.json'}: {e}") from None
-    ckpt = NamedCheckpoint(Checkpoint(directory), cls.CHECKPOINT)
+        raise CheckpointError(f"{directory if is_gguf(directory) else directory / 'config.json'}: {e}") from None
+    if not is_gguf(directory):
+        ckpt = NamedCheckpoint(Checkpoint(directory), cls.CHECKPOINT)
     with torch.device("meta"):
         model = cls(args)
     params = list(model.named_parameters())
