@@ -133,3 +133,22 @@ def test_detokenizer_never_emits_broken_utf8(tiny_model_dir):
     assert "".join(parts[:n_text]) == text
     # arbitrary bytes: the stream still adds up to a plain decode
     assert "".join(parts) == tok.decode(ids)
+
+
+def test_eos_releases_text_held_for_a_possible_stop_string(engine):
+    for prompt in ["The quick", "Python is a programming", "Numbers 12345", "def f(x):"]:
+        ids = engine.tokenizer.encode(prompt)
+        free = greedy_tokens(engine.model, ids, 12)
+        cut = next((i for i in range(2, 12) if free[i] not in free[:i]), None)
+        if cut is not None and engine.tokenizer.decode(free[:cut]):
+            break
+    assert cut is not None, "the tiny model repeats itself on every prompt"
+    text = engine.tokenizer.decode(free[:cut])
+    stop = text[-1] + "\u2603never"  # its first char matches the end of the text, the rest never comes
+    saved, engine.eos_ids = engine.eos_ids, {free[cut]}
+    try:
+        toks, done = run(engine, prompt_ids=ids, max_tokens=12, params=SamplingParams(temperature=0), stop=[stop])
+    finally:
+        engine.eos_ids = saved
+    assert done.finish_reason == "stop" and done.text == text
+    assert "".join(e.text for e in toks) == text

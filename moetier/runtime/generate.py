@@ -82,8 +82,11 @@ def prefill(model, cache: Cache, tokens: list[int], device, chunk: int) -> torch
 def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int], sampler: Sampler,
                     max_tokens: int, eos_ids: set[int], detok=None, stops: list[str] = (),
                     logprobs: int | None = None, cancel: Callable[[], bool] | None = None,
-                    chunk: int = 2048, cached: int = 0) -> Iterator[TokenEvent | Done]:
-    """`cache` already holds prompt[:len(prompt) - len(new_tokens)]; run the rest and decode."""
+                    chunk: int = 2048, cached: int = 0,
+                    logits_processor: Callable | None = None,
+                    step: Callable[[int], torch.Tensor] | None = None) -> Iterator[TokenEvent | Done]:
+    """`cache` already holds prompt[:len(prompt) - len(new_tokens)]; run the rest and decode.
+    `logits_processor(out, logits) -> logits` (optional) reshapes what the sampler sees."""
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -91,6 +94,7 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
     out: list[int] = []
     matcher = StopMatcher(list(stops))
     finish = "length"
+    stop_hit = False  # a stop string matched: the text is final, nothing held back is released
     t_first = None
     room = cache.max_len - cache.length
     with torch.inference_mode():
@@ -98,7 +102,7 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
             if cancel is not None and cancel():
                 finish = "cancelled"
                 break
-            tok = sampler(logits)
+            tok = sampler(logits if logits_processor is None else logits_processor(out, logits))
             if t_first is None:
                 sync()
                 t_first = time.perf_counter()
@@ -118,14 +122,17 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
             text, stopped = matcher.feed(delta)
             yield TokenEvent(tok, text, lp, top)
             if stopped:
-                finish = "stop"
+                finish, stop_hit = "stop", True
                 break
             if len(out) >= max_tokens or len(out) >= room:
                 finish = "length"
                 break
-            logits = model(torch.tensor([tok], device=device), cache, last_only=True)[-1]
-    if finish != "stop" and detok is not None:
-        text, stopped = matcher.feed(detok.flush())
+            if step is not None:  # e.g. a CUDA-graph replay
+                logits = step(tok)
+            else:
+                logits = model(torch.tensor([tok], device=device), cache, last_only=True)[-1]
+    if not stop_hit:  # release what the detokeniser and the stop matcher still hold
+        text, stopped = matcher.feed(detok.flush() if detok is not None else "")
         tail = text + ("" if stopped else matcher.flush())
         if tail:
             yield TokenEvent(-1, tail)

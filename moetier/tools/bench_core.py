@@ -1,0 +1,240 @@
+"""`moetier bench` measurements: warm-up, prefill per prompt length, TTFT, greedy decode, peak VRAM
+and RSS, hits per tier, the per-token time split, and the byte-budget bound of the configuration
+(bytes each tier must read per token over its measured bandwidth) with the achieved fraction.
+
+    result = bench_config(engine, model_path, prompt_lens=[512, 4096], gen=128, bw=bandwidths)
+"""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+from ..runtime.generate import Done, TokenEvent
+from ..runtime.sampling import SamplingParams
+from .synth import read_meta, stream_for
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+# ---------------------------------------------------------------- process memory
+def reset_peaks(device: str) -> None:
+    """Start a fresh peak for VRAM (torch's allocator) and RSS (Linux VmHWM, via clear_refs)."""
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_vram(device: str) -> int:
+    return int(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else 0
+
+
+def release(engine) -> None:
+    """Drop an engine before loading the next configuration."""
+    tiers = getattr(engine, "tiers", None)
+    if tiers is not None and hasattr(tiers, "close"):
+        tiers.close()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- bandwidths
+def measure_bandwidths(device: str, model_path: Path, use_cache: bool = True) -> dict:
+    """memory.bandwidth's cached micro-benchmarks (RAM sum, HBM, pinned PCIe copy, SSD preads)."""
+    files = [model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors"))
+    biggest = max(files, key=lambda p: p.stat().st_size, default=None)
+    try:
+        from ..memory.bandwidth import bandwidths
+        return bandwidths(device, biggest, use_cache=use_cache)
+    except ImportError:  # memory tiers not installed: rough defaults, labelled as such
+        return {"ram_gbs": 20.0, "hbm_gbs": 2000.0, "pcie_gbs": 12.0, "ssd_gbs": 2.0, "source": "assumed"}
+
+
+# ---------------------------------------------------------------- one request
+def _tier_snapshot(engine):
+    return engine.tiers.snapshot() if getattr(engine, "tiers", None) is not None else None
+
+
+def _decode_view(engine, mid):
+    """Tier counters of the decode phase only (after the first token), or None without tiers."""
+    if mid is None:
+        return None
+    from ..memory.stats import delta, request_view
+    return request_view(delta(engine.tiers.snapshot(), mid))
+
+
+def forcing(ids: list[int]):
+    """A logits processor that makes greedy decoding emit `ids` in order: the model still runs every
+    step, but the tokens (hence the routing) follow the topic-local stream instead of the loops
+    that greedy decoding of random weights falls into."""
+    def processor(out: list[int], logits: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(logits, float("-inf"))
+        forced[ids[min(len(out), len(ids) - 1)]] = 0.0
+        return forced
+    return processor
+
+
+def run_prompt(engine, prompt: list[int], gen: int, forced: list[int] | None = None) -> dict:
+    """Prefill `prompt`, decode `gen` greedy tokens (EOS ignored) on a fresh session; with `forced`,
+    the decoded tokens are those ids (see `forcing`)."""
+    session = engine.new_session()
+    done, mid = None, None
+    extra = {"logits_processor": forcing(forced)} if forced else {}
+    for ev in engine.generate(prompt_ids=prompt, max_tokens=gen, params=GREEDY, session=session, ignore_eos=True,
+                              **extra):
+        if isinstance(ev, TokenEvent) and mid is None:
+            mid = _tier_snapshot(engine)
+        elif isinstance(ev, Done):
+            done = ev
+    s = done.stats
+    decode_view = _decode_view(engine, mid)
+    out = {"prompt_tokens": len(prompt), "prefill_tok_s": s["prefill_tok_s"], "ttft_s": s["ttft_s"],
+           "decode_tok_s": s["decode_tok_s"], "generated_tokens": s["generated_tokens"],
+           "distinct_token_frac": round(len(set(done.token_ids)) / max(1, len(done.token_ids)), 3),
+           "memory": s.get("memory"), "decode_memory": decode_view}
+    out["time_split"] = time_split(engine.device, s["decode_tok_s"], decode_view)
+    del session
+    return out
+
+
+def time_split(device: str, decode_tok_s: float, view: dict | None) -> dict:
+    """Per decode token: total, experts on the GPU / CPU, copies, SSD waits, and the rest
+    (attention, launches, Python). Without tiers only the total is known (the model's device)."""
+    total = 1e3 / decode_tok_s if decode_tok_s else 0.0
+    if view is None:
+        gpu = device.startswith("cuda")
+        return {"total_ms": round(total, 3), "gpu_ms": round(total if gpu else 0.0, 3),
+                "cpu_ms": round(0.0 if gpu else total, 3), "copy_ms": 0.0, "ssd_wait_ms": 0.0, "idle_ms": 0.0,
+                "source": "total (no memory tiers: all work on " + ("GPU" if gpu else "CPU") + ")"}
+    ms = view["per_token"]["ms"]
+    parts = {"gpu_ms": ms.get("gpu", 0.0), "cpu_ms": ms.get("cpu", 0.0), "copy_ms": ms.get("copy", 0.0),
+             "ssd_wait_ms": ms.get("ssd_wait", 0.0)}
+    return {"total_ms": round(total, 3), **{k: round(v, 3) for k, v in parts.items()},
+            "idle_ms": round(max(0.0, total - sum(parts.values())), 3),
+            "source": "memory tiers (gpu/cpu = expert compute; idle = attention, launches, Python, waits)"}
+
+
+# ---------------------------------------------------------------- the byte budget
+def bytes_per_token(engine, context: int) -> dict:
+    """Bytes a decode token reads with every weight on the model's device: dense weights (one
+    embedding row), top-k experts of every MoE layer, and the KV cache at `context` positions."""
+    model, args = engine.model, engine.args
+    dense = experts = 0
+    seen = set()
+    embed = model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        if id(p) in seen or p.device.type == "meta":
+            continue
+        seen.add(id(p))
+        n = p.numel() * p.element_size()
+        if ".experts." in name:
+            experts += n
+        elif p is embed and not args.tie_word_embeddings:
+            dense += n // max(1, p.shape[0])
+        else:
+            dense += n
+    n_moe = sum(1 for blk in model.model.layers if hasattr(getattr(blk, "mlp", None), "experts"))
+    E, k = max(1, args.num_experts), args.num_experts_per_tok
+    cache = engine.new_session(max_context=2).cache    # KV bytes per position, without a big allocation
+    kv = cache.nbytes // cache.max_len * context
+    return {"dense": dense, "experts": experts // E * k if n_moe else 0, "kv": kv}
+
+
+def byte_bound(engine, bw: dict, context: int) -> dict:
+    """Decode ceiling. With memory tiers: memory.plan.decode_ceiling (the planned tier coverage,
+    the KV cache at the configured context). Without: every byte from the model's device memory
+    (HBM on CUDA, RAM on CPU), the KV cache at `context` positions."""
+    tiers = getattr(engine, "tiers", None)
+    if tiers is not None:
+        try:
+            from ..memory.plan import decode_ceiling
+            c = decode_ceiling(tiers.pl, bw)
+            return {"bound_tok_s": c["bound_tok_s"], "bytes_per_token": c["bytes"],
+                    "ms": c["ms"], "source": "memory.plan.decode_ceiling"}
+        except (ImportError, AttributeError, KeyError, TypeError) as e:
+            fallback = f"memory.plan.decode_ceiling failed ({type(e).__name__}: {e}); "
+    else:
+        fallback = ""
+    b = bytes_per_token(engine, context)
+    total = sum(b.values())
+    cuda = engine.device.startswith("cuda")
+    rate = (bw["hbm_gbs"] if cuda else bw["ram_gbs"]) * 1e9
+    return {"bound_tok_s": rate / total if total else float("inf"),
+            "bytes_per_token": {("gpu" if cuda else "ram"): total, **{f"{k}_bytes": v for k, v in b.items()}},
+            "ms": {"gpu" if cuda else "ram": total / rate * 1e3},
+            "source": fallback + f"bench: all weights in {'HBM' if cuda else 'RAM'}"}
+
+
+# ---------------------------------------------------------------- one configuration
+def decode_mode(mode: str, model_path: Path) -> str:
+    """auto: 'stream' for moetier synth checkpoints (random weights loop under greedy decoding,
+    which makes every decode step hit the same experts), 'greedy' for real models."""
+    if mode != "auto":
+        return mode
+    return "stream" if read_meta(model_path) else "greedy"
+
+
+def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, warmup: int, bw: dict,
+                 mode: str = "greedy", log=lambda *a: None) -> dict:
+    vocab = engine.args.vocab_size
+
+    def request(n: int, g: int, seed: int) -> dict:
+        ids = stream_for(model_path, vocab, n + g, seed=seed)
+        return run_prompt(engine, ids[:n], g, ids[n:] if mode == "stream" else None)
+
+    for i in range(warmup):
+        request(32, min(gen, 8), 10_000 + i)
+    runs = []
+    for n in prompt_lens:
+        log(f"  prompt {n} tokens + {gen} decode ({mode}) ...")
+        runs.append(request(n, gen, n))
+    first = runs[0]
+    bound = byte_bound(engine, bw, first["prompt_tokens"] + gen // 2)
+    dec = first["decode_tok_s"]
+    bound_tok_s = bound["bound_tok_s"]
+    return {
+        "decode_tok_s": dec,
+        "prefill_tok_s": {str(r["prompt_tokens"]): r["prefill_tok_s"] for r in runs},
+        "ttft_s": first["ttft_s"],
+        "ttft_s_by_length": {str(r["prompt_tokens"]): r["ttft_s"] for r in runs},
+        "decode_tok_s_by_length": {str(r["prompt_tokens"]): r["decode_tok_s"] for r in runs},
+        "peak_vram_bytes": peak_vram(engine.device), "peak_rss_bytes": peak_rss(),
+        "memory": engine.memory_stats(), "decode_memory": first["decode_memory"],
+        "time_split": first["time_split"],
+        "bound_tok_s": float(f"{bound_tok_s:.5g}"),
+        "fraction_of_bound": float(f"{dec / bound_tok_s:.4g}") if bound_tok_s else None,
+        "bound": bound, "distinct_token_frac": first["distinct_token_frac"], "runs": runs,
+        "device": engine.device, "dtype": str(engine.dtype).removeprefix("torch."), "decode_mode": mode,
+    }
+
+
+def hit_summary(memory: dict | None) -> str:
+    """'gpu 80% ram 20% ssd 0%' from memory stats (hits per tier when counted, else placement)."""
+    if not memory or "tiers" not in memory:
+        return "-"
+    t = memory["tiers"]
+    hits = {k: v.get("hits") for k, v in t.items()}
+    if all(v is not None for v in hits.values()) and sum(hits.values()):
+        tot = sum(hits.values())
+        return " ".join(f"{k} {v / tot:.0%}" for k, v in hits.items())
+    tot = sum(v.get("experts", 0) for v in t.values()) or 1
+    return "placed " + " ".join(f"{k} {v.get('experts', 0) / tot:.0%}" for k, v in t.items())

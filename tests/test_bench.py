@@ -1,0 +1,105 @@
+"""moetier bench on a tiny synthetic model: one JSON object with every field, --compare, the table."""
+import json
+
+import pytest
+
+import moetier.tools.bench_core as bench_core
+from moetier.cli import main as cli
+from moetier.commands.bench import config_namespaces, parse_lengths
+from moetier.errors import UserError
+from moetier.tools.bench_core import time_split
+from moetier.tools.synth import synth
+
+BW = {"ram_gbs": 10.0, "hbm_gbs": 1000.0, "pcie_gbs": 10.0, "ssd_gbs": 1.0, "source": {}}
+FIELDS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "peak_vram_bytes", "peak_rss_bytes", "memory", "time_split",
+          "bound_tok_s", "fraction_of_bound", "bound", "bandwidths", "configs", "device", "dtype", "load_s",
+          "decode_tok_s_by_length", "ttft_s_by_length", "distinct_token_frac")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "q"
+    synth("qwen3-30b-a3b", "BF16", path, layers=2, scale="tiny", skew=0.3, log=lambda *a: None)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def fixed_bandwidths(monkeypatch):
+    monkeypatch.setattr(bench_core, "measure_bandwidths", lambda device, path, use_cache=True: dict(BW))
+
+
+def run_json(capsys, argv):
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)                      # exactly one JSON object, nothing else on stdout
+
+
+def test_bench_json_has_every_field(model, capsys):
+    rep = run_json(capsys, ["bench", str(model), "--device", "cpu", "--prompt-len", "16,40", "--gen", "6",
+                            "--warmup", "1", "--json"])
+    for f in FIELDS:
+        assert f in rep, f
+    assert rep["decode_tok_s"] > 0 and rep["ttft_s"] > 0
+    assert set(rep["prefill_tok_s"]) == {"16", "40"} and all(v > 0 for v in rep["prefill_tok_s"].values())
+    assert rep["peak_vram_bytes"] == 0 and rep["peak_rss_bytes"] > 10 << 20
+    assert rep["memory"]["tiers"]["ram"]["experts"] > 0
+    split = rep["time_split"]
+    assert {"total_ms", "gpu_ms", "cpu_ms", "copy_ms", "ssd_wait_ms", "idle_ms"} <= set(split)
+    assert split["total_ms"] == pytest.approx(1e3 / rep["decode_tok_s"], rel=1e-2)
+    assert rep["bound_tok_s"] > 0 and rep["fraction_of_bound"] == pytest.approx(
+        rep["decode_tok_s"] / rep["bound_tok_s"], rel=1e-2)
+    b = rep["bound"]["bytes_per_token"]
+    assert b["dense_bytes"] > 0 and b["experts_bytes"] > 0 and b["kv_bytes"] > 0
+    assert len(rep["configs"]) == 1 and rep["configs"][0]["label"] == "base"
+    assert [r["generated_tokens"] for r in rep["configs"][0]["runs"]] == [6, 6]
+    assert rep["decode_mode"] == "stream" and rep["distinct_token_frac"] > 0.5
+
+
+def test_bench_compare_reloads_each_configuration(model, capsys):
+    rep = run_json(capsys, ["bench", str(model), "--device", "cpu", "--prompt-len", "24", "--gen", "4",
+                            "--warmup", "0", "--json", "--compare", "tiers:--ram-mem 64MiB --cache-policy lru"])
+    labels = [c["label"] for c in rep["configs"]]
+    assert labels == ["base", "tiers"]
+    tiered = rep["configs"][1]
+    assert tiered["flags"] == "--ram-mem 64MiB --cache-policy lru"
+    assert tiered["decode_tok_s"] > 0 and tiered["bound_tok_s"] > 0
+    assert tiered["decode_memory"] is not None            # tier counters of the decode phase
+    assert tiered["time_split"]["source"].startswith("memory tiers")
+
+
+def test_bench_table_for_people(model, capsys):
+    assert cli(["bench", str(model), "--device", "cpu", "--prompt-len", "12", "--gen", "3", "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and "of bound" in out and "per decode token (ms)" in out
+
+
+def test_bench_flag_errors(model):
+    with pytest.raises(UserError, match="comma-separated"):
+        parse_lengths("512,lots")
+
+    class A:
+        model, compare = str(model), ["no-colon"]
+    with pytest.raises(UserError, match="LABEL:FLAGS"):
+        config_namespaces(A)
+    assert cli(["bench", str(model), "--device", "cpu", "--prompt-len", "9000", "--gen", "4", "--ctx", "64"]) == 1
+
+
+def test_time_split_without_tiers_is_all_device():
+    s = time_split("cpu", 50.0, None)
+    assert s["cpu_ms"] == s["total_ms"] == 20.0 and s["gpu_ms"] == 0.0
+    view = {"per_token": {"ms": {"gpu": 5.0, "cpu": 3.0, "copy": 1.0, "ssd_wait": 0.5}}}
+    s = time_split("cuda", 50.0, view)
+    assert s["idle_ms"] == pytest.approx(10.5) and s["gpu_ms"] == 5.0
+
+
+def test_stream_decode_forces_topic_local_tokens(model):
+    from moetier import EngineConfig
+    from moetier.runtime.engine import Engine
+    from moetier.tools.bench_core import GREEDY, decode_mode, forcing
+    from moetier.tools.synth import stream_for
+    assert decode_mode("auto", model) == "stream" and decode_mode("greedy", model) == "greedy"
+    engine = Engine.load(model, EngineConfig(device="cpu", progress=False))
+    ids = stream_for(model, engine.args.vocab_size, 20, seed=4)
+    done = engine.complete(prompt_ids=ids[:12], max_tokens=8, params=GREEDY, ignore_eos=True,
+                           logits_processor=forcing(ids[12:]))
+    assert done.token_ids == ids[12:]
