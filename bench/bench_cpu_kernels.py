@@ -1,0 +1,123 @@
+"""CPU quantized matvec bandwidth vs the machine's RAM read bandwidth; prints JSON.
+
+For each type and shape, one pass calls the kernel on every matrix of a >= 1 GiB bank of
+distinct weights (so no cache holds them) and counts weight bytes read per second. The RAM
+read yardsticks (a streaming C sum, torch.sum, numpy.sum over 1 GiB) are timed in the same
+rounds, interleaved with the kernels.
+
+Two views, because the dev box is shared (other processes often keep both cores busy):
+  per_core   threads=1, bytes per second of the thread's own CPU time (time.thread_time):
+             immune to being descheduled, comparable run to run. Yardstick: the C stream sum
+             on one thread, same metric.
+  wall       threads=N, wall clock, best round (contention only ever slows a round down).
+             Yardstick: the best of the N-thread sums in the same rounds.
+
+    python bench/bench_cpu_kernels.py [--gib 1.0] [--rounds 3] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from moetier.kernels import cpu
+from moetier.quant.formats import get_format
+
+SHAPES = [(768, 2048), (2048, 768)]            # (N, K): a gate/up and a down projection
+TYPES = ["Q8_0", "Q4_0", "Q4_K"]
+FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2]}   # scale fields kept finite
+
+
+def weight_bank(qtype: str, gib: float, rng) -> torch.Tensor:
+    """[n_matrices, bytes_per_matrix] uint8 of valid blocks, >= `gib` GiB. A 16 MiB random
+    tile is repeated: the content repeats, the addresses (what caches see) do not."""
+    fmt = get_format(qtype)
+    per_matrix = fmt.nbytes(SHAPES[0])
+    n_mat = int(np.ceil(gib * 2**30 / per_matrix))
+    tile = rng.integers(0, 256, size=(2**24 // fmt.type_size, fmt.type_size), dtype=np.uint8)
+    for off in FP16_OFFSETS[qtype]:
+        d = rng.uniform(0.5, 1.0, size=tile.shape[0]).astype(np.float16)
+        tile[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    n_blocks = n_mat * per_matrix // fmt.type_size
+    bank = np.resize(tile, (n_blocks, fmt.type_size))
+    return torch.from_numpy(bank.reshape(n_mat, per_matrix))
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds)."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    return time.perf_counter() - w0, time.thread_time() - c0
+
+
+def kernel_pass(qtype, bank, shape, threads, batch):
+    """Time one pass over all matrices of `bank`, `batch` matrices per call."""
+    n, k = shape
+    mats = [m.view(n, -1) for m in bank]
+    x = torch.randn(batch, k)
+    y = torch.empty(batch, n)
+    if batch == 1:
+        return timed(lambda: [cpu.matvec(qtype, w, x[0], out=y[0], threads=threads) for w in mats])
+    groups = [mats[i:i + batch] for i in range(0, len(mats) - batch + 1, batch)]
+    return timed(lambda: [cpu.matvec_batch(qtype, g, x, out=y, threads=threads) for g in groups])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    nt = args.threads
+    load0 = round(os.getloadavg()[0], 2)          # other processes sharing the cores skew wall numbers
+    rng = np.random.default_rng(0)
+    ref = torch.from_numpy(rng.standard_normal(2**28, dtype=np.float32))      # 1 GiB
+    banks = {t: weight_bank(t, args.gib, rng) for t in TYPES}
+    cases = [(t, s, th, b) for t in TYPES for s in SHAPES for th, b in ((1, 1), (nt, 1), (nt, 8))]
+    ram = {"c_stream_sum_1t_per_cpu_s": [], f"c_stream_sum_{nt}t": [], f"torch_sum_{nt}t": [], "numpy_sum": []}
+    res = {c: [] for c in cases}
+    gb = ref.nbytes / 1e9
+    for r in range(args.rounds + 1):                                   # round 0 warms up
+        wall, cpu_s = timed(lambda: cpu.stream_sum(ref, 1))
+        ram["c_stream_sum_1t_per_cpu_s"].append(gb / cpu_s)
+        ram[f"c_stream_sum_{nt}t"].append(gb / timed(lambda: cpu.stream_sum(ref, nt))[0])
+        ram[f"torch_sum_{nt}t"].append(gb / timed(lambda: ref.sum())[0])
+        ram["numpy_sum"].append(gb / timed(lambda: ref.numpy().sum())[0])
+        for c in cases:
+            t, shape, th, batch = c
+            used = banks[t].shape[0] // batch * batch * banks[t].shape[1] / 1e9
+            wall, cpu_s = kernel_pass(t, banks[t], shape, th, batch)
+            res[c].append(used / (cpu_s if th == 1 else wall))
+    ram = {k: v[1:] for k, v in ram.items()}
+    per_core_ref = statistics.median(ram["c_stream_sum_1t_per_cpu_s"])
+    wall_ref = max(max(ram[f"c_stream_sum_{nt}t"]), max(ram[f"torch_sum_{nt}t"]))
+    out = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": nt,
+                    "backend": cpu.backend(), "bank_gib": args.gib, "rounds": args.rounds,
+                    "loadavg_1min_before_after": [load0, round(os.getloadavg()[0], 2)]},
+        "ram_read_gbps": {k: {"median": round(statistics.median(v), 2), "max": round(max(v), 2)}
+                          for k, v in ram.items()},
+        "cases": [],
+    }
+    for (t, (n, k), th, batch), v in res.items():
+        v = v[1:]
+        row = {"qtype": t, "N": n, "K": k, "threads": th, "matrices_per_call": batch}
+        if th == 1:
+            row.update(metric="GB per CPU-second, 1 thread", gbps=round(statistics.median(v), 2),
+                       frac_of_ram=round(statistics.median(v) / per_core_ref, 3))
+        else:
+            row.update(metric="GB/s wall, best round", gbps=round(max(v), 2),
+                       frac_of_ram=round(max(v) / wall_ref, 3))
+        row["us_per_matrix"] = round(get_format(t).nbytes((n, k)) / (row["gbps"] * 1e3), 1)
+        out["cases"].append(row)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""CPU expert kernels for cache misses: y[N] = W_q[N, K] @ x[K] read straight from GGML blocks.
+
+Backend, chosen once at first use:
+  "c"     cpu_kernels.c built with the system compiler (-O3 -march=native -fopenmp) into
+          ~/.cache/moetier/kernels and called through ctypes (the GIL is released for the
+          whole call; OpenMP splits rows over threads). Q8_0, Q4_0, Q4_K.
+  "numba" the same loops in numba (parallel, nogil) when no compiler is found.
+  "torch" any other type, or neither of the above: the reference (dequantize, then matmul).
+The pure-torch twin is kernels.reference.expert_matvec; tests/test_quant_cpu_kernels.py
+compares the two on random inputs.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moetier.quant.formats import get_format
+from moetier.quant.repack import repack
+
+from .reference import expert_matvec
+
+log = logging.getLogger(__name__)
+
+FAST_TYPES = {"Q8_0", "Q4_0", "Q4_K"}
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lib = None
+_backend: str | None = None
+
+
+def _cpu_signature() -> str:
+    """Identifies the instruction set the library is built for (-march=native)."""
+    try:
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return platform.machine() + flags
+
+
+def build_library(cache_dir: Path | None = None, march: str = "native") -> Path:
+    """Compile cpu_kernels.c (once per source / compiler / flags / CPU); return the .so path.
+    `march` other than "native" builds a portable variant (tests use it for the scalar path)."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+    cache_dir = cache_dir or Path.home() / ".cache" / "moetier" / "kernels"
+    flags = [*_CFLAGS, f"-march={march}"]
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    so = cache_dir / f"cpu_kernels_{key}.so"
+    if not so.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        res = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, check=False)
+        if res.returncode:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{res.stderr}")
+        os.replace(tmp, so)                   # atomic: concurrent builders agree
+    return so
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.moetier_matvec.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, c_int]
+    lib.moetier_matvec_batch.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int]
+    lib.moetier_sum_f32.argtypes = [ptr, i64, c_int]
+    lib.moetier_sum_f32.restype = ctypes.c_float
+    return lib
+
+
+def _load():
+    global _lib, _backend
+    if _backend is not None:
+        return
+    try:
+        _lib, _backend = open_library(build_library()), "c"
+    except (RuntimeError, OSError) as e:
+        log.warning("CPU C kernels unavailable (%s); using numba kernels", e)
+        try:
+            from . import cpu_numba  # noqa: F401
+            _backend = "numba"
+        except ImportError:
+            log.warning("numba not installed either: CPU expert matvec falls back to torch")
+            _backend = "torch"
+
+
+def backend() -> str:
+    """"c", "numba" or "torch" (see module doc)."""
+    _load()
+    return _backend
+
+
+_nthreads = torch.get_num_threads()     # default thread count, read once
+
+
+def _as_f32(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return x
+    return x.detach().to(torch.float32).contiguous()
+
+
+def _check(fmt, w: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
+    n, k = w.shape[0], x.shape[-1]
+    if w.dim() != 2 or w.dtype != torch.uint8 or w.device.type != "cpu" or w.stride(-1) != 1:
+        raise ValueError(f"CPU matvec needs CPU uint8 blocks with contiguous rows; got "
+                         f"{w.dtype} on {w.device} with strides {w.stride()}")
+    if w.shape[-1] * fmt.block_size != k * fmt.type_size:
+        raise ValueError(f"{fmt.name} rows of {w.shape[-1]} bytes hold "
+                         f"{w.shape[-1] // fmt.type_size * fmt.block_size} values, but x has {k}")
+    return n, k
+
+
+def _out(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32)
+    if out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {shape}; got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out
+
+
+def _raise_on(rc: int, fmt, k: int) -> None:
+    if rc:
+        why = {-1: f"K={k} is not a multiple of the block size", -2: "out of memory"}.get(rc, rc)
+        raise RuntimeError(f"CPU {fmt.name} matvec failed: {why}")
+
+
+def _kernel(fmt, lib) -> str:
+    """Which implementation runs `fmt`: "c", "numba" or "torch"."""
+    if fmt.name not in FAST_TYPES:
+        return "torch"
+    return "c" if lib is not None else backend()
+
+
+def matvec(qtype, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None,
+           threads: int | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """y[N] = W[N, K] @ x[K]. w: uint8 [N, row_bytes] GGML blocks (rows contiguous, row
+    stride free); x: [K] float; out: optional float32 [N] (contiguous). Returns y.
+    `lib`: another build of the C kernels (tests), instead of the default backend."""
+    fmt = get_format(qtype)
+    n, k = _check(fmt, w, x)
+    x = _as_f32(x)
+    y = _out(out, (n,))
+    kind = _kernel(fmt, lib)
+    if kind == "c":
+        rc = (lib or _lib).moetier_matvec(fmt.type_id, w.data_ptr(), w.stride(0), n, k,
+                                          x.data_ptr(), y.data_ptr(), threads or _nthreads)
+        _raise_on(rc, fmt, k)
+    elif kind == "numba":
+        from .cpu_numba import matvec_numba
+        matvec_numba(fmt.name, w.numpy(), x.numpy(), y.numpy())
+    else:
+        y.copy_(expert_matvec(fmt, repack(fmt, w), x))
+    return y
+
+
+def matvec_batch(qtype, ws: list[torch.Tensor], x: torch.Tensor, out: torch.Tensor | None = None,
+                 threads: int | None = None) -> torch.Tensor:
+    """M matvecs of one type and shape in one call: y[m] = ws[m] @ x[m]. ws: M uint8
+    [N, row_bytes] tensors with equal row strides; x: [M, K]. Returns y [M, N] float32."""
+    fmt = get_format(qtype)
+    m = len(ws)
+    n, k = _check(fmt, ws[0], x)
+    if x.shape[0] != m or any(w.shape != ws[0].shape or w.stride() != ws[0].stride() for w in ws):
+        raise ValueError(f"matvec_batch needs {m} weights of one shape/stride and x [{m}, K]; "
+                         f"got x {tuple(x.shape)}")
+    x = _as_f32(x)
+    y = _out(out, (m, n))
+    if _kernel(fmt, None) == "c":
+        ptrs = (ctypes.c_void_p * m)(*[w.data_ptr() for w in ws])
+        rc = _lib.moetier_matvec_batch(fmt.type_id, ptrs, ws[0].stride(0), m, n, k, x.data_ptr(),
+                                       y.data_ptr(), threads or _nthreads)
+        _raise_on(rc, fmt, k)
+    else:
+        for i, w in enumerate(ws):
+            matvec(fmt, w, x[i], out=y[i], threads=threads)
+    return y
+
+
+def stream_sum(a: torch.Tensor, threads: int | None = None) -> float:
+    """Sum of a contiguous float32 CPU tensor by a plain streaming read (numel a multiple of
+    64): the yardstick for RAM read bandwidth in bench/bench_cpu_kernels.py."""
+    if backend() != "c":
+        return float(a.sum())
+    return _lib.moetier_sum_f32(a.data_ptr(), a.numel(), threads or _nthreads)

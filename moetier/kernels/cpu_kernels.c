@@ -1,0 +1,284 @@
+/* Quantized matvec y[N] = W[N, K] @ x[K] straight from GGML blocks (moetier/kernels/cpu.py).
+ *
+ * Built on first use with the system C compiler (-O3 -march=native -fopenmp) and called
+ * through ctypes, which releases the GIL. Rows are split over OpenMP threads; each row is
+ * one pass over its blocks, so weight bytes are read exactly once (streaming).
+ * Offsets (-8 for Q4_0, -min for Q4_K) are folded out with per-block sums of x:
+ *   sum_j d (q_j - 8) x_j = d (sum_j q_j x_j - 8 sum_j x_j).
+ * Accumulation is float32; results match dequantize-then-matmul to float32 rounding.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* SIMD vocabulary: VW float lanes; vbytes_*(p) widens VW bytes at p to int32 lanes;
+ * vlo4f / vhi4f: the low / high nibble of each such lane as a float. */
+#if defined(__AVX512F__) && defined(__F16C__)
+#define VW 16
+typedef __m512 vf;
+typedef __m512i vi;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf vset1(float f) { return _mm512_set1_ps(f); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
+static inline vi vbytes_i8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vbytes_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* nibble -> float through a 16-entry permute (vpermps reads only the index's low 4 bits):
+ * measured 12-15% faster than and + convert (docs/perf-log.md) */
+static inline vf vnib(vi idx) {
+    return _mm512_permutexvar_ps(idx, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+static inline vf vlo4f(vi v) { return vnib(v); }
+static inline vf vhi4f(vi v) { return vnib(_mm512_srli_epi32(v, 4)); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vset1(float f) { return _mm256_set1_ps(f); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
+static inline vi vbytes_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi vbytes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vf vlo4f(vi v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F))); }
+static inline vf vhi4f(vi v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+#endif
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef VW
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000 | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Software prefetch this many bytes ahead of the block being read: measured (docs/perf-log.md)
+ * to lift single-thread Q8_0 streaming from 6 to 11.5 GB/s per core; 2-6 KB all work. */
+#define PREFETCH_AHEAD 4096
+#define PREFETCH(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 3)
+
+/* per-32 sums of x: xs[b] = sum x[32 b .. 32 b + 31] */
+static void block_sums(const float *x, int64_t K, float *xs) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float s = 0.f;
+        for (int j = 0; j < 32; j++) s += x[32 * b + j];
+        xs[b] = s;
+    }
+}
+
+/* ---- Q8_0: 34-byte blocks {fp16 d, int8 q[32]} ---- */
+static float row_q8_0(const uint8_t *w, const float *x, int64_t nb) {
+#ifdef VW
+    vf acc = vzero();
+    for (int64_t b = 0; b < nb; b++, w += 34, x += 32) {
+        PREFETCH(w);
+        vf s = vzero();
+        for (int j = 0; j < 32; j += VW) s = vfma(vcvt(vbytes_i8(w + 2 + j)), vload(x + j), s);
+        acc = vfma(vset1(fp16_to_f32(w)), s, acc);
+    }
+    return vsum(acc);
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++, w += 34, x += 32) {
+        const int8_t *q = (const int8_t *)(w + 2);
+        float s = 0.f;
+        for (int j = 0; j < 32; j++) s += q[j] * x[j];
+        acc += fp16_to_f32(w) * s;
+    }
+    return acc;
+#endif
+}
+
+/* ---- Q4_0: 18-byte blocks {fp16 d, u8 qs[16]}; byte j = element j | element j+16 << 4 ---- */
+static float row_q4_0(const uint8_t *w, const float *x, const float *xs, int64_t nb) {
+    float off = 0.f;
+#ifdef VW
+    vf acc = vzero();
+    for (int64_t b = 0; b < nb; b++, w += 18, x += 32) {
+        PREFETCH(w);
+        vf s = vzero();
+        for (int j = 0; j < 16; j += VW) {
+            vi q = vbytes_u8(w + 2 + j);
+            s = vfma(vlo4f(q), vload(x + j), s);
+            s = vfma(vhi4f(q), vload(x + 16 + j), s);
+        }
+        float d = fp16_to_f32(w);
+        acc = vfma(vset1(d), s, acc);
+        off += d * xs[b];
+    }
+    return vsum(acc) - 8.f * off;
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++, w += 18, x += 32) {
+        float s = 0.f;
+        for (int j = 0; j < 16; j++) s += (w[2 + j] & 0x0F) * x[j] + (w[2 + j] >> 4) * x[j + 16];
+        float d = fp16_to_f32(w);
+        acc += d * s;
+        off += d * xs[b];
+    }
+    return acc - 8.f * off;
+#endif
+}
+
+/* ---- Q4_K: 144-byte super-blocks of 256 {fp16 d, fp16 dmin, u8 scales[12], u8 qs[128]};
+ * value = d * sc[j] * q - dmin * mn[j] for sub-block j (32 elements); qs chunk c (32 bytes)
+ * holds sub-block 2c in its low nibbles and 2c+1 in its high nibbles ---- */
+/* 12 scale bytes -> sc[0:8] and mn[0:8] (6-bit), each packed as 8 bytes in a u64:
+ * bytes 0-3 hold sc[0:4] low 6 bits (top 2 bits -> sc[4:8]); 4-7 likewise for mn;
+ * 8-11: sc[4:8] low nibble, mn[4:8] high nibble. Kept in registers, not stored bytewise. */
+static inline void scale_min_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    *sc = (a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    *mn = (b & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+
+static float row_q4_k(const uint8_t *w, const float *x, const float *xs, int64_t nsb) {
+#ifdef VW
+    vf acc = vzero();
+    __m256 off = _mm256_setzero_ps();                   /* sum_j dmin mn[j] xs[j], 8 lanes */
+    for (int64_t b = 0; b < nsb; b++, w += 144, x += 256, xs += 8) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        PREFETCH(w + 128);
+        uint64_t sc, mn;
+        scale_min_k4(w + 4, &sc, &mn);
+        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc)));
+        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn)));
+        float dsc[8];                                   /* d * sc[j] */
+        _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w)), scf));
+        off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w + 2)), mnf), _mm256_loadu_ps(xs), off);
+        const uint8_t *qs = w + 16;
+        for (int c = 0; c < 4; c++, qs += 32) {
+            const float *x0 = x + 64 * c, *x1 = x0 + 32;
+            vf s0 = vzero(), s1 = vzero();
+            for (int j = 0; j < 32; j += VW) {
+                vi q = vbytes_u8(qs + j);
+                s0 = vfma(vlo4f(q), vload(x0 + j), s0);
+                s1 = vfma(vhi4f(q), vload(x1 + j), s1);
+            }
+            acc = vfma(vset1(dsc[2 * c]), s0, acc);
+            acc = vfma(vset1(dsc[2 * c + 1]), s1, acc);
+        }
+    }
+    __m128 o = _mm_add_ps(_mm256_castps256_ps128(off), _mm256_extractf128_ps(off, 1));
+    o = _mm_add_ps(o, _mm_movehl_ps(o, o));
+    return vsum(acc) - _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
+#else
+    float acc = 0.f, off = 0.f;
+    for (int64_t b = 0; b < nsb; b++, w += 144, x += 256, xs += 8) {
+        uint64_t sc64, mn64;
+        scale_min_k4(w + 4, &sc64, &mn64);
+        uint8_t sc[8], mn[8];
+        memcpy(sc, &sc64, 8);                           /* little-endian: byte j = value j */
+        memcpy(mn, &mn64, 8);
+        const float d = fp16_to_f32(w), dmin = fp16_to_f32(w + 2);
+        const uint8_t *qs = w + 16;
+        for (int c = 0; c < 4; c++, qs += 32) {
+            const float *x0 = x + 64 * c, *x1 = x0 + 32;
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < 32; j++) { s0 += (qs[j] & 0x0F) * x0[j]; s1 += (qs[j] >> 4) * x1[j]; }
+            acc += d * sc[2 * c] * s0 + d * sc[2 * c + 1] * s1;
+        }
+        for (int j = 0; j < 8; j++) off += dmin * mn[j] * xs[j];
+    }
+    return acc - off;
+#endif
+}
+
+/* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N) ---- */
+enum { Q8_0 = 8, Q4_0 = 2, Q4_K = 12 };
+
+static int64_t block_elems(int qtype) { return qtype == Q4_K ? 256 : 32; }
+static int64_t block_bytes(int qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : 144; }
+
+/* Each thread gets at least this many weight bytes (~10 us of streaming): below it a fork /
+ * join costs more than it saves, and on a busy machine the join waits for a descheduled
+ * thread (measured: 0.6-1 ms per tiny call with 2 threads at load 5 on 2 cores). */
+#define MIN_BYTES_PER_THREAD (128 * 1024)
+
+static float row_dot(int qtype, const uint8_t *w, const float *x, const float *xs, int64_t K) {
+    switch (qtype) {
+    case Q8_0: return row_q8_0(w, x, K / 32);
+    case Q4_0: return row_q4_0(w, x, xs, K / 32);
+    default: return row_q4_k(w, x, xs, K / 256);
+    }
+}
+
+int moetier_supported(int qtype) { return qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_K; }
+
+/* M independent matvecs of one type and shape in one parallel region (e.g. the missed
+ * experts of a layer): W_m at ws[m], x_m at x + m K, y_m at y + m N.
+ * Returns 0, -1 if the type or K is unsupported, -2 if out of memory. */
+int moetier_matvec_batch(int qtype, const uint8_t *const *ws, int64_t row_stride, int64_t M,
+                         int64_t N, int64_t K, const float *x, float *y, int nthreads) {
+    if (!moetier_supported(qtype) || K % block_elems(qtype)) return -1;
+    const int64_t nb = K / 32;
+    float stack_xs[1024], *xs = M * nb <= 1024 ? stack_xs : malloc(sizeof(float) * M * nb);
+    if (!xs) return -2;
+    for (int64_t m = 0; m < M; m++) block_sums(x + m * K, K, xs + m * nb);
+    const int64_t bytes = M * N * (K / block_elems(qtype)) * block_bytes(qtype);
+    if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
+    #pragma omp parallel for schedule(dynamic, 32) num_threads(nthreads)
+    for (int64_t i = 0; i < M * N; i++) {
+        int64_t m = i / N, n = i % N;
+        y[i] = row_dot(qtype, ws[m] + n * row_stride, x + m * K, xs + m * nb, K);
+    }
+    if (xs != stack_xs) free(xs);
+    return 0;
+}
+
+/* One matvec: W at w. */
+int moetier_matvec(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
+                   const float *x, float *y, int nthreads) {
+    const uint8_t *ws[1] = {w};
+    return moetier_matvec_batch(qtype, ws, row_stride, 1, N, K, x, y, nthreads);
+}
+
+/* Sum of n floats (n a multiple of 64) with `nthreads` threads: a pure streaming read, used
+ * to measure the RAM read bandwidth the kernels above are compared against. */
+float moetier_sum_f32(const float *a, int64_t n, int nthreads) {
+    float total = 0.f;
+    #pragma omp parallel for schedule(static) reduction(+ : total) num_threads(nthreads)
+    for (int64_t i = 0; i < n / 64; i++) {
+        const float *p = a + 64 * i;
+#ifdef VW
+        vf s0 = vload(p), s1 = vload(p + VW);
+        for (int j = 2 * VW; j < 64; j += 2 * VW) { s0 = vadd(s0, vload(p + j)); s1 = vadd(s1, vload(p + j + VW)); }
+        total += vsum(vadd(s0, s1));
+#else
+        float s[8] = {0};
+        for (int j = 0; j < 64; j++) s[j % 8] += p[j];
+        total += s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
+#endif
+    }
+    return total;
+}

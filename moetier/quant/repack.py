@@ -1,0 +1,155 @@
+"""Lossless repacking of GGML blocks into kernel-friendly planes (struct of arrays).
+
+`repack(qtype, raw)`: raw uint8 [..., N, row_bytes] -> dict of tensors, leading dims kept:
+  scales and mins become their own aligned planes (fp16 / uint8 / int8, one entry per
+  (sub-)block) and quant bytes become one contiguous plane per row, so a kernel loads each
+  with plain strided loads. Nibble planes keep the GGML order inside a 32-element group:
+  byte j holds element j (low nibble) and element j + 16 (high nibble).
+  K-quant 6-bit scale/min fields are unpacked to one uint8 each per 32 (Q4_K, Q5_K): the
+  per-32 float scale is then `float(d) * sc`, exactly what the dequantiser computes.
+Types without a repacked layout pass through as {"raw": raw}.
+`dequantize_repacked(qtype, packed)` -> float32 [..., N, K], bit-exact with `dequantize`.
+
+Planes per type (K = row length):
+  Q8_0  d f16[K/32]  qs i8[K]              Q4_0 / IQ4_NL  d f16[K/32]  qs u8[K/2]
+  Q4_1  d, m f16[K/32]  qs u8[K/2]         Q5_0  d f16[K/32]  qh i32[K/32]  qs u8[K/2]
+  Q5_1  d, m f16[K/32]  qh i32[K/32]  qs   MXFP4 e u8[K/32]  qs u8[K/2]
+  Q4_K  d, dmin f16[K/256]  sc, mn u8[K/32]  qs u8[K/2] (per 256: 4 x 32 bytes, byte j of
+        chunk c = sub-block 2c element j (low) and sub-block 2c+1 element j (high))
+  Q5_K  as Q4_K + qh u8[K/8] (per 256: bit s of byte j = high bit of element 32 s + j)
+  Q6_K  d f16[K/256]  sc i8[K/16]  ql u8[K/2]  qh u8[K/4] (GGML order inside each 256)
+"""
+from __future__ import annotations
+
+import torch
+from gguf import quants as gq
+
+from .bits import shifts, table
+from .formats import dequantize, get_format
+from .iquants import _values, e8m0_half
+from .kquants import scale_min_k4
+
+# field name -> (byte offset, byte length, dtype) inside one block
+_FIELDS = {
+    "Q8_0": {"d": (0, 2, torch.float16), "qs": (2, 32, torch.int8)},
+    "Q4_0": {"d": (0, 2, torch.float16), "qs": (2, 16, torch.uint8)},
+    "IQ4_NL": {"d": (0, 2, torch.float16), "qs": (2, 16, torch.uint8)},
+    "Q4_1": {"d": (0, 2, torch.float16), "m": (2, 2, torch.float16), "qs": (4, 16, torch.uint8)},
+    "Q5_0": {"d": (0, 2, torch.float16), "qh": (2, 4, torch.int32), "qs": (6, 16, torch.uint8)},
+    "Q5_1": {"d": (0, 2, torch.float16), "m": (2, 2, torch.float16), "qh": (4, 4, torch.int32),
+             "qs": (8, 16, torch.uint8)},
+    "MXFP4": {"e": (0, 1, torch.uint8), "qs": (1, 16, torch.uint8)},
+    "Q4_K": {"d": (0, 2, torch.float16), "dmin": (2, 2, torch.float16), "qs": (16, 128, torch.uint8)},
+    "Q5_K": {"d": (0, 2, torch.float16), "dmin": (2, 2, torch.float16), "qh": (16, 32, torch.uint8),
+             "qs": (48, 128, torch.uint8)},
+    "Q6_K": {"ql": (0, 128, torch.uint8), "qh": (128, 64, torch.uint8), "sc": (192, 16, torch.int8),
+             "d": (208, 2, torch.float16)},
+}
+REPACKED = set(_FIELDS)
+
+
+def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """raw uint8 [..., N, row_bytes] -> planes (see module doc). Lossless."""
+    fmt = get_format(qtype)
+    if fmt.name not in _FIELDS:
+        return {"raw": raw}
+    if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] % fmt.type_size:
+        raise ValueError(f"repack({fmt.name}) needs uint8 [..., N, row_bytes] with row_bytes a "
+                         f"multiple of {fmt.type_size}; got {raw.dtype} {tuple(raw.shape)}")
+    lead, nb = raw.shape[:-1], raw.shape[-1] // fmt.type_size
+    blocks = raw.reshape(*lead, nb, fmt.type_size)
+    out = {}
+    for name, (off, size, dtype) in _FIELDS[fmt.name].items():
+        field = blocks[..., off:off + size].contiguous().view(dtype)     # [..., nb, size / itemsize]
+        out[name] = field.reshape(*lead, -1).contiguous()
+    if fmt.name in ("Q4_K", "Q5_K"):
+        sc, mn = scale_min_k4(blocks[..., 4:16].reshape(-1, 12))
+        out["sc"], out["mn"] = sc.reshape(*lead, -1), mn.reshape(*lead, -1)
+    return out
+
+
+def dequantize_repacked(qtype, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Planes from `repack` -> float32 [..., N, K] (bit-exact with `dequantize(raw)`)."""
+    fmt = get_format(qtype)
+    if "raw" in packed:
+        raw = packed["raw"]
+        shape = (*raw.shape[:-1], raw.shape[-1] // fmt.type_size * fmt.block_size)
+        return dequantize(raw, fmt, shape)
+    return _DEQUANT[fmt.name](packed)
+
+
+def _groups(t: torch.Tensor, size: int) -> torch.Tensor:
+    """[..., M] -> [..., M / size, size]."""
+    return t.reshape(*t.shape[:-1], -1, size)
+
+
+def _nib32(qs: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] nibble plane -> [..., K/32, 32] uint8 values in element order."""
+    return shifts(_groups(qs, 16), [0, 4], 0x0F).flatten(-2)
+
+
+def _hbit32(qh: torch.Tensor) -> torch.Tensor:
+    """[..., K/32] int32 high-bit words -> [..., K/32, 32] uint8 bits."""
+    return shifts(qh.unsqueeze(-1), list(range(32)), 1).flatten(-2).to(torch.uint8)
+
+
+def _rows(v: torch.Tensor) -> torch.Tensor:
+    """[..., nb, bs] -> [..., nb * bs]."""
+    return v.flatten(-2)
+
+
+def _q8_0(p):
+    return _rows(_groups(p["qs"], 32).float() * p["d"].float().unsqueeze(-1))
+
+
+def _q4_0(p):
+    return _rows(p["d"].float().unsqueeze(-1) * (_nib32(p["qs"]).to(torch.int8) - 8).float())
+
+
+def _iq4_nl(p):
+    lut = table("iq4nl", p["qs"].device, _values(gq.IQ4_NL))
+    return _rows(p["d"].float().unsqueeze(-1) * lut[_nib32(p["qs"]).long()])
+
+
+def _q4_1(p):
+    d, m = p["d"].float().unsqueeze(-1), p["m"].float().unsqueeze(-1)
+    return _rows(d * _nib32(p["qs"]).float() + m)
+
+
+def _q5(p):
+    q = _nib32(p["qs"]) | (_hbit32(p["qh"]) << 4)
+    d = p["d"].float().unsqueeze(-1)
+    if "m" in p:
+        return _rows(d * q.float() + p["m"].float().unsqueeze(-1))
+    return _rows(d * (q.to(torch.int8) - 16).float())
+
+
+def _mxfp4(p):
+    lut = table("mxfp4", p["qs"].device, _values(gq.MXFP4))
+    return _rows(e8m0_half(p["e"]).unsqueeze(-1) * lut[_nib32(p["qs"]).long()])
+
+
+def _q45_k(p):
+    d = p["d"].float().repeat_interleave(8, dim=-1).unsqueeze(-1)       # [..., K/32, 1]
+    dmin = p["dmin"].float().repeat_interleave(8, dim=-1).unsqueeze(-1)
+    dl, ml = d * p["sc"].float().unsqueeze(-1), dmin * p["mn"].float().unsqueeze(-1)
+    ql = shifts(_groups(p["qs"], 32).unflatten(-2, (-1, 4)), [0, 4], 0x0F)  # [..., K/256, 4, 2, 32]
+    q = ql.reshape(*dl.shape[:-1], 32)
+    if "qh" in p:
+        qh = shifts(_groups(p["qh"], 32), list(range(8)), 1)           # [..., K/256, 8, 32]
+        q = q | (qh.reshape(q.shape) << 4)
+    return _rows(dl * q.float() - ml)
+
+
+def _q6_k(p):
+    ql = shifts(_groups(p["ql"], 64).unflatten(-2, (-1, 2)), [0, 4], 0x0F)   # [.., K/256, 2, 2, 64]
+    qh = shifts(_groups(p["qh"], 32).unflatten(-2, (-1, 2)), [0, 2, 4, 6], 3)  # [.., K/256, 2, 4, 32]
+    lead = p["sc"].shape[:-1]
+    q = (ql.reshape(*lead, -1) | (qh.reshape(*lead, -1) << 4)).to(torch.int8) - 32
+    d = p["d"].float().repeat_interleave(16, dim=-1)                    # [..., K/16]
+    dl = (d * p["sc"].float()).unsqueeze(-1)
+    return _rows(dl * _groups(q, 16).float())
+
+
+_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "IQ4_NL": _iq4_nl, "Q4_1": _q4_1, "Q5_0": _q5,
+            "Q5_1": _q5, "MXFP4": _mxfp4, "Q4_K": _q45_k, "Q5_K": _q45_k, "Q6_K": _q6_k}

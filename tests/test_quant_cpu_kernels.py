@@ -1,0 +1,91 @@
+"""CPU block matvec kernels vs the pure-torch twin (kernels.reference.expert_matvec)."""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from moetier.kernels import cpu
+from moetier.kernels.reference import expert_matvec
+from moetier.quant.pack import quantize
+from moetier.quant.repack import repack
+
+FAST = sorted(cpu.FAST_TYPES)
+
+
+def case(qtype: str, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    raw = quantize(torch.randn(n, k, generator=g), qtype)
+    x = torch.randn(k, generator=g)
+    return raw, x, expert_matvec(qtype, repack(qtype, raw), x)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor):
+    assert torch.isfinite(y).all(), "output not fully written (NaN poison left)"
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(37, 512), (129, 768), (1, 256)])
+@pytest.mark.parametrize("qtype", FAST + ["Q6_K"])      # Q6_K: the torch fallback path
+def test_matvec_matches_reference(qtype, n, k, threads):
+    raw, x, ref = case(qtype, n, k)
+    y = torch.full((n,), float("nan"))
+    assert cpu.matvec(qtype, raw, x, out=y, threads=threads) is y
+    assert_close(y, ref)
+
+
+@pytest.mark.parametrize("qtype", FAST)
+def test_matvec_strided_rows(qtype):
+    """Rows of a wider buffer (e.g. one expert's slice of a fused tensor) are read in place."""
+    raw, x, ref = case(qtype, 33, 512, seed=1)
+    wide = torch.zeros(33, raw.shape[1] + 64, dtype=torch.uint8)
+    wide[:, 64:] = raw
+    assert_close(cpu.matvec(qtype, wide[:, 64:], x), ref)
+
+
+@pytest.mark.parametrize("qtype", FAST)
+def test_matvec_batch_matches_reference(qtype):
+    cases = [case(qtype, 65, 512, seed=s) for s in range(3)]
+    y = torch.full((3, 65), float("nan"))
+    cpu.matvec_batch(qtype, [c[0] for c in cases], torch.stack([c[1] for c in cases]), out=y)
+    for i, (_, _, ref) in enumerate(cases):
+        assert_close(y[i], ref)
+
+
+@pytest.mark.parametrize("qtype", FAST)
+def test_numba_kernels_match_reference(qtype):
+    pytest.importorskip("numba")
+    from moetier.kernels.cpu_numba import matvec_numba
+    raw, x, ref = case(qtype, 37, 768, seed=2)
+    y = torch.full((37,), float("nan"))
+    matvec_numba(qtype, raw.numpy(), x.numpy(), y.numpy())
+    assert_close(y, ref)
+
+
+@pytest.fixture(scope="module", params=["x86-64", "haswell"])
+def other_build(request, tmp_path_factory):
+    """The C kernels built for other CPUs: x86-64 = the scalar path, haswell = the AVX2 path
+    (this machine's native build may take the AVX-512 one)."""
+    if cpu.backend() != "c" or platform.machine() != "x86_64":
+        pytest.skip("needs gcc on x86-64")
+    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    return cpu.open_library(cpu.build_library(tmp_path_factory.mktemp("kernels"), march=request.param))
+
+
+@pytest.mark.parametrize("qtype", FAST)
+def test_other_c_builds_match_reference(qtype, other_build):
+    lib = other_build
+    raw, x, ref = case(qtype, 37, 768, seed=3)
+    y = torch.full((37,), float("nan"))
+    assert_close(cpu.matvec(qtype, raw, x, out=y, lib=lib), ref)
+
+
+def test_shape_errors_are_explained():
+    raw, x, _ = case("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="hold 64 values, but x has 32"):
+        cpu.matvec("Q8_0", raw, x[:32])
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu.matvec("Q8_0", raw, x, out=torch.empty(4, dtype=torch.float64))
