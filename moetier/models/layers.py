@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
+from ..kernels import ops
 from ..runtime.kv_cache import KVCache
 
 
@@ -223,6 +224,10 @@ class DenseExperts(nn.Module):
                         None if self.down_bias is None else self.down_bias[e])
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.shape[0] <= ops.MAX_DECODE_TOKENS and ops.kernel_available(x, self.act):
+            # fused Triton decode kernels: no host sync, CUDA-graph capturable
+            biases = None if self.gate_up_bias is None else (self.gate_up_bias, self.down_bias)
+            return ops.moe_decode(x, ids, w, self.gate_up_proj, self.down_proj, self.act, biases)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return gathered_experts(x, ids, w, self)
         return grouped_experts(x, ids, w, self.num_experts, self.expert)

@@ -1,0 +1,399 @@
+"""GPU MoE expert kernels (moetier/kernels/triton_moe.py): correctness against the torch twin, then
+speed, as achieved HBM GB/s next to the measured copy bandwidth of this GPU.
+
+For each model shape x weight format (bf16 "dense", Q8_0, Q4_0, Q4_K):
+  decode  T = 1, 2, 4, 8 tokens: the two fused GEMV kernels (gate_up+act, down+weighted sum) alone
+          and together; bytes = the weights of the distinct slots the call reads.
+  grouped T = 16 .. 4096 tokens (prefill): align + two tensor-core GEMMs + sum; TFLOP/s and GB/s.
+Each call touches a different set of slots (16 rotating routings over a 128-slot arena, several times
+the L2), so weights come from HBM, as in a real decode step. Times: CUDA graph replays of the 16
+calls (the engine's mode; per call) and triton.testing.do_bench (eager launches, L2 flushed).
+
+    python bench/bench_gpu_kernels.py [--out results.json] [--fmt dense,Q4_0] [--quick]
+    python bench/bench_gpu_kernels.py --sweep [decode|grouped] [--fmt Q4_0]   # best tiles per kernel
+    python bench/bench_gpu_kernels.py --interpret              # CPU smoke test of this script (tiny)
+    python bench/bench_gpu_kernels.py --compile-sm90           # no GPU: compile the default tiles for
+                                                               # sm_90, print registers and spills
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+
+if "--interpret" in sys.argv:                   # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import triton
+from triton.testing import do_bench
+
+from moetier.kernels import ops
+from moetier.kernels import triton_moe as tm
+
+MODELS = {   # name: (D, I, k, experts, gpt-oss activation with biases)
+    "qwen3-30b-a3b": (2048, 768, 8, 128, False),
+    "gpt-oss-20b": (2880, 2880, 4, 32, True),
+    "tiny": (256, 256, 2, 16, True),           # --interpret smoke test
+}
+DEV = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+XDT = torch.float16 if DEV == "cpu" else torch.bfloat16    # the interpreter's tl.dot mishandles bf16
+ROT = 16                      # routings per graph: distinct slot sets, so L2 cannot serve repeats
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def make_weights(fmt: str, slots: int, n: int, k: int, gen: torch.Generator | None, device: str = DEV):
+    """Random [slots, n, k] weights in the kernel layout, built on the GPU (quantized formats by a
+    vectorised torch quantizer: same block layout as GGML, values need not match gguf-py's rounding)."""
+    w = torch.randn(slots, n, k, device=device, generator=gen, dtype=torch.float32) / math.sqrt(k)
+    if fmt == "dense":
+        return w.to(XDT)
+    if fmt in ("Q8_0", "Q4_0"):
+        b = w.view(slots, n, k // 32, 32)
+        amax = b.abs().amax(-1)
+        if fmt == "Q8_0":
+            d = amax / 127
+            q = torch.round(b / d.clamp_min(1e-12)[..., None]).clamp(-128, 127).to(torch.int8)
+            return {"qs": q.view(slots, n, k), "d": d.half()}
+        idx = b.abs().argmax(-1, keepdim=True)                        # GGML: d = signed max / -8
+        d = torch.gather(b, -1, idx)[..., 0] / -8
+        q = torch.floor(b / torch.where(d == 0, 1e-12, d)[..., None] + 8.5).clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)                     # byte j: element j, j + 16
+        return {"qs": packed.reshape(slots, n, k // 2), "d": d.half()}
+    # Q4_K: 256-superblocks of 8 x 32 sub-blocks, 6-bit scales/mins, fp16 d/dmin
+    b = w.view(slots, n, k // 256, 8, 32)
+    lo, hi = b.amin(-1).clamp(max=0), b.amax(-1)
+    scale, mn = (hi - lo) / 15, -lo
+    d, dmin = scale.amax(-1) / 63, mn.amax(-1) / 63
+    sc = torch.round(scale / d.clamp_min(1e-12)[..., None]).clamp(0, 63)
+    mq = torch.round(mn / dmin.clamp_min(1e-12)[..., None]).clamp(0, 63)
+    dl, ml = (d[..., None] * sc), (dmin[..., None] * mq)
+    q = torch.round((b + ml[..., None]) / dl.clamp_min(1e-12)[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.view(slots, n, k // 256, 4, 2, 32)                          # chunk c: sub-blocks 2c (low), 2c+1 (high)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(slots, n, k // 2)
+    return {"qs": packed, "d": d.half(), "dmin": dmin.half(), "sc": sc.to(torch.uint8).reshape(slots, n, -1),
+            "mn": mq.to(torch.uint8).reshape(slots, n, -1)}
+
+
+def nbytes(weight) -> int:
+    ts = [weight] if isinstance(weight, torch.Tensor) else list(weight.values())
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def routings(t: int, k: int, slots: int, gen) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """ROT routings: each token takes k distinct slots of a group of 4k (tokens overlap as in real
+    batches); consecutive routings use disjoint groups, so a slot's next use is several calls away."""
+    groups, size = max(1, slots // (4 * k)), min(slots, 4 * k)
+    out = []
+    for r in range(ROT):
+        pool = (r % groups) * size + torch.randperm(size, generator=gen)
+        ids = torch.stack([pool[torch.randperm(size, generator=gen)[:k]] for _ in range(t)])
+        out.append((ids.int().to(DEV), (torch.rand(t, k, generator=gen) + 0.1).to(torch.bfloat16).to(DEV)))
+    return out
+
+
+def graph_us(calls) -> float:
+    """Per-call time of `calls` captured in one CUDA graph, replayed (microseconds)."""
+    if DEV == "cpu":
+        return _time(lambda: [c() for c in calls]) * 1e6 / len(calls)
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    reps = max(3, int(0.2 / max(1e-6, _time(g.replay))))
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / (reps * len(calls))
+
+
+def _time(fn) -> float:
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def eager_us(calls) -> float:
+    if DEV == "cpu":
+        return graph_us(calls)
+    it = itertools.cycle(calls)
+    return do_bench(lambda: next(it)(), warmup=25, rep=100) * 1e3
+
+
+def hbm_copy_GBps() -> float:
+    if DEV == "cpu":
+        return float("nan")
+    a = torch.empty(1 << 28, dtype=torch.float32, device=DEV)
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=10, rep=50)
+    return 2 * a.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+class Case:
+    """One model shape and format: the arena, activation, and kernel arguments."""
+
+    def __init__(self, model: str, fmt: str, gen):
+        self.model, self.fmt = model, fmt
+        self.d, self.i, self.k, self.slots, gpt = MODELS[model]
+        self.gu = make_weights(fmt, self.slots, 2 * self.i, self.d, gen)
+        self.dn = make_weights(fmt, self.slots, self.d, self.i, gen)
+        self.act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt else ops.Act()
+        self.biases = ((torch.randn(self.slots, 2 * self.i, device=DEV, generator=gen).to(XDT),
+                        torch.randn(self.slots, self.d, device=DEV, generator=gen).to(XDT)) if gpt else None)
+        self.gw, self.dw = tm.Weights(self.gu, fmt), tm.Weights(self.dn, fmt)
+        self.code = tm.ACT_CODES[self.act.kind]
+        self.b = self.biases or (None, None)
+        self.gu_bytes, self.dn_bytes = nbytes(self.gu) // self.slots, nbytes(self.dn) // self.slots
+
+    def check(self, t: int, gen) -> float:
+        """Max relative error of the kernels against the torch twin (gen: a CPU generator)."""
+        ids, w = routings(t, self.k, self.slots, gen)[0]
+        x = torch.randn(t, self.d, generator=gen).to(DEV, XDT)
+        want = ops.moe_native(x, ids, w, self.gu, self.dn, self.act, self.biases, self.fmt)
+        fn = tm.moe_decode if t <= ops.MAX_DECODE_TOKENS else tm.moe_grouped
+        got = fn(x, ids, w, self.gw, self.dw, self.code, self.act.alpha, self.act.limit, self.b)
+        return rel_err(got, want)
+
+
+def decode_calls(c: Case, t: int, gen, cfg_gu=None, cfg_dn=None):
+    """ROT closures for each decode kernel (inputs prepared) and the mean distinct slots per call."""
+    rs = routings(t, c.k, c.slots, gen)
+    x = torch.randn(t, c.d, generator=gen).to(DEV, XDT)
+    h = torch.empty(t * c.k, c.i, device=DEV, dtype=XDT)
+    out = torch.empty_like(x)
+    flat = [(ids.reshape(-1), w.reshape(-1)) for ids, w in rs]
+    uniq = sum(len(set(ids.reshape(-1).tolist()) - {-1}) for ids, _ in rs) / ROT
+    gu = [lambda ids=ids: tm.decode_gate_up(x, ids, c.gw, c.code, c.act.alpha, c.act.limit, c.b[0], h, cfg_gu)
+          for ids, _ in flat]
+    dn = [lambda ids=ids, w=w: tm.decode_down(h, ids, w, c.dw, c.b[1], out, cfg_dn) for ids, w in flat]
+    return gu, dn, uniq
+
+
+def bench_decode(c: Case, t: int, gen) -> dict:
+    gu_calls, dn_calls, uniq = decode_calls(c, t, gen)
+    both = [lambda a=a, b=b: (a(), b()) for a, b in zip(gu_calls, dn_calls)]
+    r = {"op": "decode", "T": t, "unique_slots": uniq}
+    for name, calls, per in (("gate_up", gu_calls, c.gu_bytes), ("down", dn_calls, c.dn_bytes),
+                             ("total", both, c.gu_bytes + c.dn_bytes)):
+        us = graph_us(calls)
+        r[f"{name}_us"] = round(us, 2)
+        r[f"{name}_GBps"] = round(uniq * per / (us * 1e-6) / 1e9, 1)
+    r["total_eager_us"] = round(eager_us(both), 2)
+    r["MB"] = round(uniq * (c.gu_bytes + c.dn_bytes) / 1e6, 2)
+    return r
+
+
+def bench_grouped(c: Case, t: int, gen, cfg=None) -> dict:
+    rs = routings(t, c.k, c.slots, gen)[:4]
+    x = torch.randn(t, c.d, generator=gen).to(DEV, XDT)
+    calls = [lambda ids=ids, w=w: tm.moe_grouped(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, cfg=cfg)
+             for ids, w in rs]
+    uniq = sum(len(set(ids.reshape(-1).tolist()) - {-1}) for ids, _ in rs) / len(rs)
+    us = graph_us(calls)
+    flops = 2 * t * c.k * 3 * c.d * c.i
+    r = {"op": "grouped", "T": t, "unique_slots": uniq, "total_us": round(us, 1),
+         "TFLOPs": round(flops / (us * 1e-6) / 1e12, 1),
+         "GBps": round(uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9, 1)}
+    if c.fmt == "dense" and c.biases is None and hasattr(torch, "_grouped_mm"):
+        r["torch_grouped_mm_us"] = round(graph_us([lambda ids=ids: torch_grouped_mm(c, x, ids) for ids, _ in rs]), 1)
+    return r
+
+
+def torch_grouped_mm(c: Case, x, ids):
+    """Baseline: what memory.fast uses today (torch._grouped_mm over all slots, no weighting/sum)."""
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat)
+    counts = torch.zeros(c.slots, dtype=torch.int32, device=DEV)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = x[order // c.k]
+    hh = torch._grouped_mm(xs, c.gu.transpose(-2, -1), offs=offs)
+    g, u = hh.chunk(2, dim=-1)
+    return torch._grouped_mm((torch.nn.functional.silu(g) * u).contiguous(), c.dn.transpose(-2, -1), offs=offs)
+
+
+def sweep(c: Case, gen, what: str = "all") -> dict:
+    """Decode tiles (T=1) and grouped tiles (T=512): the fastest of a small grid per kernel."""
+    elem = {"dense": 2, "Q8_0": 1, "Q4_0": 0.5, "Q4_K": 0.5}[c.fmt]
+    words = (True, False) if c.fmt in ("Q4_0", "Q4_K") else (True,)
+
+    def tiles(bns, bks, k_len, rows, lo, hi):               # bytes per K step within [lo, hi]
+        for bn, bk, nw, wd, ns in itertools.product(bns, bks, (4, 8), words, (1, 3)):
+            if lo <= rows * bn * bk * elem <= hi and (ns == 1 or bk < k_len):
+                yield tm.DecodeTile(bn, bk, nw, ns, wd)
+    grids = {"gate_up": list(tiles((8, 16, 32), (256, 512, 1024, 2048), c.d, 2, 4096, 65536)),
+             "down": list(tiles((2, 4, 8), (256, 512, 1024), c.i, c.k, 2048, 65536))}
+    best = {}
+    for kind, grid in grids.items() if what in ("decode", "all") else ():
+        res = []
+        for cfg in grid:
+            try:
+                gu, dn, uniq = decode_calls(c, 1, gen, cfg_gu=cfg if kind == "gate_up" else None,
+                                            cfg_dn=cfg if kind == "down" else None)
+                us = graph_us(gu if kind == "gate_up" else dn)
+                gbps = uniq * (c.gu_bytes if kind == "gate_up" else c.dn_bytes) / (us * 1e-6) / 1e9
+                res.append((us, cfg))
+                log(f"  {c.fmt} {kind} {cfg}: {us:.2f} us {gbps:.0f} GB/s")
+            except Exception as e:  # noqa: BLE001 (e.g. out of resources: skip the tile)
+                log(f"  {c.fmt} {kind} {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+        best[f"decode_{kind}"] = repr(min(res)[1]) if res else None
+    if what not in ("grouped", "all"):
+        return best
+    res = []
+    for cfg in itertools.starmap(tm.GroupedTile, itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))):
+        try:
+            r = bench_grouped(c, 512, gen, cfg=cfg)
+            res.append((r["total_us"], cfg))
+            log(f"  {c.fmt} grouped {cfg}: {r['total_us']} us {r['TFLOPs']} TFLOP/s")
+        except Exception as e:  # noqa: BLE001
+            log(f"  {c.fmt} grouped {cfg}: failed ({type(e).__name__}: {str(e)[:80]})")
+    best["grouped"] = repr(min(res)[1]) if res else None
+    return best
+
+
+def compile_sm90(fmts) -> list[dict]:
+    """Compile each kernel at its default tiles for sm_90 on a machine without a GPU (Triton's
+    bundled ptxas; the driver is stubbed) and report registers / spill bytes from cuobjdump."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class Hopper:                                                     # just enough driver to compile
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(Hopper())
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    d, i, k, s = 2048, 768, 8, 4
+    out = []
+    for fmt in fmts:
+        gu, dn = (tm.Weights(make_weights(fmt, s, n, kk, None, device="cpu"), fmt) for n, kk in ((2 * i, d), (d, i)))
+        x, h = torch.empty(1, d, dtype=torch.bfloat16), torch.empty(k, i, dtype=torch.bfloat16)
+        ids, w = torch.zeros(k, dtype=torch.int32), torch.empty(k, dtype=torch.bfloat16)
+        sp, bs = torch.empty(1024, dtype=torch.int32), torch.empty(64, dtype=torch.int32)
+        hh, y = torch.empty(1024, i, dtype=torch.bfloat16), torch.empty(1024, d, dtype=torch.bfloat16)
+        t1, t2, g = tm.DECODE_GATE_UP[fmt], tm.DECODE_DOWN[fmt], tm.GROUPED[fmt]
+        def dec(t):
+            return {"BN": t.bn, "BK": t.bk, "WORDS": t.words, "NS": t.stages, "num_warps": t.warps}
+        grp = {"BM": 64, "BN": g.bn, "BK": g.bk, "PREC": "tf32", "num_warps": g.warps, "num_stages": g.stages}
+        jobs = [("decode_gate_up", tm._decode_gate_up_kernel, (x, d, ids, *gu.args(), x, 0, h, 1.0, 7.0),
+                 dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **dec(t1))),
+                ("decode_down", tm._decode_down_kernel, (h, ids, w, *dn.args(), x, 0, x, d),
+                 dict(D=d, I=i, KTOP=k, FMT=dn.code, HAS_BIAS=False, **dec(t2))),
+                ("grouped_gate_up", tm._grouped_gate_up_kernel, (x, d, sp, bs, *gu.args(), x, 0, hh, 1000, 1.0, 7.0),
+                 dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **grp)),
+                ("grouped_down", tm._grouped_down_kernel, (hh, sp, bs, w, *dn.args(), x, 0, y, 1000),
+                 dict(D=d, I=i, FMT=dn.code, HAS_BIAS=False, **grp))]
+        for name, fn, args, kw in jobs:
+            kern = fn.warmup(*args, grid=(1,), **kw)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kern.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                       text=True, check=True).stdout
+            regs, stack = (int(re.search(p + r":(\d+)", usage).group(1)) for p in ("REG", "STACK"))
+            out.append({"fmt": fmt, "kernel": name, "regs": regs, "spill_stack_bytes": stack,
+                        "shared_bytes": kern.metadata.shared})
+            log(json.dumps(out[-1]))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fmt", default="dense,Q8_0,Q4_0,Q4_K")
+    ap.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b")
+    ap.add_argument("--quick", action="store_true", help="T=1 decode and T=512 grouped only")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=("decode", "grouped", "all"),
+                    help="search tile sizes (default model: qwen3-30b-a3b only)")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke test (Triton interpreter, tiny shapes)")
+    ap.add_argument("--compile-sm90", action="store_true", help="no GPU needed: compile for sm_90, report registers")
+    a = ap.parse_args()
+    if a.compile_sm90:
+        print(json.dumps(compile_sm90(a.fmt.split(",")), indent=1))
+        return
+    global ROT
+    if a.interpret:
+        a.models, a.quick, ROT = "tiny", True, 2
+    elif a.sweep and a.models == ap.get_default("models"):
+        a.models = "qwen3-30b-a3b"
+    elif not torch.cuda.is_available():
+        sys.exit("bench_gpu_kernels needs a CUDA GPU (or --interpret for a CPU smoke test)")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cgen = torch.Generator(device=DEV).manual_seed(0)
+    dev = torch.cuda.get_device_properties(0) if DEV == "cuda" else None
+    copy_bw = hbm_copy_GBps()
+    res = {"device": dev.name if dev else "cpu (interpreter)", "sms": dev.multi_processor_count if dev else 0,
+           "torch": torch.__version__,
+           "triton": triton.__version__, "hbm_copy_GBps": round(copy_bw, 1), "cases": []}
+    log(f"{res['device']}: HBM copy (read + write) {copy_bw:.0f} GB/s")
+    for model in a.models.split(","):
+        for fmt in a.fmt.split(","):
+            if fmt == "Q4_K" and MODELS[model][0] % 256:
+                continue
+            c = Case(model, fmt, cgen)
+            if a.sweep:
+                res["cases"].append({"model": model, "fmt": fmt, "best": sweep(c, gen, a.sweep)})
+                log(json.dumps(res["cases"][-1]))
+                continue
+            errs = {t: round(c.check(t, gen), 5) for t in ((1, 9) if a.interpret else (1, 4, 64))}
+            ok = all(e <= 2e-2 for e in errs.values())
+            log(f"{model} {fmt}: max rel err vs torch twin {errs} {'ok' if ok else 'MISMATCH'}")
+            for t in ((1,) if a.quick else (1, 2, 4, 8)):
+                r = bench_decode(c, t, gen)
+                r.update(model=model, fmt=fmt, max_rel_err=errs, frac_of_copy=round(r["total_GBps"] / copy_bw, 3))
+                res["cases"].append(r)
+                log(f"  decode T={t}: {r['total_us']} us ({r['gate_up_us']} + {r['down_us']}), "
+                    f"{r['total_GBps']} GB/s = {r['frac_of_copy']:.0%} of copy; eager {r['total_eager_us']} us")
+            for t in ((16 if a.interpret else 512,) if a.quick else (16, 64, 512, 4096)):
+                r = bench_grouped(c, t, gen)
+                r.update(model=model, fmt=fmt, max_rel_err=errs)
+                res["cases"].append(r)
+                log(f"  grouped T={t}: {r['total_us']} us, {r['TFLOPs']} TFLOP/s, {r['GBps']} GB/s"
+                    + (f"; torch._grouped_mm {r['torch_grouped_mm_us']} us" if "torch_grouped_mm_us" in r else ""))
+            del c
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

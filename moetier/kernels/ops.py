@@ -1,0 +1,206 @@
+"""The only import surface for expert kernels. Call sites use `moe` (or `moe_decode` / `moe_grouped`);
+the backend is chosen once: MOETIER_KERNELS=auto (Triton on CUDA when it imports, else torch),
+torch, or triton; `set_backend` overrides it (EngineConfig, tests).
+
+    out[t] = sum_j w[t, j] * (down[s] @ act(gate_up[s] @ x[t] + b_gu[s]) + b_d[s]),  s = slot_ids[t, j]
+
+gate_up [S, 2I, D] (gate rows, then up rows) and down [S, D, I] are a float tensor (fmt "bf16",
+"f16", "f32" or "dense": the tensor's own dtype) or, for a GGML format ("Q8_0", "Q4_0", "Q4_K", ...),
+the dict of planes `quant.repack(fmt, raw [S, N, row_bytes])` gives. A slot id < 0 adds nothing
+(a miss computed elsewhere). `act`: "swiglu", Act("clamped_swiglu", alpha, limit), or the model's
+callable (layers.swiglu / partial(clamped_swiglu, alpha=, limit=) are recognised; any other runs
+on the torch twin). biases: None or (gate_up_bias [S, 2I] | None, down_bias [S, D] | None).
+The intermediate h is rounded to x's dtype between the projections (as the kernels keep it).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+MAX_DECODE_TOKENS = 8        # up to this many tokens: the GEMV decode kernels, above: grouped GEMM
+KERNEL_FORMATS = ("dense", "Q8_0", "Q4_0", "Q4_K")
+_FLOAT_NAMES = {None, "dense", "float", "bf16", "bfloat16", "f16", "fp16", "float16", "f32", "fp32", "float32"}
+
+
+@dataclass(frozen=True)
+class Act:
+    kind: str = "swiglu"        # swiglu | clamped_swiglu (GPT-OSS)
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.kind not in ("swiglu", "clamped_swiglu"):
+            raise ValueError(f"unknown activation {self.kind!r}: use 'swiglu' or 'clamped_swiglu'")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return torch.nn.functional.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def as_act(act) -> Act | None:
+    """An Act for the kernels, or None when `act` is a callable they do not implement."""
+    if isinstance(act, Act):
+        return act
+    if isinstance(act, str):
+        return Act(act)
+    if getattr(act, "__name__", None) == "swiglu":
+        return Act()
+    if (isinstance(act, functools.partial) and getattr(act.func, "__name__", None) == "clamped_swiglu"
+            and not act.args and set(act.keywords) == {"alpha", "limit"}):
+        return Act("clamped_swiglu", float(act.keywords["alpha"]), float(act.keywords["limit"]))
+    return None
+
+
+def normalize_fmt(fmt) -> str:
+    """"dense" for float weights, else the GGML format name ("Q4_K")."""
+    if fmt is None or isinstance(fmt, str) and fmt.lower() in _FLOAT_NAMES:
+        return "dense"
+    from moetier.quant.formats import get_format
+    return get_format(fmt).name
+
+
+# ------------------------------------------------------------------ backend (chosen once)
+_backend: str | None = None
+_interpret = False
+
+
+def set_backend(name: str = "auto") -> str:
+    """auto | torch | triton -> the backend in use."""
+    global _backend, _interpret
+    name = (name or "auto").lower()
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"MOETIER_KERNELS={name!r}: use auto, torch or triton")
+    _interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    ok = _triton_importable()
+    if name == "triton" and not ok:
+        raise RuntimeError("MOETIER_KERNELS=triton but triton does not import: pip install triton, "
+                           "or use MOETIER_KERNELS=torch")
+    if name == "auto":
+        name = "triton" if ok and torch.cuda.is_available() else "torch"
+    _backend = name
+    return name
+
+
+def backend() -> str:
+    if _backend is None:
+        set_backend(os.environ.get("MOETIER_KERNELS", "auto"))
+    return _backend
+
+
+def _triton_importable() -> bool:
+    try:
+        from . import triton_moe  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _use_triton(x: torch.Tensor, fmt: str, act: Act | None) -> bool:
+    return (backend() == "triton" and (x.is_cuda or _interpret) and fmt in KERNEL_FORMATS
+            and act is not None and x.numel() > 0)
+
+
+def kernel_available(x: torch.Tensor, act="swiglu", fmt="bf16") -> bool:
+    """Whether moe/moe_decode/moe_grouped run the fused kernels for these inputs (no host sync,
+    CUDA-graph capturable); otherwise they run the torch twin, which syncs."""
+    return _use_triton(x, normalize_fmt(fmt), as_act(act))
+
+
+def _on_device(x):
+    """Triton launches on the current CUDA device: make it x's."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _kernel_args(x, gate_up, down, fmt, act, biases):
+    from .triton_moe import ACT_CODES, Weights
+    gu, dn = Weights(gate_up, fmt), Weights(down, fmt)
+    d = x.shape[1]
+    if gu.k != d or dn.n != d or gu.n != 2 * dn.k or gu.slots != dn.slots:
+        raise ValueError(f"expert shapes disagree: x [T, {d}], gate_up [{gu.slots}, {gu.n}, {gu.k}], "
+                         f"down [{dn.slots}, {dn.n}, {dn.k}]; expected [S, 2I, D] and [S, D, I]")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x, gu, dn, ACT_CODES[act.kind], act.alpha, act.limit, tuple(biases or (None, None))
+
+
+def _check_out(out, x):
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out must be a {x.dtype} tensor of shape {tuple(x.shape)} with unit last stride; "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+
+
+# ------------------------------------------------------------------ public ops
+def moe_decode(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+    """Few tokens (T <= 8): fused GEMV kernels, two launches, no host sync (CUDA-graph capturable)."""
+    fmt, a = normalize_fmt(fmt), as_act(act)
+    if not _use_triton(x, fmt, a):
+        return moe_decode_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out)
+    from .triton_moe import moe_decode as kernel
+    x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases)
+    _check_out(out, x)
+    with _on_device(x):
+        return kernel(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
+
+
+def moe_grouped(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+    """Many tokens (prefill): pairs sorted by slot, grouped GEMMs on tensor cores, no host sync."""
+    fmt, a = normalize_fmt(fmt), as_act(act)
+    if not _use_triton(x, fmt, a):
+        return moe_grouped_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out)
+    from .triton_moe import moe_grouped as kernel
+    x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases)
+    _check_out(out, x)
+    with _on_device(x):
+        return kernel(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
+
+
+def moe(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+    """The experts of one MoE layer: decode kernels up to MAX_DECODE_TOKENS tokens, grouped above."""
+    op = moe_decode if x.shape[0] <= MAX_DECODE_TOKENS else moe_grouped
+    return op(x, slot_ids, w, gate_up, down, act, biases, fmt, out)
+
+
+# ------------------------------------------------------------------ the pure-torch twin
+def _dense_weight(weight, fmt: str, s: int) -> torch.Tensor:
+    """Slot s as float32 [N, K]."""
+    if fmt == "dense":
+        return weight[s].float()
+    from moetier.quant.repack import dequantize_repacked
+    return dequantize_repacked(fmt, {name: plane[s] for name, plane in weight.items()})
+
+
+def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+    """forward_native of moe_decode / moe_grouped: same signature and result, in float32 (h rounded
+    to x's dtype between the projections). Syncs with the host (one loop step per used slot):
+    for tests, CPU runs and machines without Triton."""
+    fmt = normalize_fmt(fmt)
+    fn = as_act(act) or act
+    t, k = slot_ids.shape
+    flat = slot_ids.reshape(-1).long()
+    wf = w.reshape(-1).float()
+    rows = torch.arange(t * k, device=x.device) // k
+    gb, db = biases or (None, None)
+    y = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    for s in torch.unique(flat).tolist():
+        if s < 0:
+            continue
+        sel = (flat == s).nonzero()[:, 0]
+        h = x[rows[sel]].float() @ _dense_weight(gate_up, fmt, s).T
+        if gb is not None:
+            h = h + gb[s].float()
+        gate, up = h.chunk(2, dim=-1)
+        ys = fn(gate, up).to(x.dtype).float() @ _dense_weight(down, fmt, s).T
+        if db is not None:
+            ys = ys + db[s].float()
+        y[sel] = ys * wf[sel, None]
+    res = y.view(t, k, -1).sum(1)
+    return res.to(x.dtype) if out is None else out.copy_(res)
+
+
+moe_decode_native = moe_grouped_native = moe_native

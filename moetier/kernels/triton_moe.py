@@ -1,0 +1,590 @@
+"""Triton MoE expert kernels over a weight arena addressed by slot ids (GPU; CPU under TRITON_INTERPRET).
+
+Weights: gate_up [S, 2I, D] (gate rows, then up rows) and down [S, D, I] per slot, either a float
+tensor (bf16/fp16/fp32) or the planes of `quant.repack` with leading dims [S, N]: Q8_0 {d, qs},
+Q4_0 {d, qs}, Q4_K {d, dmin, sc, mn, qs}. Any strides, unit stride on the last dim. A slot id < 0
+means "not here" (a miss computed elsewhere): the pair adds nothing.
+
+decode (T <= 8): two launches, no host sync, CUDA-graph capturable.
+  1. gate_up: grid (T*k pairs, I/BN): each program streams BN gate rows and BN up rows of its slot
+     against x[t] -> h[pair] = act(gate, up) in x's dtype.
+  2. down: grid (T, D/BN): per K step, each program loads BN rows of each of its token's k experts
+     (k independent tiles in flight) and writes out[t] = sum_j w[t, j] * (down_j @ h[t, j] + b_j)
+     itself: no atomics, no partial sums in memory, deterministic.
+  GEMV on CUDA cores, fp32 accumulation kept elementwise (dense) or per 32-block (quantized, scaled
+  once per block) and reduced once at the end; integers become floats by the 2^23 bit trick, not
+  I2F. Pairs of one slot in different tokens read the same rows at about the same time (the token /
+  pair is the fastest grid axis), so L2 serves the repeats.
+grouped (prefill): pairs sorted by slot and padded to BM per slot (`align_pairs`, device ops only),
+  then two tensor-core GEMMs (tl.dot, fp32 accumulation): gate_up+act -> h, down * w -> y [T*k, D];
+  quantized tiles are dequantized to x's dtype on the fly. out = y.view(T, k, D).sum(1).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+DENSE, Q8_0, Q4_0, Q4_K = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+SWIGLU = tl.constexpr(0)
+FMT_CODES = {"dense": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3}
+BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256}       # row length must be a multiple
+ACT_CODES = {"swiglu": 0, "clamped_swiglu": 1}
+
+class DecodeTile(NamedTuple):
+    """GEMV tiles: BN rows (per expert) x BK elements per K step, warps, software-pipeline stages of
+    the K loop (cp.async, >1 needs shared memory), Q4 nibbles read as int32 words (else bytes)."""
+    bn: int
+    bk: int
+    warps: int = 4
+    stages: int = 1
+    words: bool = True
+
+
+class GroupedTile(NamedTuple):
+    bn: int
+    bk: int
+    warps: int = 4
+    stages: int = 3
+
+
+# Decode: ~16 KB of weights per program per K step, one wave of programs at T=1 (Qwen3-30B-A3B:
+# 384 gate_up and 512 down programs on 132 SMs), the next steps prefetched; Q4 gate_up reads words
+# (x shared by many rows), down bytes (fewer x gathers). bench/bench_gpu_kernels.py --sweep re-measures.
+DECODE_GATE_UP = {"dense": DecodeTile(16, 256, 4, 3), "Q8_0": DecodeTile(16, 512, 4, 3),
+                  "Q4_0": DecodeTile(16, 1024, 8, 2), "Q4_K": DecodeTile(16, 1024, 8, 2)}
+DECODE_DOWN = {"dense": DecodeTile(4, 256, 4, 3), "Q8_0": DecodeTile(4, 1024, 4),
+               "Q4_0": DecodeTile(4, 1024, 4, words=False), "Q4_K": DecodeTile(4, 1024, 4, words=False)}
+GROUPED = {"dense": GroupedTile(128, 64, 4, 4), "Q8_0": GroupedTile(128, 64, 4, 3),
+           "Q4_0": GroupedTile(128, 64, 4, 3), "Q4_K": GroupedTile(128, 64, 4, 3)}
+
+
+# ------------------------------------------------------------------ element helpers
+@triton.jit
+def _i8f(q):
+    """int8 -> float32 without I2F (1/8 rate on sm_90): bits of 2^23 + 128 + q, minus that bias."""
+    return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _u8f(v, bias: tl.constexpr = 0.0):
+    """uint8 in [0, 255] -> float32 v - bias, same trick (one integer op, one FADD)."""
+    return (v.to(tl.int32) + 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+
+@triton.jit
+def _act(g, u, ACT: tl.constexpr, alpha, limit):
+    if ACT == SWIGLU:                         # SwiGLU: silu(gate) * up
+        return g * tl.sigmoid(g) * u
+    else:                                     # GPT-OSS: clamped, (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * (g * tl.sigmoid(g * alpha))
+
+
+# ------------------------------------------------------------------ block loads (all formats)
+# rq/rd/rm/rsc/rmn: [R] element offsets of each row in the qs/d/dmin/sc/mn planes; mask: [R].
+@triton.jit
+def _q8_load(q_ptr, d_ptr, rq, rd, mask, k0, K, BK: tl.constexpr):
+    """-> q [R, BK/32, 32] f32, d [R, BK/32] f32 for elements k0 .. k0+BK of each row."""
+    NB: tl.constexpr = BK // 32
+    g = k0 // 32 + tl.arange(0, NB)
+    mg = mask[:, None] & (g < K // 32)[None, :]
+    j = tl.arange(0, 32)
+    q = tl.load(q_ptr + rq[:, None, None] + (g[:, None] * 32 + j[None, :])[None, :, :], mask=mg[:, :, None], other=0)
+    d = tl.load(d_ptr + rd[:, None] + g[None, :], mask=mg, other=0.0)
+    return _i8f(q), d.to(tl.float32)
+
+
+@triton.jit
+def _q4_0_load(q_ptr, d_ptr, rq, rd, mask, k0, K, BK: tl.constexpr):
+    """-> lo, hi [R, BK/32, 16] f32 (q - 8; byte j of a block holds elements j and j + 16), d [R, BK/32]."""
+    NB: tl.constexpr = BK // 32
+    g = k0 // 32 + tl.arange(0, NB)
+    mg = mask[:, None] & (g < K // 32)[None, :]
+    j = tl.arange(0, 16)
+    b = tl.load(q_ptr + rq[:, None, None] + (g[:, None] * 16 + j[None, :])[None, :, :], mask=mg[:, :, None], other=0)
+    d = tl.load(d_ptr + rd[:, None] + g[None, :], mask=mg, other=0.0)
+    return _u8f(b & 15, 8.0), _u8f(b >> 4, 8.0), d.to(tl.float32)
+
+
+@triton.jit
+def _q4_k_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, rd, rm, rsc, rmn, mc, c):
+    """Scale and min of the two sub-blocks (2c, 2c+1) of 64-element chunks c -> 4 x [R, NC] f32:
+    d * sc_lo, dmin * mn_lo, d * sc_hi, dmin * mn_hi (super-block c // 4)."""
+    d = tl.load(d_ptr + rd[:, None] + (c // 4)[None, :], mask=mc, other=0.0).to(tl.float32)
+    dm = tl.load(m_ptr + rm[:, None] + (c // 4)[None, :], mask=mc, other=0.0).to(tl.float32)
+    sc_lo = _u8f(tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :], mask=mc, other=0))
+    sc_hi = _u8f(tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :] + 1, mask=mc, other=0))
+    mn_lo = _u8f(tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :], mask=mc, other=0))
+    mn_hi = _u8f(tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :] + 1, mask=mc, other=0))
+    return d * sc_lo, dm * mn_lo, d * sc_hi, dm * mn_hi
+
+
+@triton.jit
+def _q4_k_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, k0, K, BK: tl.constexpr):
+    """Q4_K in 64-element chunks c (32 bytes: byte j = element 64c + j low, 64c + 32 + j high).
+    -> lo, hi [R, BK/64, 32] f32 (raw 0..15) and _q4_k_scales' four [R, BK/64] tensors."""
+    NC: tl.constexpr = BK // 64
+    c = k0 // 64 + tl.arange(0, NC)
+    mc = mask[:, None] & (c < K // 64)[None, :]
+    j = tl.arange(0, 32)
+    b = tl.load(q_ptr + rq[:, None, None] + (c[:, None] * 32 + j[None, :])[None, :, :], mask=mc[:, :, None], other=0)
+    dl_lo, ml_lo, dl_hi, ml_hi = _q4_k_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, rd, rm, rsc, rmn, mc, c)
+    return _u8f(b & 15), _u8f(b >> 4), dl_lo, ml_lo, dl_hi, ml_hi
+
+
+@triton.jit
+def _kidx(k0, K, FMT: tl.constexpr, BK: tl.constexpr):
+    """Element indices [NB, G] of the low (or only) half of a K step, the offset of the high half
+    and the per-group mask: dense/Q8_0 [BK/32, 32], Q4_0 [BK/32, 16] (+16), Q4_K [BK/64, 32] (+32)."""
+    if FMT == Q4_K:
+        g = k0 // 64 + tl.arange(0, BK // 64)
+        return g[:, None] * 64 + tl.arange(0, 32)[None, :], 32, (g < K // 64)[:, None]
+    elif FMT == Q4_0:
+        g = k0 // 32 + tl.arange(0, BK // 32)
+        return g[:, None] * 32 + tl.arange(0, 16)[None, :], 16, (g < K // 32)[:, None]
+    else:
+        g = k0 // 32 + tl.arange(0, BK // 32)
+        return g[:, None] * 32 + tl.arange(0, 32)[None, :], 0, (g < K // 32)[:, None]
+
+
+# ------------------------------------------------------------------ decode: GEMV steps
+@triton.jit
+def _row_offsets(s, n, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n):
+    """Element offsets of rows n of slot s in the five planes (qs, d, dmin, sc, mn)."""
+    return s * sq_s + n * sq_n, s * sd_s + n * sd_n, s * sm_s + n * sm_n, s * ssc_s + n * ssc_n, s * smn_s + n * smn_n
+
+
+@triton.jit
+def _gemv_acc(BN: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr):
+    """Zero accumulator in the shape _gemv_step returns."""
+    if FMT == DENSE:
+        return tl.zeros([BN, BK], dtype=tl.float32)
+    elif FMT == Q4_K:
+        return tl.zeros([BN, BK // 64], dtype=tl.float32)
+    else:
+        return tl.zeros([BN, BK // 32], dtype=tl.float32)
+
+
+@triton.jit
+def _gemv_step(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
+               x_ptr, xo, xscale, k0, K, FMT: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr):
+    """Products of rows [BN] (offsets rq.., mask) with xscale * x[xo + k], k in k0 .. k0+BK, kept
+    elementwise ([BN, BK], dense) or per block ([BN, BK/32] Q8_0/Q4_0, [BN, BK/64] Q4_K); the caller
+    accumulates over K and reduces once. x is one vector, broadcast over the rows. WORDS (Q4_*): read
+    nibbles as int32 words (fewer integer ops, 4x more x gathers) or as bytes."""
+    if FMT == DENSE:
+        kk = k0 + tl.arange(0, BK)
+        mk = kk < K
+        w = tl.load(q_ptr + rq[:, None] + kk[None, :], mask=mask[:, None] & mk[None, :], other=0.0)
+        x = tl.load(x_ptr + xo + kk, mask=mk, other=0.0).to(tl.float32) * xscale
+        return w.to(tl.float32) * x[None, :]
+    else:
+        kx, hi_off, mg = _kidx(k0, K, FMT, BK)
+        if FMT == Q8_0:
+            q, d = _q8_load(q_ptr, d_ptr, rq, rd, mask, k0, K, BK)
+            x = tl.load(x_ptr + xo + kx, mask=mg, other=0.0).to(tl.float32) * xscale
+            return d * tl.sum(q * x[None, :, :], axis=2)
+        elif WORDS:
+            return _q4_words_step(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
+                                  x_ptr, xo, xscale, k0, K, FMT, BK)
+        else:                                          # bytes: fewer x gathers, more integer ops
+            xlo = tl.load(x_ptr + xo + kx, mask=mg, other=0.0).to(tl.float32) * xscale
+            xhi = tl.load(x_ptr + xo + kx + hi_off, mask=mg, other=0.0).to(tl.float32) * xscale
+            if FMT == Q4_0:
+                lo, hi, d = _q4_0_load(q_ptr, d_ptr, rq, rd, mask, k0, K, BK)
+                return d * tl.sum(lo * xlo[None, :, :] + hi * xhi[None, :, :], axis=2)
+            else:
+                lo, hi, dl_lo, ml_lo, dl_hi, ml_hi = _q4_k_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm,
+                                                                rsc, rmn, mask, k0, K, BK)
+                return (dl_lo * tl.sum(lo * xlo[None, :, :], axis=2) - ml_lo * tl.sum(xlo, axis=1)[None, :]
+                        + dl_hi * tl.sum(hi * xhi[None, :, :], axis=2) - ml_hi * tl.sum(xhi, axis=1)[None, :])
+
+
+@triton.jit
+def _q4_words_step(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
+                   x_ptr, xo, xscale, k0, K, FMT: tl.constexpr, BK: tl.constexpr):
+    """_gemv_step for Q4_0 / Q4_K, reading the nibble plane as int32 words (byte offsets rq / 4)."""
+    qw = q_ptr.to(tl.pointer_type(tl.int32))
+    if FMT == Q4_0:                                    # block g: 4 words; byte j: elements j, j + 16
+        NB: tl.constexpr = BK // 32
+        g = k0 // 32 + tl.arange(0, NB)
+        mg = mask[:, None] & (g < K // 32)[None, :]
+        wi = tl.arange(0, 4)
+        words = tl.load(qw + (rq // 4)[:, None, None] + (g[:, None] * 4 + wi[None, :])[None, :, :],
+                        mask=mg[:, :, None], other=0)
+        acc = tl.zeros(words.shape, dtype=tl.float32)
+        for i in tl.static_range(8):                   # nibble i of each word: byte i // 2, high if odd
+            q = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            kx = g[:, None] * 32 + wi[None, :] * 4 + (i // 2 + 16 * (i % 2))
+            x = tl.load(x_ptr + xo + kx, mask=(g < K // 32)[:, None], other=0.0).to(tl.float32) * xscale
+            acc += q * x[None, :, :]
+        d = tl.load(d_ptr + rd[:, None] + g[None, :], mask=mg, other=0.0).to(tl.float32)
+        return d * tl.sum(acc, axis=2)
+    else:                                              # chunk c: 8 words; byte j: elements 64c + j, + 32
+        NC: tl.constexpr = BK // 64
+        c = k0 // 64 + tl.arange(0, NC)
+        mcv = c < K // 64
+        mc = mask[:, None] & mcv[None, :]
+        wi = tl.arange(0, 8)
+        words = tl.load(qw + (rq // 4)[:, None, None] + (c[:, None] * 8 + wi[None, :])[None, :, :],
+                        mask=mc[:, :, None], other=0)
+        acc_lo = tl.zeros(words.shape, dtype=tl.float32)
+        acc_hi = tl.zeros(words.shape, dtype=tl.float32)
+        x_lo = tl.zeros([NC, 8], dtype=tl.float32)
+        x_hi = tl.zeros([NC, 8], dtype=tl.float32)
+        for i in tl.static_range(8):                   # even nibbles: sub-block 2c, odd: 2c + 1
+            q = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            kx = c[:, None] * 64 + wi[None, :] * 4 + (i // 2 + 32 * (i % 2))
+            x = tl.load(x_ptr + xo + kx, mask=mcv[:, None], other=0.0).to(tl.float32) * xscale
+            if i % 2 == 0:
+                acc_lo += q * x[None, :, :]
+                x_lo += x
+            else:
+                acc_hi += q * x[None, :, :]
+                x_hi += x
+        dl_lo, ml_lo, dl_hi, ml_hi = _q4_k_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, rd, rm, rsc, rmn, mc, c)
+        return (dl_lo * tl.sum(acc_lo, axis=2) - ml_lo * tl.sum(x_lo, axis=1)[None, :]
+                + dl_hi * tl.sum(acc_hi, axis=2) - ml_hi * tl.sum(x_hi, axis=1)[None, :])
+
+
+@triton.jit
+def _decode_gate_up_kernel(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                           sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n,
+                           b_ptr, sb_s, h_ptr, alpha, limit,
+                           I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr,
+                           NS: tl.constexpr):
+    p = tl.program_id(0)                               # pair t*k + j
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.load(ids_ptr + p).to(tl.int64)
+    mask = (n < I) & (s >= 0)
+    s = tl.maximum(s, 0)
+    ng = n.to(tl.int64)
+    nu = ng + I
+    gq, gd, gm, gsc, gmn = _row_offsets(s, ng, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n)
+    uq, ud, um, usc, umn = _row_offsets(s, nu, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n)
+    xo = (p // KTOP).to(tl.int64) * stride_x
+    acc_g = _gemv_acc(BN, BK, FMT)
+    acc_u = _gemv_acc(BN, BK, FMT)
+    for k0 in tl.range(0, D, BK, num_stages=NS):
+        acc_g += _gemv_step(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, gq, gd, gm, gsc, gmn, mask,
+                            x_ptr, xo, 1.0, k0, D, FMT, BK, WORDS)
+        acc_u += _gemv_step(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, uq, ud, um, usc, umn, mask,
+                            x_ptr, xo, 1.0, k0, D, FMT, BK, WORDS)
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if HAS_BIAS:
+        gate += tl.load(b_ptr + s * sb_s + ng, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + s * sb_s + nu, mask=mask, other=0.0).to(tl.float32)
+    h = _act(gate, up, ACT, alpha, limit)              # 0 for a skipped pair (act(0, 0) == 0)
+    tl.store(h_ptr + p.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=n < I)
+
+
+@triton.jit
+def _decode_down_kernel(h_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                        sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n,
+                        b_ptr, sb_s, out_ptr, stride_o,
+                        D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr,
+                        NS: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < D
+    nd = n.to(tl.int64)
+    acc = _gemv_acc(BN, BK, FMT)
+    for k0 in tl.range(0, I, BK, num_stages=NS):
+        for j in tl.static_range(KTOP):                # all k experts' tiles in flight at once
+            s = tl.load(ids_ptr + t * KTOP + j).to(tl.int64)
+            wj = tl.where(s >= 0, tl.load(w_ptr + t * KTOP + j).to(tl.float32), 0.0)
+            rq, rd, rm, rsc, rmn = _row_offsets(tl.maximum(s, 0), nd, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n,
+                                                ssc_s, ssc_n, smn_s, smn_n)
+            acc += _gemv_step(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, nm & (s >= 0),
+                              h_ptr, (t * KTOP + j).to(tl.int64) * I, wj, k0, I, FMT, BK, WORDS)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        for j in tl.static_range(KTOP):
+            s = tl.load(ids_ptr + t * KTOP + j).to(tl.int64)
+            wj = tl.load(w_ptr + t * KTOP + j).to(tl.float32)
+            y += wj * tl.load(b_ptr + s * sb_s + nd, mask=nm & (s >= 0), other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+# ------------------------------------------------------------------ grouped: one K step of a GEMM
+@triton.jit
+def _x_tile(x_ptr, xo, xm, k0, K, FMT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Rows xo [BM] of x, columns of a K step in the order the weight tile uses -> (lo, hi):
+    dense/Q8_0 [BM, BK] (twice); Q4_* the low- and high-nibble columns [BM, BK/2] each."""
+    if FMT == DENSE or FMT == Q8_0:
+        kk = k0 + tl.arange(0, BK)
+        a = tl.load(x_ptr + xo[:, None] + kk[None, :], mask=xm[:, None] & (kk < K)[None, :], other=0.0)
+        return a, a
+    else:
+        kx, hi_off, _ = _kidx(k0, K, FMT, BK)
+        kx = tl.reshape(kx, (BK // 2,))
+        m2 = xm[:, None] & (kx < K)[None, :]             # K is a multiple of the block
+        lo = tl.load(x_ptr + xo[:, None] + kx[None, :], mask=m2, other=0.0)
+        hi = tl.load(x_ptr + xo[:, None] + kx[None, :] + hi_off, mask=m2, other=0.0)
+        return lo, hi
+
+
+@triton.jit
+def _mm_step(acc, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, k0, K,
+             FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """acc [BM, BN] += x tile @ W[rows, k0:k0+BK]^T, the weight tile dequantized to x's dtype."""
+    if FMT == DENSE:
+        kk = k0 + tl.arange(0, BK)
+        w = tl.load(q_ptr + rq[None, :] + kk[:, None], mask=mask[None, :] & (kk < K)[:, None], other=0.0)
+        return tl.dot(a_lo, w.to(a_lo.dtype), acc, input_precision=PREC)
+    elif FMT == Q8_0:
+        q, d = _q8_load(q_ptr, d_ptr, rq, rd, mask, k0, K, BK)
+        w = tl.reshape(q * d[:, :, None], (BN, BK))
+        return tl.dot(a_lo, tl.trans(w.to(a_lo.dtype)), acc, input_precision=PREC)
+    else:
+        if FMT == Q4_0:
+            lo, hi, d = _q4_0_load(q_ptr, d_ptr, rq, rd, mask, k0, K, BK)
+            lo = lo * d[:, :, None]
+            hi = hi * d[:, :, None]
+        else:
+            lo, hi, dl_lo, ml_lo, dl_hi, ml_hi = _q4_k_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm,
+                                                            rsc, rmn, mask, k0, K, BK)
+            lo = dl_lo[:, :, None] * lo - ml_lo[:, :, None]
+            hi = dl_hi[:, :, None] * hi - ml_hi[:, :, None]
+        lo = tl.reshape(lo, (BN, BK // 2)).to(a_lo.dtype)
+        hi = tl.reshape(hi, (BN, BK // 2)).to(a_lo.dtype)
+        acc = tl.dot(a_lo, tl.trans(lo), acc, input_precision=PREC)
+        return tl.dot(a_hi, tl.trans(hi), acc, input_precision=PREC)
+
+
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, stride_x, sorted_ptr, bslot_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                            sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n,
+                            b_ptr, sb_s, h_ptr, P, alpha, limit,
+                            I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
+                            ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    mb = tl.program_id(0)
+    s = tl.load(bslot_ptr + mb).to(tl.int64)
+    if s >= 0:                                         # blocks past the last slot's rows have -1
+        m = mb * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + m)                 # P marks a padding row
+        xm = pair < P
+        xo = (pair // KTOP).to(tl.int64) * stride_x
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = n < I
+        ng, nu = n.to(tl.int64), n.to(tl.int64) + I
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            a_lo, a_hi = _x_tile(x_ptr, xo, xm, k0, D, FMT, BM, BK)
+            acc_g = _mm_step(acc_g, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + ng * sq_n,
+                             s * sd_s + ng * sd_n, s * sm_s + ng * sm_n, s * ssc_s + ng * ssc_n,
+                             s * smn_s + ng * smn_n, mask, k0, D, FMT, BN, BK, PREC)
+            acc_u = _mm_step(acc_u, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + nu * sq_n,
+                             s * sd_s + nu * sd_n, s * sm_s + nu * sm_n, s * ssc_s + nu * ssc_n,
+                             s * smn_s + nu * smn_n, mask, k0, D, FMT, BN, BK, PREC)
+        if HAS_BIAS:
+            acc_g += tl.load(b_ptr + s * sb_s + ng, mask=mask, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_ptr + s * sb_s + nu, mask=mask, other=0.0).to(tl.float32)[None, :]
+        h = _act(acc_g, acc_u, ACT, alpha, limit)
+        tl.store(h_ptr + m.to(tl.int64)[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(h_ptr, sorted_ptr, bslot_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                         sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n,
+                         b_ptr, sb_s, y_ptr, P,
+                         D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    mb = tl.program_id(0)
+    s = tl.load(bslot_ptr + mb).to(tl.int64)
+    if s >= 0:
+        m = mb * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + m)
+        pm = pair < P
+        ho = m.to(tl.int64) * I                        # h rows are in the padded sorted order
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = n < D
+        nd = n.to(tl.int64)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            a_lo, a_hi = _x_tile(h_ptr, ho, pm, k0, I, FMT, BM, BK)
+            acc = _mm_step(acc, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + nd * sq_n,
+                           s * sd_s + nd * sd_n, s * sm_s + nd * sm_n, s * ssc_s + nd * ssc_n,
+                           s * smn_s + nd * smn_n, mask, k0, I, FMT, BN, BK, PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + s * sb_s + nd, mask=mask, other=0.0).to(tl.float32)[None, :]
+        acc *= tl.load(w_ptr + pair, mask=pm, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * D + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=pm[:, None] & mask[None, :])
+
+
+# ------------------------------------------------------------------ launchers
+# per format: plane -> elements of a row per entry of the plane's last dim (its length is K / that)
+PLANE_DIV = {"dense": {"w": 1}, "Q8_0": {"qs": 1, "d": 32}, "Q4_0": {"qs": 2, "d": 32},
+             "Q4_K": {"qs": 2, "d": 256, "dmin": 256, "sc": 32, "mn": 32}}
+
+
+class Weights:
+    """A weight arena as kernel arguments: the 5 plane tensors (qs, d, dmin, sc, mn; unused ones
+    repeat qs) with their (slot, row) strides, for `slots` x [n, k] matrices of format `fmt`."""
+
+    def __init__(self, weight, fmt: str):
+        self.fmt, self.code = fmt, FMT_CODES[fmt]
+        planes = {"w": weight} if fmt == "dense" else dict(weight)
+        if fmt == "dense" and not weight.dtype.is_floating_point:
+            raise ValueError(f"float weights expected for fmt 'dense'; got {weight.dtype} (pass the GGML format name)")
+        if set(PLANE_DIV[fmt]) - set(planes):
+            raise ValueError(f"{fmt} weights need the planes {sorted(PLANE_DIV[fmt])} of quant.repack; "
+                             f"got {sorted(planes)}")
+        main = planes["w" if fmt == "dense" else "qs"]
+        if main.dim() != 3:
+            raise ValueError(f"{fmt} weights must be [slots, N, K'] tensors; got shape {tuple(main.shape)}")
+        self.slots, self.n = main.shape[0], main.shape[1]
+        self.k = main.shape[2] * PLANE_DIV[fmt]["qs" if fmt != "dense" else "w"]
+        if self.k % BLOCK[fmt]:
+            raise ValueError(f"{fmt} rows hold blocks of {BLOCK[fmt]}; K={self.k} is not a multiple")
+        for name, div in PLANE_DIV[fmt].items():
+            t = planes[name]
+            if tuple(t.shape) != (self.slots, self.n, self.k // div) or t.stride(-1) != 1:
+                raise ValueError(f"plane {name} of {fmt} weights must be [{self.slots}, {self.n}, "
+                                 f"{self.k // div}] with unit stride on the last dim; got "
+                                 f"{tuple(t.shape)} with strides {t.stride()}")
+        if fmt in ("Q4_0", "Q4_K") and (main.stride(0) % 4 or main.stride(1) % 4 or main.data_ptr() % 4):
+            raise ValueError(f"{fmt} nibble planes are read as int32 words: slot and row strides and the "
+                             f"start must be multiples of 4 bytes; got strides {main.stride()}")
+        names = ("w",) * 5 if fmt == "dense" else ("qs", "d", "dmin", "sc", "mn")
+        self.planes = [planes.get(p, main) for p in names]
+        used = [p in PLANE_DIV[fmt] and (fmt != "dense" or i == 0) for i, p in enumerate(names)]
+        self.strides = [st for t, u in zip(self.planes, used) for st in ((t.stride(0), t.stride(1)) if u else (0, 0))]
+
+    def args(self) -> list:
+        return [*self.planes, *self.strides]
+
+
+def _bk(bk: int, k: int, fmt: str) -> int:
+    """Largest useful K step: no wider than the row (rounded up to a power of two), at least a block pair."""
+    return max(min(bk, triton.next_power_of_2(k)), 64 if fmt == "Q4_K" else 32 if fmt != "dense" else 16)
+
+
+def _bias(b, like: torch.Tensor):
+    return (b, b.stride(0)) if b is not None else (like, 0)
+
+
+def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: float, bias, h, cfg=None):
+    """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
+    t, d = x.shape
+    k, i = ids.numel() // t, gate_up.n // 2
+    tile = DecodeTile(*(cfg or DECODE_GATE_UP[gate_up.fmt]))
+    b, sb = _bias(bias, x)
+    _decode_gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
+        x, x.stride(0), ids, *gate_up.args(), b, sb, h, alpha, limit, I=i, D=d, KTOP=k,
+        FMT=gate_up.code, ACT=act, HAS_BIAS=bias is not None, BN=tile.bn, BK=_bk(tile.bk, d, gate_up.fmt),
+        WORDS=tile.words, NS=tile.stages, num_warps=tile.warps)
+    return h
+
+
+def decode_down(h, ids, w, down: Weights, bias, out, cfg=None):
+    """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
+    t, d = out.shape
+    k, i = ids.numel() // t, down.k
+    tile = DecodeTile(*(cfg or DECODE_DOWN[down.fmt]))
+    b, sb = _bias(bias, out)
+    _decode_down_kernel[(t, triton.cdiv(d, tile.bn))](
+        h, ids, w, *down.args(), b, sb, out, out.stride(0), D=d, I=i, KTOP=k,
+        FMT=down.code, HAS_BIAS=bias is not None, BN=tile.bn, BK=_bk(tile.bk, i, down.fmt),
+        WORDS=tile.words, NS=tile.stages, num_warps=tile.warps)
+    return out
+
+
+def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: float, limit: float,
+               biases=(None, None), out=None, cfg_gate_up=None, cfg_down=None) -> torch.Tensor:
+    """x [T, D], ids/w [T, k] device tensors -> out [T, D] (x's dtype). Two launches, no host sync."""
+    t, k = ids.shape
+    ids, w = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
+    h = torch.empty(t * k, down.k, dtype=x.dtype, device=x.device)
+    decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up)
+    return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down)
+
+
+def align_pairs(ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] slot ids (< 0: skipped) -> sorted_pairs [L] int32 (pair index t*k+j, grouped by slot,
+    each slot's run padded to a multiple of bm with the value T*k), block_slot [L/bm] int32 (slot of
+    each bm-row block, -1 past the end). L is a bound known without a host sync."""
+    flat = ids.reshape(-1).long()
+    p, dev = flat.numel(), flat.device
+    key = torch.where(flat >= 0, flat, num_slots)                      # skipped pairs: bucket S
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts + bm - 1) // bm * bm
+    padded[num_slots] = 0
+    ends = padded.cumsum(0)
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    rank = torch.arange(p, device=dev) - (counts.cumsum(0) - counts)[skey]
+    nblocks = triton.cdiv(p, bm) + min(num_slots, p)
+    pos = torch.where(skey < num_slots, ends[skey] - padded[skey] + rank, nblocks * bm)
+    sorted_pairs = torch.full((nblocks * bm + 1,), p, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, pos, order.int())
+    starts = torch.arange(nblocks, device=dev) * bm
+    bslot = torch.searchsorted(ends[:num_slots].contiguous(), starts, right=True)
+    return sorted_pairs[:-1], torch.where(bslot < num_slots, bslot, -1).int()
+
+
+def pick_bm(pairs: int, slots: int) -> int:
+    """Rows per block: about the mean rows per used slot (16, 32 or 64)."""
+    mean = pairs / max(1, min(slots, pairs))
+    return 16 if mean <= 16 else 32 if mean <= 48 else 64
+
+
+def _bn(bn: int, n: int) -> int:
+    return max(16, min(bn, triton.next_power_of_2(n)))                # tl.dot needs >= 16
+
+
+def grouped_gate_up(x, sorted_pairs, bslot, bm: int, k: int, gate_up: Weights, act: int, alpha: float,
+                    limit: float, bias, h, cfg=None):
+    """h [blocks*bm, I] (rows in sorted_pairs order) = act(x[pair // k] @ gate_up[slot]^T (+ bias))."""
+    d, i = x.shape[1], gate_up.n // 2
+    bn, bk, nw, ns = GroupedTile(*(cfg or GROUPED[gate_up.fmt]))
+    bn = _bn(bn, i)
+    b, sb = _bias(bias, x)
+    _grouped_gate_up_kernel[(bslot.numel(), triton.cdiv(i, bn))](
+        x, x.stride(0), sorted_pairs, bslot, *gate_up.args(), b, sb, h, x.shape[0] * k, alpha, limit,
+        I=i, D=d, KTOP=k, FMT=gate_up.code, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn,
+        BK=_bk(bk, d, gate_up.fmt), PREC=_prec(x), num_warps=nw, num_stages=ns)
+    return h
+
+
+def grouped_down(h, sorted_pairs, bslot, bm: int, w, down: Weights, bias, y, cfg=None):
+    """y [T*k, D] (pair order) = w[pair] * (h @ down[slot]^T (+ bias)); rows of skipped pairs untouched."""
+    p, d = y.shape
+    bn, bk, nw, ns = GroupedTile(*(cfg or GROUPED[down.fmt]))
+    bn = _bn(bn, d)
+    b, sb = _bias(bias, y)
+    _grouped_down_kernel[(bslot.numel(), triton.cdiv(d, bn))](
+        h, sorted_pairs, bslot, w, *down.args(), b, sb, y, p, D=d, I=down.k,
+        FMT=down.code, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=_bk(bk, down.k, down.fmt), PREC=_prec(h),
+        num_warps=nw, num_stages=ns)
+    return y
+
+
+def _prec(x) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"            # fp32 inputs: no TF32 rounding
+
+
+def moe_grouped(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: float, limit: float,
+                biases=(None, None), out=None, cfg=None, bm: int | None = None) -> torch.Tensor:
+    """x [T, D], ids/w [T, k] -> out [T, D]: sorted pairs, two grouped GEMMs, a sum over k.
+    Memory: h [~T*k, I] and y [T*k, D] in x's dtype."""
+    t, d = x.shape
+    k = ids.shape[1]
+    bm = bm or pick_bm(t * k, gate_up.slots)
+    sorted_pairs, bslot = align_pairs(ids, gate_up.slots, bm)
+    h = torch.empty(bslot.numel() * bm, down.k, dtype=x.dtype, device=x.device)
+    y = torch.zeros(t * k, d, dtype=x.dtype, device=x.device)          # skipped pairs stay 0
+    grouped_gate_up(x, sorted_pairs, bslot, bm, k, gate_up, act, alpha, limit, biases[0], h, cfg)
+    grouped_down(h, sorted_pairs, bslot, bm, w.reshape(-1).contiguous(), down, biases[1], y, cfg)
+    res = y.view(t, k, d).sum(1, dtype=torch.float32)
+    return res.to(x.dtype) if out is None else out.copy_(res)

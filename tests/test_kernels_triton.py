@@ -1,0 +1,275 @@
+"""Triton MoE kernels (kernels/triton_moe.py) against their torch twin (kernels.ops.moe_native).
+
+Without CUDA the kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set here
+before triton is imported); the module is skipped when triton is not installed. Interpreter limits:
+tl.dot on bf16 is wrong there (numpy has no bf16), so the bf16 grouped GEMM is checked on the GPU only.
+Shapes are tiny and odd where masks matter; inputs random, never zeros; outputs poisoned with NaN.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from moetier.kernels import ops
+from moetier.kernels import triton_moe as tm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# interpreter-friendly tiles (few programs); the defaults are exercised by test_default_tiles
+SMALL_DECODE = {"cfg_gate_up": (64, 256, 4), "cfg_down": (64, 256, 4)}
+SMALL_GROUPED = {"cfg": (64, 256, 4, 1)}
+FMT_SHAPES = {"dense": (72, 40), "Q8_0": (64, 96), "Q4_0": (64, 96), "Q4_K": (256, 256)}  # (D, I)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreted():
+    if DEV == "cpu" and type(tm._decode_gate_up_kernel).__name__ != "InterpretedFunction":
+        pytest.skip("triton_moe was imported before TRITON_INTERPRET=1 was set; run this file alone")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def make_experts(fmt: str, slots: int, d: int, i: int, bias: bool, dtype=torch.float32, seed: int = 0):
+    """Random experts in the kernel layout: float tensors, or quant.repack planes of GGML blocks."""
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(slots, 2 * i, d, generator=g) / d ** 0.5
+    dn = torch.randn(slots, d, i, generator=g) / i ** 0.5
+    if fmt == "dense":
+        gu, dn = gu.to(dtype), dn.to(dtype)
+    else:
+        if fmt.endswith("_K"):
+            pytest.importorskip("libgguf", reason="packing K-quants needs libgguf")
+        from moetier.quant.pack import quantize
+        from moetier.quant.repack import repack
+        gu, dn = repack(fmt, quantize(gu, fmt)), repack(fmt, quantize(dn, fmt))
+    move = (lambda t: t.to(DEV)) if fmt == "dense" else (lambda p: {n: t.to(DEV) for n, t in p.items()})
+    biases = None
+    if bias:
+        biases = (torch.randn(slots, 2 * i, generator=g).to(DEV, dtype),
+                  torch.randn(slots, d, generator=g).to(DEV, dtype))
+    return move(gu), move(dn), biases
+
+
+def routing(t: int, k: int, slots: int, seed: int = 1, miss: bool = True, dtype=torch.float32):
+    """Distinct slots per token (several tokens share slots), a missing (-1) slot, random weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(slots, generator=g)[:k] for _ in range(t)]).int()
+    if miss:
+        ids[0, -1] = -1
+    w = torch.rand(t, k, generator=g) + 0.1
+    return ids.to(DEV), w.to(DEV, dtype)
+
+
+def run_kernel(kind, x, ids, w, gu, dn, fmt, act, biases, **cfg):
+    x, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, ops.normalize_fmt(fmt), ops.as_act(act), biases)
+    out = torch.full_like(x, float("nan"))                     # every element must be written
+    fn = tm.moe_decode if kind == "decode" else tm.moe_grouped
+    got = fn(x, ids, w, gw, dw, code, alpha, limit, b, out=out, **cfg)
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
+    return got
+
+
+# ------------------------------------------------------------------ fp32: kernels == twin to 1e-4
+CASES = [("dense", 1), ("dense", 3), ("Q8_0", 1), ("Q8_0", 3), ("Q4_0", 1), ("Q4_0", 3), ("Q4_K", 1)]
+
+
+@pytest.mark.parametrize("fmt,t", CASES)
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
+def test_decode_matches_twin(fmt, t, gpt_oss):
+    d, i = FMT_SHAPES[fmt]
+    gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
+    act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
+    ids, w = routing(t, 2, 6)
+    x = torch.randn(t, d, device=DEV) * (3.0 if gpt_oss else 1.0)   # big enough to hit the clamps
+    want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt)
+    got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, **SMALL_DECODE)
+    assert rel_err(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
+def test_decode_q4_reads_bytes_or_words(fmt):
+    """Both ways of reading 4-bit planes (bytes / int32 words, the WORDS tile flag) agree with the twin."""
+    d, i = FMT_SHAPES[fmt]
+    gu, dn, _ = make_experts(fmt, 6, d, i, bias=False)
+    ids, w = routing(2, 2, 6)
+    x = torch.randn(2, d, device=DEV)
+    want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
+    for words in (False, True):
+        cfg = {"cfg_gate_up": tm.DecodeTile(64, 256, words=words), "cfg_down": tm.DecodeTile(64, 256, words=not words)}
+        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, **cfg), want) <= 1e-4
+
+
+@pytest.mark.parametrize("fmt,t", [("dense", 3), ("dense", 17), ("Q8_0", 17), ("Q4_0", 17), ("Q4_K", 9)])
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
+def test_grouped_matches_twin(fmt, t, gpt_oss):
+    d, i = FMT_SHAPES[fmt]
+    gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
+    act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
+    ids, w = routing(t, 2, 6)
+    x = torch.randn(t, d, device=DEV) * (3.0 if gpt_oss else 1.0)
+    want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt)
+    got = run_kernel("grouped", x, ids, w, gu, dn, fmt, act, biases, **SMALL_GROUPED)
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_default_tiles_and_k_tail():
+    """The shipped tile tables, and K steps that do not divide D (masked tail) with odd N."""
+    gu, dn, _ = make_experts("dense", 5, 72, 40, bias=False)
+    ids, w = routing(2, 3, 5)
+    x = torch.randn(2, 72, device=DEV)
+    want = ops.moe_native(x, ids, w, gu, dn)
+    assert rel_err(run_kernel("decode", x, ids, w, gu, dn, "f32", "swiglu", None), want) <= 1e-4
+    tail = {"cfg_gate_up": tm.DecodeTile(16, 32, stages=3), "cfg_down": tm.DecodeTile(8, 16, stages=2)}  # K tails
+    assert rel_err(run_kernel("decode", x, ids, w, gu, dn, "f32", "swiglu", None, **tail), want) <= 1e-4
+    got = run_kernel("grouped", x, ids, w, gu, dn, "f32", "swiglu", None, cfg=(16, 32, 4, 1))
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_strided_arena_views():
+    """Slots as views into a bigger buffer (slot stride != rows * K): kernels use the strides given."""
+    gu, dn, _ = make_experts("dense", 8, 64, 48, bias=False)
+    gu_v, dn_v = gu[::2], dn[1::2]                                     # 4 slots each, gapped
+    ids, w = routing(2, 2, 4, miss=False)
+    x = torch.randn(2, 64, device=DEV)
+    want = ops.moe_native(x, ids, w, gu_v.contiguous(), dn_v.contiguous())
+    assert rel_err(run_kernel("decode", x, ids, w, gu_v, dn_v, "f32", "swiglu", None, **SMALL_DECODE), want) <= 1e-4
+    assert rel_err(run_kernel("grouped", x, ids, w, gu_v, dn_v, "f32", "swiglu", None, **SMALL_GROUPED), want) <= 1e-4
+
+
+def test_all_slots_missing_gives_zero():
+    gu, dn, biases = make_experts("dense", 4, 64, 48, bias=True)
+    ids = torch.full((2, 2), -1, dtype=torch.int32, device=DEV)
+    w = torch.rand(2, 2, device=DEV)
+    x = torch.randn(2, 64, device=DEV)
+    for kind, cfg in (("decode", SMALL_DECODE), ("grouped", SMALL_GROUPED)):
+        assert torch.equal(run_kernel(kind, x, ids, w, gu, dn, "f32", "swiglu", biases, **cfg), torch.zeros_like(x))
+
+
+# ------------------------------------------------------------------ low precision
+def test_decode_bf16_and_grouped_fp16():
+    """bf16 decode (the GPU's dtype) and fp16 grouped GEMM (bf16 tl.dot is wrong in the interpreter)
+    against the twin, which rounds h to x's dtype as the kernels do."""
+    gu, dn, _ = make_experts("dense", 6, 64, 48, bias=False, dtype=torch.bfloat16)
+    ids, w = routing(3, 2, 6, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, device=DEV, dtype=torch.bfloat16)
+    want = ops.moe_native(x, ids, w, gu, dn)
+    assert rel_err(run_kernel("decode", x, ids, w, gu, dn, "bf16", "swiglu", None, **SMALL_DECODE), want) <= 2e-2
+    gu, dn, _ = make_experts("dense", 6, 64, 48, bias=False, dtype=torch.float16)
+    ids, w = routing(17, 2, 6, dtype=torch.float16)
+    x = torch.randn(17, 64, device=DEV, dtype=torch.float16)
+    want = ops.moe_native(x, ids, w, gu, dn)
+    assert rel_err(run_kernel("grouped", x, ids, w, gu, dn, "f16", "swiglu", None, **SMALL_GROUPED), want) <= 5e-3
+
+
+# ------------------------------------------------------------------ sorting, dispatch, twin semantics
+def test_align_pairs_covers_every_pair_once():
+    ids = torch.tensor([[3, 0], [3, -1], [5, 3], [0, 1]], dtype=torch.int32)
+    bm, slots = 4, 6
+    sorted_pairs, bslot = tm.align_pairs(ids, slots, bm)
+    p = ids.numel()
+    assert sorted_pairs.numel() == bslot.numel() * bm
+    rows = sorted_pairs.view(-1, bm)
+    real = sorted_pairs[sorted_pairs < p].sort().values
+    assert real.tolist() == [i for i in range(p) if ids.view(-1)[i] >= 0]  # each valid pair once, no miss
+    for blk, s in zip(rows.tolist(), bslot.tolist()):
+        used = [q for q in blk if q < p]
+        assert all(ids.view(-1)[q] == s for q in used)                   # a block holds one slot's pairs
+        assert s >= 0 or not used
+
+
+def test_ops_dispatch_and_activation_recognition():
+    from moetier.models.gpt_oss import clamped_swiglu
+    from moetier.models.layers import swiglu
+    assert ops.as_act(swiglu) == ops.Act()
+    assert ops.as_act(partial(clamped_swiglu, alpha=1.5, limit=6.0)) == ops.Act("clamped_swiglu", 1.5, 6.0)
+    assert ops.as_act(lambda g, u: g * u) is None                         # runs on the twin
+    assert ops.normalize_fmt("bf16") == "dense" and ops.normalize_fmt("q4_k") == "Q4_K"
+    gu, dn, biases = make_experts("Q8_0", 6, 64, 96, bias=True)
+    ids, w = routing(1, 2, 6, miss=False)
+    x = torch.randn(1, 64, device=DEV)
+    act = partial(clamped_swiglu, alpha=1.702, limit=7.0)
+    want = ops.moe_native(x, ids, w, gu, dn, act, biases, "q8_0")
+    prev = ops.backend()
+    try:
+        assert ops.set_backend("triton") == "triton"
+        assert ops.kernel_available(x, act, "q8_0") and not ops.kernel_available(x, lambda g, u: g * u)
+        assert rel_err(ops.moe(x, ids, w, gu, dn, act, biases, "q8_0"), want) <= 1e-4
+    finally:
+        ops.set_backend(prev)
+
+
+def test_twin_matches_dense_experts():
+    """The twin computes what DenseExperts (the model seam) computes."""
+    from moetier.models.gpt_oss import clamped_swiglu
+    from moetier.models.layers import DenseExperts
+    torch.manual_seed(0)
+    act = partial(clamped_swiglu, alpha=1.702, limit=7.0)
+    ex = DenseExperts(6, 32, 24, bias=True, act=act)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(5, 32)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(5)])
+    w = torch.rand(5, 2)
+    with torch.no_grad():
+        want = ex(x, ids, w)
+        got = ops.moe_native(x, ids, w, ex.gate_up_proj, ex.down_proj, act, (ex.gate_up_bias, ex.down_bias))
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_bad_shapes_say_what_is_expected():
+    gu, dn, _ = make_experts("dense", 4, 64, 48, bias=False)
+    with pytest.raises(ValueError, match="expected"):
+        ops._kernel_args(torch.randn(1, 32, device=DEV), gu, dn, "dense", ops.Act(), None)
+    planes, _, _ = make_experts("Q4_0", 4, 64, 96, bias=False)
+    with pytest.raises(ValueError, match="planes"):
+        tm.Weights({"qs": planes["qs"]}, "Q4_0")
+
+
+# ------------------------------------------------------------------ real GPU
+@gpu
+@cuda
+@pytest.mark.parametrize("fmt", ["dense", "Q8_0", "Q4_0", "Q4_K"])
+def test_gpu_qwen3_shapes_default_tiles(fmt):
+    """Qwen3-30B-A3B expert shapes, default tiles, bf16 activations: decode T=1,4 and grouped T=64."""
+    d, i, s = 2048, 768, 8
+    gu, dn, _ = make_experts(fmt, s, d, i, bias=False, dtype=torch.bfloat16)
+    for t, kind in ((1, "decode"), (4, "decode"), (64, "grouped")):
+        ids, w = routing(t, 8, s, dtype=torch.bfloat16)
+        x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
+        want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
+        assert rel_err(run_kernel(kind, x, ids, w, gu, dn, fmt, "swiglu", None), want) <= 2e-2, (fmt, t)
+
+
+@gpu
+@cuda
+def test_gpu_decode_is_graph_capturable():
+    """Captured once; replays follow new ids / weights / x written into the static inputs."""
+    gu, dn, biases = make_experts("dense", 16, 256, 128, bias=True, dtype=torch.bfloat16)
+    act = ops.Act("clamped_swiglu", 1.702, 7.0)
+    ids, w = routing(2, 4, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 256, device=DEV, dtype=torch.bfloat16)
+    prev = ops.backend()
+    try:
+        ops.set_backend("triton")
+        assert ops.kernel_available(x, act)
+        ops.moe_decode(x, ids, w, gu, dn, act, biases)                    # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.moe_decode(x, ids, w, gu, dn, act, biases)
+        for seed in range(3):
+            new_ids, new_w = routing(2, 4, 16, seed=seed + 5, dtype=torch.bfloat16)
+            ids.copy_(new_ids), w.copy_(new_w), x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert rel_err(out, ops.moe_native(x, ids, w, gu, dn, act, biases)) <= 2e-2
+    finally:
+        ops.set_backend(prev)
