@@ -519,7 +519,7 @@ def align_pairs(ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tenso
     key = torch.where(flat >= 0, flat, num_slots)                      # skipped pairs: bucket S
     counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + bm - 1) // bm * bm
-    padded[num_slots] = 0
+    padded[num_slots:].zero_()   # (an in-place zero: a scalar assignment is a host copy, illegal in capture)
     ends = padded.cumsum(0)
     order = torch.argsort(key, stable=True)
     skey = key[order]
