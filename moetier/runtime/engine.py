@@ -16,11 +16,12 @@ from typing import Callable, Iterator
 
 import torch
 
+from .. import memory
 from ..config import EngineConfig, ModelArgs
 from ..errors import ContextOverflow, UserError
 from ..weights.tokenizer import Detokenizer, Tokenizer
 from .generate import Done, TokenEvent, generate_stream
-from .kv_cache import Cache
+from .kv_cache import Cache, session_cache
 from .sampling import Sampler, SamplingParams
 
 DEFAULT_CONTEXT = 4096
@@ -55,12 +56,19 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 class Session:
-    """One conversation's cache and the tokens it holds."""
+    """One conversation's cache and the tokens it holds. A cache with recurrent layers cannot be
+    cut back, so the session also keeps the last few snapshots of their state taken at turn
+    boundaries (the end of each prompt's prefill); a prompt that leaves the cached tokens resumes
+    from the longest snapshot it extends instead of from 0. Attention-only caches just truncate."""
+
+    MAX_SNAPSHOTS = 4
 
     def __init__(self, cache: Cache):
         self.cache = cache
         self.tokens: list[int] = []
         self.lock = threading.Lock()
+        self.snapshots: list[tuple[list[int], dict]] = []   # (tokens, Cache.snapshot(kv=False)), oldest first
+        self.graph = None  # runtime.cuda_graph.DecodeGraph, captured on first CUDA decode
 
     def reuse(self, prompt: list[int]) -> int:
         """Keep the longest common prefix with `prompt` (at least one token left to compute)."""
@@ -68,11 +76,39 @@ class Session:
         limit = min(len(self.tokens), self.cache.length, len(prompt) - 1)
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
-        if not self.cache.can_truncate and n < self.cache.length:
-            n = 0  # recurrent state cannot roll back without a snapshot
-        self.cache.truncate(n) if self.cache.can_truncate else setattr(self.cache, "length", n)
+        if self.cache.can_truncate or n == self.cache.length:
+            self.cache.truncate(n)
+        elif (snap := self._best_snapshot(prompt, n)) is not None:
+            self.cache.restore(snap)   # recurrent state cannot roll back: resume from a snapshot ...
+            n = snap["length"]
+        else:
+            self.cache.truncate(0)     # ... or from 0
+            n = 0
         self.tokens = self.tokens[:n]
         return n
+
+    def _best_snapshot(self, prompt: list[int], n: int) -> dict | None:
+        """The longest snapshot of a prefix of `prompt` no longer than n: its recurrent states hold
+        those tokens, and the KV positions [0, length) still do too (they equal self.tokens[:n])."""
+        fits = [snap for tokens, snap in self.snapshots if len(tokens) <= n and tokens == prompt[:len(tokens)]]
+        return max(fits, key=lambda snap: snap["length"], default=None)
+
+    def save_snapshot(self) -> None:
+        """Remember the state of the cache as it is now (call at a turn boundary). Only caches that
+        cannot truncate need it; the last MAX_SNAPSHOTS are kept."""
+        n = self.cache.length
+        if self.cache.can_truncate or n == 0 or len(self.tokens) < n:
+            return
+        tokens = self.tokens[:n]
+        keep = [s for s in self.snapshots if s[0] != tokens][-(self.MAX_SNAPSHOTS - 1):]
+        self.snapshots = keep + [(tokens, self.cache.snapshot(kv=False))]
+
+    @property
+    def nbytes(self) -> int:
+        """The cache plus the snapshots (bytes)."""
+        snap = sum(t.numel() * t.element_size() for _, s in self.snapshots
+                   for layer in s["layers"] if layer is not None for t in layer)
+        return self.cache.nbytes + snap
 
 
 class Engine:
@@ -85,6 +121,7 @@ class Engine:
         self.max_context = config.max_context or min(args.max_position_embeddings, DEFAULT_CONTEXT)
         self.prefill_chunk = 2048
         self.name = path.name if path != default_model_path() else "moetier-default"
+        self.tiers = None  # memory.experts.Tiers when experts are tiered (Engine.load installs them)
 
     @classmethod
     def load(cls, model: str | Path | None = None, config: EngineConfig | None = None) -> "Engine":
@@ -95,9 +132,19 @@ class Engine:
         path = resolve_model_path(model)
         device = config.resolved_device()
         dtype = config.resolved_dtype(device)
-        net, args, _ = load_model(path, device=device, dtype=dtype, progress=config.progress)
-        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+        placement = None
+        if memory.wants_tiers(config):  # budgets checked from headers before any weight is read
+            placement = memory.plan_for_load(path, config, device, dtype, DEFAULT_CONTEXT)
+        net, args, ckpt = load_model(path, device=device, dtype=dtype, progress=config.progress,
+                                     skip=memory.EXPERT_PARAM if placement is not None else None)
         gen = {}
+        if path.suffix == ".gguf":  # tokenizer, chat template and end-of-generation ids live in the metadata
+            from ..weights.gguf_tokenizer import eog_ids, tokenizer_from_gguf
+            meta = ckpt.metadata
+            tokenizer = tokenizer_from_gguf(meta) if meta.get("tokenizer.ggml.tokens") else None
+            args.eos_token_id = sorted(set(args.eos_token_id) | eog_ids(meta))
+        else:
+            tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
         if (path / "generation_config.json").exists():
             gen = json.loads((path / "generation_config.json").read_text())
         eos = set(args.eos_token_id)
@@ -108,10 +155,14 @@ class Engine:
             tid = tokenizer.token_to_id(tokenizer.special["eos_token"])
             if tid is not None:
                 eos.add(tid)
-        return cls(net, args, tokenizer, config, device, dtype, path, eos, gen)
+        engine = cls(net, args, tokenizer, config, device, dtype, path, eos, gen)
+        if placement is not None:
+            engine.tiers = memory.install(net, placement, config)
+        return engine
 
     def new_session(self, max_context: int | None = None) -> Session:
-        return Session(self.model.make_cache(max_context or self.max_context, self.dtype, self.device))
+        return Session(session_cache(self.model, max_context or self.max_context, self.dtype, self.device,
+                                     self.config.kv_dtype, self.config.kv_offload))
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
                prompt_ids: list[int] | None = None) -> list[int]:
@@ -143,10 +194,11 @@ class Engine:
                  prompt_ids: list[int] | None = None, max_tokens: int = 256,
                  params: SamplingParams = SamplingParams(), stop: list[str] | str = (),
                  session: Session | None = None, logprobs: int | None = None,
-                 cancel: Callable[[], bool] | None = None, ignore_eos: bool = False
-                 ) -> Iterator[TokenEvent | Done]:
+                 cancel: Callable[[], bool] | None = None, ignore_eos: bool = False,
+                 logits_processor: Callable | None = None) -> Iterator[TokenEvent | Done]:
         """Stream the generation: TokenEvent per token, then Done. Raises UserError on bad input
-        before anything is computed."""
+        before anything is computed. `logits_processor(generated_ids, logits [V]) -> logits` runs
+        before each sampling step (the server's JSON mode masks tokens with it)."""
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise UserError(f"max_tokens must be a non-negative integer (got {max_tokens!r})")
         params.check()
@@ -159,16 +211,22 @@ class Engine:
             raise ContextOverflow(f"the prompt has {len(ids)} tokens but the context holds {limit}; "
                                   "shorten the prompt or raise --ctx", len(ids), limit)
         return self._run(ids, session, max_tokens, params, [stop] if isinstance(stop, str) else list(stop),
-                         logprobs, cancel, set() if ignore_eos else self.eos_ids)
+                         logprobs, cancel, set() if ignore_eos else self.eos_ids, logits_processor)
 
-    def _run(self, ids, session, max_tokens, params, stops, logprobs, cancel, eos):
+    def _run(self, ids, session, max_tokens, params, stops, logprobs, cancel, eos, logits_processor=None):
         with session.lock:
             cached = session.reuse(ids)
             sampler = Sampler(params, self.args.vocab_size, self.device, ids)
             detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
             session.tokens = list(ids)
+            mem0 = self.tiers.snapshot() if self.tiers is not None else None
+            first = True
             for ev in generate_stream(self.model, session.cache, ids, ids[cached:], sampler, max_tokens, eos,
-                                      detok, stops, logprobs, cancel, self.prefill_chunk, cached):
+                                      detok, stops, logprobs, cancel, self.prefill_chunk, cached,
+                                      logits_processor, self._decode_step(session)):
+                if first:  # the prompt is prefilled and nothing decoded yet: a turn boundary
+                    session.save_snapshot()
+                    first = False
                 if isinstance(ev, TokenEvent) and ev.token_id >= 0:
                     session.tokens.append(ev.token_id)
                 if isinstance(ev, Done):
@@ -176,11 +234,27 @@ class Engine:
                     session.tokens = session.tokens[:session.cache.length]
                     ev.stats["device"] = self.device
                     ev.stats["dtype"] = str(self.dtype).removeprefix("torch.")
+                    ev.stats["memory"] = self.tiers.request_stats(mem0) if mem0 is not None else \
+                        self.memory_stats()
                 yield ev
+
+    def _decode_step(self, session: Session):
+        """The per-token forward: a CUDA-graph replay on CUDA (captured once per session), else eager."""
+        if not (self.device.startswith("cuda") and self.config.cuda_graphs) or self.tiers is not None \
+                or self.config.kv_offload:  # offloaded KV is written on the host: not capturable
+            return None  # tiered experts sync with the host per layer: eager until they are graph-safe
+        if session.graph is None:
+            from .cuda_graph import DecodeGraph
+            session.graph = DecodeGraph(self.model, session.cache)
+        graph = session.graph
+        buf = torch.zeros(1, dtype=torch.long, device=self.device)
+        return lambda tok: graph.step(buf.fill_(tok))[-1]
 
     def memory_stats(self) -> dict:
         """Where the experts are and how often each tier served them (the chat page's tier panel,
         `stats.memory` in `run --json`). Without memory tiers every expert sits on the model's device."""
+        if self.tiers is not None:
+            return self.tiers.memory_stats()
         tier = "gpu" if self.device.startswith("cuda") else "ram"
         layers = [i for i, blk in enumerate(self.model.model.layers)
                   if hasattr(getattr(blk, "mlp", None), "experts")]

@@ -1,0 +1,178 @@
+"""Bandwidths of the machine's tiers, measured once by quick micro-benchmarks and cached in
+~/.cache/moetier/bandwidth.json (or given by flags). All rates in GB/s (1e9 bytes), flops in GFLOP/s.
+
+  ram_gbs         CPU read bandwidth (a large tensor sum)
+  hbm_gbs         GPU memory read bandwidth (CUDA only)
+  pcie_gbs        pinned host -> device copy (CUDA only; measured while the GPU is awake)
+  ssd_gbs         parallel preads of the checkpoint after dropping it from the page cache
+  cpu_gbs_<dt>    bytes/s torch streams through one expert's gemv on the CPU (what a miss costs)
+  cpu_gflops_<dt> one expert over 256 rows on the CPU (what a prefill token costs)
+The CPU figures use one Qwen3-30B-A3B expert (D 2048, I 768, 9 MiB in bf16) whatever the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEFAULTS = {"ram_gbs": 20.0, "hbm_gbs": 2000.0, "pcie_gbs": 12.0, "ssd_gbs": 2.0,
+            "cpu_gbs_bfloat16": 8.0, "cpu_gbs_float32": 12.0,
+            "cpu_gflops_bfloat16": 100.0, "cpu_gflops_float32": 100.0}
+
+
+def cache_path() -> Path:
+    return Path.home() / ".cache" / "moetier" / "bandwidth.json"
+
+
+def _best(fn, reps: int = 3) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_ram(nbytes: int = 256 << 20) -> float:
+    a = torch.ones(nbytes // 4, dtype=torch.float32)
+    a.sum()
+    return nbytes / _best(lambda: a.sum()) / 1e9
+
+
+def measure_cpu_expert(dtype: torch.dtype, dim: int = 2048, hidden: int = 768,
+                       cold_bytes: int = 160 << 20) -> tuple[float, float]:
+    """(GB/s through a decode expert, GFLOP/s of a prefill-sized expert matmul) in `dtype`.
+    The gemv cycles through enough experts (`cold_bytes`) that they do not sit in the L3 cache."""
+    per = 3 * dim * hidden * dtype.itemsize
+    experts = [(torch.randn(2 * hidden, dim).to(dtype), torch.randn(dim, hidden).to(dtype))
+               for _ in range(max(2, cold_bytes // per))]
+    x1 = torch.randn(1, dim).to(dtype)
+
+    def expert(x, w):
+        g, u = F.linear(x, w[0]).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, w[1])
+
+    for w in experts:
+        expert(x1, w)
+    t = _best(lambda: [expert(x1, w) for w in experts], 2) / len(experts)
+    xb = torch.randn(256, dim).to(dtype)
+    expert(xb, experts[0])
+    tb = _best(lambda: expert(xb, experts[0]), 2)
+    return per / t / 1e9, 256 * 6 * dim * hidden / tb / 1e9
+
+
+def measure_gpu(device: str = "cuda", nbytes: int = 512 << 20) -> tuple[float, float]:
+    """(HBM GB/s, pinned host->device GB/s)."""
+    a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    torch.cuda.synchronize()
+
+    def hbm():
+        a.sum()
+        torch.cuda.synchronize()
+    hbm()
+    hbm_gbs = nbytes / _best(hbm, 5) / 1e9
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy():
+        a.mul_(1.0)              # keep the GPU busy: idle cards train links down (LESSONS.md section 3)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+    copy()
+    return hbm_gbs, nbytes / _best(copy, 5) / 1e9
+
+
+def measure_ssd(path: Path, nbytes: int = 512 << 20, threads: int = 4, block: int = 4 << 20) -> float | None:
+    """Parallel preads of up to `nbytes` of `path` after asking the kernel to drop it from the page
+    cache. None when the file is too small or sparse (a header-only plan file) to say anything."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    size = min(st.st_size, nbytes)
+    if size < 64 << 20 or st.st_blocks * 512 < 0.9 * st.st_size:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+        offsets = list(range(0, size - block + 1, block))
+
+        def read(off):
+            buf = bytearray(block)
+            return os.preadv(fd, [buf], off)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            total = sum(ex.map(read, offsets))
+        return total / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
+def measure(device: str = "cpu", keys: set[str] | None = None, checkpoint_file: Path | None = None,
+            dim: int = 2048, hidden: int = 768) -> dict:
+    """Measure `keys` (default: everything that applies here)."""
+    keys = keys or {"ram_gbs", "cpu", "gpu", "ssd_gbs"}
+    out = {"host": socket.gethostname(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "threads": torch.get_num_threads()}
+    if "ram_gbs" in keys:
+        out["ram_gbs"] = round(measure_ram(), 2)
+    if keys & {"cpu", "cpu_gbs_bfloat16", "cpu_gflops_bfloat16"}:
+        for dt in (torch.bfloat16, torch.float32):
+            gbs, gflops = measure_cpu_expert(dt, dim, hidden)
+            name = str(dt).removeprefix("torch.")
+            out[f"cpu_gbs_{name}"], out[f"cpu_gflops_{name}"] = round(gbs, 2), round(gflops, 1)
+    if keys & {"gpu", "hbm_gbs", "pcie_gbs"} and device.startswith("cuda") and torch.cuda.is_available():
+        out["hbm_gbs"], out["pcie_gbs"] = (round(v, 1) for v in measure_gpu(device))
+    if "ssd_gbs" in keys and checkpoint_file is not None:
+        ssd = measure_ssd(checkpoint_file)     # None for a sparse or small file: nothing is cached then
+        if ssd is not None:
+            out["ssd_gbs"] = round(ssd, 2)
+    return out
+
+
+def bandwidths(device: str = "cpu", checkpoint_file: Path | None = None, overrides: dict | None = None,
+               use_cache: bool = True) -> dict:
+    """Cached measurements (measuring what is missing), then the flags' overrides, then defaults.
+    Each value's source is in result["source"][key]: flag | measured | assumed."""
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    path = cache_path()
+    cached = {}
+    if use_cache and path.exists():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cached = {}
+    wanted = {"ram_gbs", "cpu_gbs_bfloat16", "cpu_gflops_bfloat16"}
+    if device.startswith("cuda"):
+        wanted |= {"hbm_gbs", "pcie_gbs"}
+    if checkpoint_file is not None:
+        wanted.add("ssd_gbs")
+    missing = {k for k in wanted if k not in cached and k not in overrides}
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        missing -= {"hbm_gbs", "pcie_gbs"}          # a plan for a GPU this machine lacks: flags or assumed
+    if missing:
+        fresh = measure(device, missing, checkpoint_file)
+        cached = {**cached, **fresh}
+        if use_cache:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(cached, indent=1))
+            except OSError:
+                pass
+    out, source = {}, {}
+    for k in set(DEFAULTS) | set(cached) | set(overrides):
+        if k in overrides:
+            out[k], source[k] = overrides[k], "flag"
+        elif k in cached:
+            out[k], source[k] = cached[k], "measured"
+        else:
+            out[k], source[k] = DEFAULTS[k], "assumed"
+    out["source"] = source
+    return out

@@ -1,0 +1,289 @@
+"""TieredExperts: the `experts` of every MoE block when memory tiers are on.
+
+Same call as DenseExperts: forward(x [T, D], ids [T, k], w [T, k]) -> [T, D]. Per call:
+  1. sort the T*k (token, expert) pairs by expert, as grouped_experts does; one host sync brings
+     the per-expert counts and the slot of each expert from the device-side table;
+  2. hits run on the fast tier (launched first: on CUDA they run while the CPU works);
+  3. misses run on the CPU from the RAM bank (SSD reads first, `depth` ahead, on reader threads),
+     or, in prefill when a chunk routes enough tokens to an expert that copying beats the CPU,
+     are copied to a stage slot and run on the fast tier;
+  4. decode misses are admitted into the fast tier when the policy says so (copied after use);
+  5. results are scaled and summed per token in ascending expert order, exactly as
+     grouped_experts does: on CPU the output is bit-identical to DenseExperts for any placement.
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import UserError
+from ..models.layers import DenseExperts
+from .cache import SlotCache
+from .fast import FastTier, expert_math, grouped_available
+from .layout import expert_modules
+from .plan import DECODE_MAX, Placement
+from .prefetch import Prefetcher
+from .profile import ExpertProfile
+from .stats import Counters, delta, request_view, snapshot
+from .store import RamBank, SsdReader
+
+
+class TieredExperts(nn.Module):
+    """Drop-in for DenseExperts whose weights live in the tiers (no parameters of its own)."""
+
+    def __init__(self, tiers: "Tiers", li: int, template: nn.Module):
+        super().__init__()
+        self.tiers, self.li = tiers, li
+        self.num_experts, self.dim, self.hidden = template.num_experts, template.dim, template.hidden
+        self.act = template.act
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.tiers.forward(self.li, x, ids, w, self.act)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.tiers.layout.layers[self.li]}, experts={self.num_experts}"
+
+
+class Tiers:
+    """All tier state of one loaded model: RAM bank, SSD reader, fast-tier arena and cache, counters."""
+
+    def __init__(self, pl: Placement, routers: list, config):
+        self.pl, self.layout = pl, pl.layout
+        self.E = pl.num_experts
+        self.cuda = pl.fast_device == "cuda"
+        # CPU math: the model dtype on a CPU-only run (bit-identical); on CUDA the storage dtype
+        # (no conversion pass over the weights; the result is cast on the GPU)
+        self.cpu_dtype = pl.dtype if not self.cuda else (pl.storage_dtype if pl.storage_dtype.is_floating_point
+                                                         else torch.float32)
+        self.reader = SsdReader(self.layout, threads=pl.scratch, direct=config.direct_io)
+        self.bank = RamBank(self.layout, pl.bank_slots, self.reader, pin=self.cuda, scratch=pl.scratch,
+                            disk_layers=pl.disk_layers())
+        self.bank.all_resident = pl.bank_all
+        self.cache = SlotCache(self.E, pl.fast_slots, pl.policy, pl.device)
+        self.fast = FastTier(self.layout, self.cache.num_slots, pl.stage_slots, pl.device, pl.dtype,
+                             grouped=grouped_available(pl.device, pl.dtype, self.layout))
+        self.copy_tokens = pl.prefill_copy_tokens if pl.stage_slots else None
+        self.stats = Counters(pl.num_layers)
+        self.profile = ExpertProfile(self.layout.layers, self.E, pl.model_type, pl.device)
+        self.prefetcher = Prefetcher(self, routers) if pl.prefetch else None
+        self.save_profile_path = config.save_profile
+        self._conv = None
+        self._pinned = None     # CUDA: host rows of CPU misses [x rows; y rows]
+        self.closed = False
+
+    # ------------------------------------------------------------------ loading
+    def fill(self) -> None:
+        """Preload the RAM bank (all experts, or the hottest / an even share), then the fast tier's
+        pinned and preloaded experts."""
+        pl = self.pl
+        self.bank.preload(pl.bank_order[:pl.bank_slots])
+        for li, es in enumerate(pl.fast_preload):
+            pins = set(pl.pinned[li])
+            for e, buf, _, handle in self.bank.fetch(li, list(es), admit=False):
+                s = self.cache.place(li, e, pin=e in pins)
+                if s is not None:
+                    ev = self.fast.load(s, buf, li)
+                    if ev is not None:
+                        self.bank.mark_busy(handle, ev)
+        # loading is not serving: start the counters at zero
+        self.bank.stats.update(ram_hits=0, ssd_reads=0, wait_s=0.0)
+        for tm in self.fast.copy_timer.values():
+            tm.seconds()
+            tm.s = 0.0
+        self.fast.bytes_copied = {p: 0 for p in self.fast.bytes_copied}
+        self.reader.bytes, self.reader.reads, self.reader.busy_s = 0, 0, 0.0
+
+    # ------------------------------------------------------------------ the call
+    def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act) -> torch.Tensor:
+        t, k = ids.shape
+        decode = t <= DECODE_MAX
+        self.stats.phase = self.fast.phase = "decode" if decode else "prefill"
+        if li == 0:
+            self.stats.tokens[self.stats.phase] += t
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // k                                   # token of each sorted pair
+        xs = x[rows]                                        # [T*k, D]
+        counts_t = torch.bincount(flat, minlength=self.E)
+        self.profile.add(li, ids, w, decode)
+        self.fast.wait(li)
+        info = torch.stack([counts_t, self.cache.table[li].to(counts_t.dtype)]).cpu().numpy()  # one sync
+        used = np.flatnonzero(info[0])
+        n_rows = info[0][used]
+        starts = np.cumsum(n_rows) - n_rows
+        slots = info[1][used]
+        self.cache.lookup(li, used.tolist(), n_rows.tolist())
+        if self.prefetcher is not None:
+            self.prefetcher.observe(li, used.tolist())
+        ys = torch.empty_like(xs)
+        hits = [(int(s), int(a), int(n)) for s, a, n in zip(slots, starts, n_rows) if s >= 0]
+        misses = [(int(e), int(a), int(n)) for e, s, a, n in zip(used, slots, starts, n_rows) if s < 0]
+        # prefill only: decode misses stay on the CPU (splitting them between PCIe and CPU is future work)
+        staged = {e for e, _, n in misses if self.copy_tokens and n >= self.copy_tokens and not decode}
+        host = self._rows_to_host(xs, [(a, n) for e, a, n in misses if e not in staged])
+        base = int(self.cache.base[li])
+        self.fast.run(hits, xs, ys, act, (base, self.cache.sizes[li]))   # async on CUDA
+        for _, _, n in hits:
+            self.stats.served(li, "gpu", n)
+        if misses:
+            self._misses(li, misses, staged, host, xs, ys, act, decode)
+        if self.prefetcher is not None and decode:
+            self.prefetcher.predict(li, x)
+        ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, ys)
+
+    def _rows_to_host(self, xs: torch.Tensor, cpu_rows: list[tuple[int, int]]):
+        """CUDA: the CPU misses' rows to pinned host memory, before the hits are queued (a copy
+        behind them would wait for them). -> (row index on device, x_host, y_host, start of each
+        block in x_host) or None (nothing to move, or everything is on the CPU already)."""
+        if not cpu_rows or xs.device.type == "cpu":
+            return None
+        idx = torch.cat([torch.arange(a, a + n) for a, n in cpu_rows]).to(xs.device, non_blocking=True)
+        m, d = idx.shape[0], xs.shape[1]
+        if self._pinned is None or self._pinned.shape[0] < 2 * m:
+            self._pinned = torch.empty(max(2 * m, 64), d, dtype=self.cpu_dtype, pin_memory=True)
+        x_host, y_host = self._pinned[:m], self._pinned[m:2 * m]
+        x_host.copy_(xs.index_select(0, idx))     # synchronous: the stream is idle after the counts sync
+        at = dict(zip([a for a, _ in cpu_rows], np.cumsum([0] + [n for _, n in cpu_rows])[:-1].tolist()))
+        return idx, x_host, y_host, at
+
+    def _misses(self, li, misses, staged, host, xs, ys, act, decode) -> None:
+        """Misses in ascending expert order: each from the RAM bank (read from SSD first if needed),
+        computed on the CPU, or in prefill copied to a stage slot when that is cheaper."""
+        rows_of = {e: (a, n) for e, a, n in misses}
+        wait0 = self.bank.stats["wait_s"]
+        for e, buf, tier, handle in self.bank.fetch(li, [m[0] for m in misses], decode):
+            a, n = rows_of[e]
+            ev = None
+            if e in staged:
+                y, ev = self.fast.run_staged(buf, xs[a:a + n], act)
+                ys[a:a + n] = y
+                self.stats.staged[self.stats.phase] += 1
+            else:
+                t0 = time.perf_counter()
+                wts = self._cpu_weights(buf)
+                if host is None:
+                    ys[a:a + n] = expert_math(wts, xs[a:a + n], act)
+                else:
+                    h = host[3][a]
+                    host[2][h:h + n] = expert_math(wts, host[1][h:h + n], act)
+                self.stats.cpu_s[self.stats.phase] += time.perf_counter() - t0
+            self.stats.served(li, tier, n)     # a staged expert is still a cache miss: counted where it came from
+            if decode:
+                adm = self.cache.admit(li, e)
+                if adm is not None:
+                    ev = self.fast.load(adm[0], buf, li)
+            if ev is not None:
+                self.bank.mark_busy(handle, ev)
+        self.stats.wait_s[self.stats.phase] += self.bank.stats["wait_s"] - wait0
+        if host is not None:   # the pinned y rows are rewritten only after the next layer's sync
+            idx, _, y_host, _ = host
+            ys.index_copy_(0, idx, y_host.to(ys.device, non_blocking=True).to(ys.dtype))
+
+    def _cpu_weights(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The expert in the CPU compute dtype: views of the RAM buffer when the dtypes agree, else
+        converted into one preallocated buffer (no allocation per miss: glibc would keep the freed
+        memory and RSS would creep past the budget)."""
+        src = self.layout.unpack(buf)
+        if all(v.dtype == self.cpu_dtype for v in src.values()):
+            return src
+        if self._conv is None:
+            self._conv = {n: torch.empty(v.shape, dtype=self.cpu_dtype) for n, v in src.items()}
+        return {n: self._conv[n].copy_(v) for n, v in src.items()}
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self) -> dict:
+        return snapshot(self)
+
+    def request_stats(self, before: dict) -> dict:
+        return request_view(delta(self.snapshot(), before))
+
+    def memory_stats(self) -> dict:
+        """The shape Engine.memory_stats() always had ({"tiers", "layers", "hit_rate"}) plus the detail:
+        per-phase and per-token figures under "cumulative" (see stats.request_view)."""
+        snap = self.snapshot()
+        pl = self.pl
+        view = request_view(snap)
+        layers = []
+        for li, layer in enumerate(self.layout.layers):
+            r = snap["layer_routes"][li]
+            fast = self.cache.slot_of[li] >= 0
+            ram = self.bank.where[li] >= 0
+            if self.bank.all_resident and li not in self.bank.disk_layers:
+                ram = ~fast | ram
+            layers.append({"layer": layer, "gpu": int(fast.sum()), "ram": int(ram.sum()),
+                           "ssd": int(self.E - (fast | ram).sum()), "slots": self.cache.sizes[li],
+                           "tier": pl.layer_tiers[li], "hit_rate": r[0] / sum(r) if sum(r) else 1.0})
+        tiers = {
+            "gpu": {"experts": sum(x["gpu"] for x in layers), "slots": self.cache.num_slots,
+                    "bytes": self.fast.nbytes, "budget": pl.gpu_budget, "device": pl.fast_device,
+                    "hits": view["hits"]["gpu"], "bytes_read": view["bytes_read"]["gpu"], "ms": view["ms"]["gpu"],
+                    "copy_ms": view["ms"]["copy"], "bytes_copied": view["bytes_read"]["copy"]},
+            "ram": {"experts": sum(x["ram"] for x in layers), "slots": self.bank.capacity,
+                    "bytes": (self.bank.capacity + len(self.bank.scratch)) * self.layout.expert_bytes,
+                    "budget": pl.ram_budget, "all_experts": self.bank.all_resident,
+                    "hits": view["hits"]["ram"], "bytes_read": view["bytes_read"]["ram"], "ms": view["ms"]["cpu"]},
+            "ssd": {"experts": sum(x["ssd"] for x in layers), "hits": view["hits"]["ssd"],
+                    "bytes_read": snap["ssd_bytes_total"], "reads": snap["ssd_reads"],
+                    "wait_ms": view["ms"]["ssd_wait"], "busy_ms": round(snap["ssd_busy_ms"], 3)},
+        }
+        return {"tiers": tiers, "layers": layers, "hit_rate": view["hit_rate"],
+                "policy": pl.policy, "fast_tier": pl.fast_device, "prefetch_enabled": self.prefetcher is not None,
+                "expert_bytes": self.layout.expert_bytes, "cumulative": view}
+
+    # ------------------------------------------------------------------ exit
+    def save_profile(self, path: str | Path | None = None) -> None:
+        path = path or self.save_profile_path
+        if path:
+            self.profile.save(path)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.save_profile()
+        finally:
+            self.reader.close()
+
+
+def _router_of(parent: nn.Module):
+    for name in ("gate", "router"):
+        r = getattr(parent, name, None)
+        if isinstance(r, nn.Module):
+            return r
+    return None
+
+
+def install(model: nn.Module, pl: Placement, config) -> Tiers:
+    """Replace every MoE block's experts with TieredExperts backed by one `Tiers`; fill the tiers."""
+    mods = expert_modules(model)
+    for prefix, mod in mods:
+        if type(mod) is not DenseExperts:
+            raise UserError(f"memory tiers support DenseExperts blocks; {prefix}.experts is "
+                            f"{type(mod).__name__} (run without budget flags)")
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+    routers = [_router_of(model.get_submodule(prefix)) for prefix, _ in mods]
+    tiers = Tiers(pl, routers, config)
+    for li, (prefix, mod) in enumerate(mods):
+        setattr(model.get_submodule(prefix), "experts", TieredExperts(tiers, li, mod))
+    tiers.fill()
+    if config.save_profile:     # written at exit (or by Tiers.close); only the small profile is kept alive
+        atexit.register(_save_at_exit, tiers.profile, config.save_profile)
+    weakref.finalize(tiers, tiers.reader.close)
+    return tiers
+
+
+def _save_at_exit(profile: ExpertProfile, path: str) -> None:
+    try:
+        profile.save(path)
+    except OSError as e:
+        print(f"moetier: could not write the expert profile {path}: {e.strerror}", file=sys.stderr)

@@ -1,0 +1,104 @@
+"""Memory tiers on CUDA (run on the device machine: pytest -m gpu tests/test_memory_gpu.py).
+
+fp32: the tiered model gives the same greedy tokens as the dense model on the GPU and logits within
+1e-4 relative (CPU misses and GPU hits round differently, so not bit-identical). bf16: logits within
+a bf16 tolerance. Variants as on the CPU: all resident, few GPU slots, SSD streaming, prefill copies,
+profile pins, prefetch, --n-cpu-moe / --override-tensor."""
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from helpers import tiny_checkpoint
+from moetier.config import EngineConfig
+from moetier.memory.plan import make_placement
+from moetier.memory.profile import Recorder
+from moetier.runtime.engine import Engine
+from moetier.runtime.generate import greedy_tokens
+from moetier.weights.loader import load_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CTX, PROMPT, SPLIT, N_GREEDY = 96, 40, 24, 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_gpu")
+    # sizes that suit torch._grouped_mm (multiples of 16) so the grouped hit path runs in bf16
+    cfg = Qwen3MoeConfig(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+                         max_position_embeddings=256, rope_theta=1000.0)
+    tiny_checkpoint(path, Qwen3MoeForCausalLM, cfg, scale=4.0)
+    tokens = torch.randint(0, 160, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    return path, tokens
+
+
+def logits(model, tokens, dtype):
+    tokens = tokens.cuda()
+    cache = model.make_cache(CTX, dtype, "cuda")
+    with torch.inference_mode():
+        out = [model(tokens[:SPLIT], cache)]
+        out += [model(tokens[i:i + 1], cache) for i in range(SPLIT, len(tokens))]
+    return torch.cat(out).float()
+
+
+def variants(path, dtype, tmp_path):
+    pl = make_placement(path, EngineConfig(max_context=CTX, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda", dtype, CTX,
+                        bw={"pcie_gbs": 12.0})
+    eb, fb = pl.expert_bytes, pl.expert_fast_bytes
+    dense, _, _ = load_model(path, device="cuda", dtype=dtype)
+    rec = Recorder(dense)
+    greedy_tokens(dense, list(range(1, 20)), 8, dtype)
+    rec.remove()
+    rec.profile.save(tmp_path / "p.json")
+    big = 1 << 32
+    return dense, {
+        "all_resident": dict(gpu_mem=big, ram_mem=big),
+        "few_gpu_slots": dict(gpu_mem=pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes
+                              + 10 * fb, ram_mem=big),
+        "ssd_streaming": dict(gpu_mem=big, cpu_moe=True, ram_mem=2 * eb + 4 * eb),
+        "prefill_copies": dict(gpu_mem=big, n_cpu_moe=3, ram_mem=big, prefill_copy_tokens=2),
+        "profile_mix": dict(gpu_mem=big, ram_mem=big, expert_profile=str(tmp_path / "p.json"), prefetch="on",
+                            override_tensor=((r"layers\.0\.", "cpu"),)),
+        "override_disk": dict(gpu_mem=big, ram_mem=big, override_tensor=((r"blk\.[23]\.ffn_.*_exps", "disk"),)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiered_matches_dense_on_cuda(tiny, tmp_path, dtype):
+    path, tokens = tiny
+    dense, cases = variants(path, dtype, tmp_path)
+    want = logits(dense, tokens, dtype)
+    want_toks = greedy_tokens(dense, tokens[:SPLIT].tolist(), N_GREEDY, dtype)
+    del dense
+    for name, kw in cases.items():
+        eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype=str(dtype).removeprefix("torch."),
+                                             max_context=CTX, **kw))
+        got = logits(eng.model, tokens, dtype)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if dtype == torch.float32:
+            assert err <= 1e-4, f"{name}: logits differ by {err:.2e}"
+            assert greedy_tokens(eng.model, tokens[:SPLIT].tolist(), N_GREEDY, dtype) == want_toks, name
+        else:
+            assert err <= 3e-2, f"{name}: bf16 logits differ by {err:.2e}"
+        st = eng.memory_stats()
+        assert st["tiers"]["gpu"]["ms"] >= 0 and st["cumulative"]["decode_tokens"] > 0
+        eng.tiers.cache.check()
+        eng.tiers.close()
+        del eng
+        torch.cuda.empty_cache()
+
+
+def test_gpu_budget_is_a_hard_limit(tiny):
+    path, _ = tiny
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    budget = 128 << 20
+    eng = Engine.load(path, EngineConfig(progress=False, device="cuda", max_context=CTX, gpu_mem=budget,
+                                         ram_mem=1 << 30))
+    eng.complete(prompt_ids=list(range(1, 40)), max_tokens=8, ignore_eos=True)
+    assert torch.cuda.max_memory_allocated() - before <= budget
+    st = eng.memory_stats()
+    assert 0 < st["tiers"]["gpu"]["bytes"] <= budget and st["tiers"]["gpu"]["slots"] == 4 * 16

@@ -1,0 +1,138 @@
+"""`moetier plan` on a Qwen3-30B-A3B-shaped checkpoint: a real safetensors header with the real
+shapes over a sparse file (no weight bytes written, none read)."""
+import json
+import struct
+
+import pytest
+import torch
+
+from moetier.cli import main
+from moetier.weights.safetensors import SafetensorsFile
+
+GiB, MiB = 1 << 30, 1 << 20
+QWEN3_30B = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
+             "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+             "num_experts_per_tok": 8, "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1,
+             "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+EXPERT = 3 * 2048 * 768 * 2                       # 9 MiB per expert in bf16
+BW = {"ram_gbs": 50.0, "hbm_gbs": 4000.0, "pcie_gbs": 24.0, "ssd_gbs": 5.0, "cpu_gbs_bfloat16": 40.0,
+      "cpu_gflops_bfloat16": 400.0, "cpu_gbs_float32": 30.0, "cpu_gflops_float32": 800.0}
+
+
+def sparse_checkpoint(path, cfg) -> int:
+    """Per-expert HF names as in the real checkpoint; the data region is a hole (f.truncate)."""
+    d, e, i, L = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"]
+    h, kv, hd, v = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (v, d), "lm_head.weight": (v, d), "model.norm.weight": (d,)}
+    for n in range(L):
+        p = f"model.layers.{n}"
+        shapes.update({f"{p}.input_layernorm.weight": (d,), f"{p}.post_attention_layernorm.weight": (d,),
+                       f"{p}.self_attn.q_proj.weight": (h * hd, d), f"{p}.self_attn.k_proj.weight": (kv * hd, d),
+                       f"{p}.self_attn.v_proj.weight": (kv * hd, d), f"{p}.self_attn.o_proj.weight": (d, h * hd),
+                       f"{p}.self_attn.q_norm.weight": (hd,), f"{p}.self_attn.k_norm.weight": (hd,),
+                       f"{p}.mlp.gate.weight": (e, d)})
+        for x in range(e):
+            shapes.update({f"{p}.mlp.experts.{x}.gate_proj.weight": (i, d), f"{p}.mlp.experts.{x}.up_proj.weight": (i, d),
+                           f"{p}.mlp.experts.{x}.down_proj.weight": (d, i)})
+    header, off = {}, 0
+    for name, s in shapes.items():
+        nbytes = 2 * int(torch.Size(s).numel())
+        header[name] = {"dtype": "BF16", "shape": list(s), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + off)
+    return off
+
+
+@pytest.fixture(scope="module")
+def qwen30b(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_30b")
+    total = sparse_checkpoint(path, QWEN3_30B)
+    return path, total
+
+
+@pytest.fixture
+def no_reads(monkeypatch, tmp_path):
+    """Fail if any weight is read (mmap or tensor), and give plan a bandwidth cache in a fresh HOME."""
+    def boom(*a, **k):
+        raise AssertionError("plan read weight data")
+    monkeypatch.setattr(SafetensorsFile, "_map", boom)
+    monkeypatch.setattr(SafetensorsFile, "tensor", boom)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".cache" / "moetier").mkdir(parents=True)
+    (tmp_path / ".cache" / "moetier" / "bandwidth.json").write_text(json.dumps(BW))
+
+
+def plan_json(capsys, *argv) -> tuple[int, dict]:
+    rc = main(["plan", *map(str, argv), "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_plan_qwen3_30b_on_a_24gb_gpu(qwen30b, no_reads, capsys):
+    path, total = qwen30b
+    assert path.joinpath("model.safetensors").stat().st_blocks * 512 < 16 * MiB     # nothing was written
+    rc, p = plan_json(capsys, path, "--device", "cuda", "--gpu-mem", "24GiB", "--ram-mem", "32GiB", "--ctx", 4096)
+    assert rc == 0 and not p["problems"]
+    ex = p["experts"]
+    assert ex["bytes_per_expert"] == EXPERT
+    assert ex["bytes_per_layer"] == 128 * EXPERT == 1_207_959_552           # 1.21 GB (1.125 GiB) per layer
+    assert ex["total_bytes"] == 48 * 128 * EXPERT                           # 58.0 GB of experts
+    groups = {g["group"].split(" ")[0]: g["bytes"] for g in p["groups"]}
+    assert groups["embeddings"] == 2 * 151936 * 2048 * 2                    # 1.24 GB
+    attn = (4096 * 2048 * 2 + 512 * 2048 * 2) * 2
+    assert attn * 48 < groups["dense"] < (attn + 128 * 2048 * 2 + 8 * 2048) * 48
+    kv = 48 * 4096 * 2 * 4 * 128 * 2
+    assert p["budgets"]["gpu"] == 24 * GiB
+    assert p["kv_bytes"] == kv                                              # 384 MiB at 4K tokens
+    fixed = groups["dense"] + groups["embeddings"] + kv + p["workspace_bytes"]
+    gpu = p["tiers"]["gpu"]
+    used = fixed + (gpu["slots"] + gpu["stage_slots"]) * EXPERT
+    assert used <= 24 * GiB < used + EXPERT                                 # fills the budget, never past it
+    assert 2000 < gpu["slots"] < 2300 and max(gpu["per_layer"]) - min(gpu["per_layer"]) <= 1
+    ram = p["tiers"]["ram"]
+    assert ram["slots"] == 32 * GiB // EXPERT - 4 and not ram["all_experts"]    # 4 read buffers
+    c = p["decode_ceiling"]
+    share = gpu["slots"] / (48 * 128)
+    assert c["coverage"]["gpu"] == pytest.approx(share)
+    routes = 8 * 48
+    assert c["bytes"]["ram"] == pytest.approx(routes * (1 - share) * EXPERT)
+    assert c["bound_ms"] == pytest.approx(max(v for k, v in c["ms"].items() if k != "ram_torch"))
+    assert 0 < c["bound_tok_s"] < 1000
+    rule = p["prefill_rule"]
+    # copying 9 MiB at 24 GB/s = 0.39 ms > one token's gemv on the CPU (9 MiB at 40 GB/s = 0.24 ms), but
+    # the CPU does 9.4 MFLOP per token at 400 GFLOP/s = 0.024 ms: from 17 tokens on, copying wins
+    assert rule["tokens"] == 17 and rule["copy_ms"] == pytest.approx(EXPERT / 24e9 * 1e3)
+
+
+def test_plan_table_and_does_not_fit(qwen30b, no_reads, capsys):
+    path, _ = qwen30b
+    rc = main(["plan", str(path), "--device", "cuda", "--gpu-mem", "24GiB", "--ram-mem", "64GiB", "--ctx", "8192",
+               "-ot", r"blk\.(4[0-7])\.ffn_.*_exps=disk"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "1.12 GiB per layer" in out and "KV cache (8192 tokens)" in out and "768.00 MiB" in out
+    assert "forced to disk: 40-47" in out and "decode ceiling" in out and "prefill rule" in out
+    rc = main(["plan", str(path), "--device", "cuda", "--gpu-mem", "2GiB", "--ram-mem", "32GiB"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "DOES NOT FIT" in out and "dense weights" in out
+
+
+def test_plan_cpu_with_profile(qwen30b, no_reads, capsys, tmp_path):
+    path, _ = qwen30b
+    from moetier.memory.profile import ExpertProfile
+    prof = ExpertProfile(list(range(48)), 128, "qwen3_moe")
+    prof.counts["weight"][:, :16] = 10.0                 # 16 hot experts per layer carry 10x the weight
+    prof.counts["weight"][:, 16:] = 1.0
+    prof.save(tmp_path / "p.json")
+    rc, p = plan_json(capsys, path, "--device", "cpu", "--dtype", "bfloat16", "--ram-mem", "40GiB",
+                      "--gpu-mem", f"{16 * 48 * 9}MiB", "--expert-profile", tmp_path / "p.json", "--cache-policy", "static")
+    assert rc == 0
+    assert p["tiers"]["gpu"]["slots"] == 16 * 48 and p["tiers"]["gpu"]["pinned"] == 16 * 48
+    assert p["decode_ceiling"]["coverage"]["gpu"] == pytest.approx(160 / (160 + 112))   # hot share per layer
