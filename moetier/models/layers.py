@@ -256,6 +256,8 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_exp
     scale by the routing weights and add back per token (in ascending expert order, as
     transformers does). One host sync (the per-expert counts)."""
     t, k = ids.shape
+    if t == 1 and not x.is_cuda:
+        return _one_token_experts(x, ids, w, run)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
@@ -269,6 +271,16 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_exp
             start += n
     ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, rows, ys)
+
+
+def _one_token_experts(x, ids, w, run):
+    """T = 1 on the CPU: the same sum as grouped_experts (ascending expert order, fp32 accumulation
+    like index_add_, so bit-identical) without the sort/bincount/index_add dispatch overhead."""
+    pairs = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    for e, j in pairs:
+        acc += (run(e, x) * w[0, j].to(x.dtype)).float()
+    return acc.to(x.dtype)
 
 
 # ---------------------------------------------------------------- routers
