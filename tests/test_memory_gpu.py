@@ -60,7 +60,7 @@ def variants(path, dtype, tmp_path):
         "ssd_streaming": dict(gpu_mem=big, cpu_moe=True, ram_mem=2 * eb + 4 * eb),
         "prefill_copies": dict(gpu_mem=big, n_cpu_moe=3, ram_mem=big, prefill_copy_tokens=2),
         "profile_mix": dict(gpu_mem=big, ram_mem=big, expert_profile=str(tmp_path / "p.json"), prefetch="on",
-                            override_tensor=((r"layers\.0\.", "cpu"),)),
+                            override_tensor=((r"layers\.0\.mlp\.experts", "cpu"),)),
         "override_disk": dict(gpu_mem=big, ram_mem=big, override_tensor=((r"blk\.[23]\.ffn_.*_exps", "disk"),)),
     }
 
@@ -72,6 +72,10 @@ def test_tiered_matches_dense_on_cuda(tiny, tmp_path, dtype):
     want = logits(dense, tokens, dtype)
     want_toks = greedy_tokens(dense, tokens[:SPLIT].tolist(), N_GREEDY, dtype)
     del dense
+    # bf16 yardstick: how far the dense bf16 model itself is from fp32 (GPU hits and CPU misses
+    # round differently, so the tiered model may be as far again from the dense one)
+    ref32 = logits(load_model(path, device="cuda", dtype=torch.float32)[0], tokens, torch.float32)
+    bf16_tol = max(3e-2, 2 * ((want - ref32).abs().max() / ref32.abs().max()).item())
     for name, kw in cases.items():
         eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype=str(dtype).removeprefix("torch."),
                                              max_context=CTX, **kw))
@@ -81,7 +85,7 @@ def test_tiered_matches_dense_on_cuda(tiny, tmp_path, dtype):
             assert err <= 1e-4, f"{name}: logits differ by {err:.2e}"
             assert greedy_tokens(eng.model, tokens[:SPLIT].tolist(), N_GREEDY, dtype) == want_toks, name
         else:
-            assert err <= 3e-2, f"{name}: bf16 logits differ by {err:.2e}"
+            assert err <= bf16_tol, f"{name}: bf16 logits differ by {err:.2e} (allowed {bf16_tol:.2e})"
         st = eng.memory_stats()
         assert st["tiers"]["gpu"]["ms"] >= 0 and st["cumulative"]["decode_tokens"] > 0
         eng.tiers.cache.check()
