@@ -14,6 +14,23 @@ from ..runtime.kv_cache import Cache
 from .layers import RMSNorm, Rope
 
 
+class Block(nn.Module):
+    """Pre-norm decoder layer: h += attn(norm(h)); h += mlp(norm(h)). Names as in HF checkpoints."""
+
+    def __init__(self, args: ModelArgs, attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn, self.mlp = attn, mlp
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def make_cache(self, max_len, dtype, device):
+        return self.self_attn.make_cache(max_len, dtype, device)
+
+    def forward(self, h, rope, kv, start):
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class Backbone(nn.Module):
     def __init__(self, args: ModelArgs, blocks: list[nn.Module]):
         super().__init__()

@@ -11,7 +11,7 @@ from torch import nn
 from ..config import ModelArgs
 from ..errors import CheckpointError
 from ..runtime.kv_cache import KVCache
-from .base import CausalLM
+from .base import Block, CausalLM
 from .layers import MLP, DenseExperts, GroupedSigmoidRouter, RMSNorm, Rope, apply_rope, attention
 
 
@@ -98,21 +98,9 @@ class MoE(nn.Module):
         return self.experts(x, ids, w) + self.shared_experts(x)
 
 
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs, i: int):
-        super().__init__()
-        self.self_attn = MLA(args)
-        dense = i < (args.get("first_k_dense_replace") or 0)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size) if dense else MoE(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def make_cache(self, max_len, dtype, device):
-        return self.self_attn.make_cache(max_len, dtype, device)
-
-    def forward(self, h, rope, kv, start):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def block(args: ModelArgs, i: int) -> Block:
+    dense = i < (args.get("first_k_dense_replace") or 0)
+    return Block(args, MLA(args), MLP(args.hidden_size, args.intermediate_size) if dense else MoE(args))
 
 
 class Model(CausalLM):
@@ -126,4 +114,4 @@ class Model(CausalLM):
 
     def __init__(self, args: ModelArgs):
         rope = Rope(args.rope_parameters, args.get("qk_rope_head_dim"), args.max_position_embeddings)
-        super().__init__(args, [Block(args, i) for i in range(args.num_hidden_layers)], rope)
+        super().__init__(args, [block(args, i) for i in range(args.num_hidden_layers)], rope)

@@ -3,12 +3,11 @@ per-head q/k RMSNorm, partial RoPE on the first half of each head, and DeepSeek-
 (grouped sigmoid routing with correction bias, shared experts, dense first layers)."""
 from __future__ import annotations
 
-from torch import nn
 
 from ..config import ModelArgs
-from .base import CausalLM
+from .base import Block, CausalLM
 from .deepseek_v3 import MoE
-from .layers import MLP, Attention, RMSNorm, Rope
+from .layers import MLP, Attention, Rope
 
 
 def rotary_dim(args: ModelArgs) -> int:
@@ -17,21 +16,10 @@ def rotary_dim(args: ModelArgs) -> int:
     return int(args.head_dim * factor)
 
 
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs, i: int):
-        super().__init__()
-        self.self_attn = Attention(args, qk_norm=bool(args.get("use_qk_norm", False)), o_bias=False)
-        dense = i < (args.get("first_k_dense_replace") or 0)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size) if dense else MoE(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def make_cache(self, max_len, dtype, device):
-        return self.self_attn.make_cache(max_len, dtype, device)
-
-    def forward(self, h, rope, kv, start):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def block(args: ModelArgs, i: int) -> Block:
+    dense = i < (args.get("first_k_dense_replace") or 0)
+    mlp = MLP(args.hidden_size, args.intermediate_size) if dense else MoE(args)
+    return Block(args, Attention(args, qk_norm=bool(args.get("use_qk_norm", False)), o_bias=False), mlp)
 
 
 class Model(CausalLM):
@@ -43,4 +31,4 @@ class Model(CausalLM):
 
     def __init__(self, args: ModelArgs):
         rope = Rope(args.rope_parameters, rotary_dim(args), args.max_position_embeddings)
-        super().__init__(args, [Block(args, i) for i in range(args.num_hidden_layers)], rope)
+        super().__init__(args, [block(args, i) for i in range(args.num_hidden_layers)], rope)

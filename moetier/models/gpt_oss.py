@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
-from .base import CausalLM
-from .layers import Attention, DenseExperts, RMSNorm, Rope
+from .base import Block, CausalLM
+from .layers import Attention, DenseExperts, Rope
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -56,21 +56,9 @@ def layer_types(args: ModelArgs) -> list[str]:
                                        for i in range(args.num_hidden_layers)]
 
 
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs, kind: str):
-        super().__init__()
-        window = args.sliding_window if kind == "sliding_attention" else None
-        self.self_attn = Attention(args, sinks=True, window=window)
-        self.mlp = MoE(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def make_cache(self, max_len, dtype, device):
-        return self.self_attn.make_cache(max_len, dtype, device)
-
-    def forward(self, h, rope, kv, start):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def block(args: ModelArgs, kind: str) -> Block:
+    window = args.sliding_window if kind == "sliding_attention" else None
+    return Block(args, Attention(args, sinks=True, window=window), MoE(args))
 
 
 # transformers' GptOssExperts layout -> ours. Theirs: gate_up_proj [E, D, 2I] with gate/up interleaved
@@ -105,4 +93,4 @@ class Model(CausalLM):
         # transformers' GptOssConfig defaults attention_bias to True (ModelArgs' default is False)
         args = dataclasses.replace(args, attention_bias=bool(args.get("attention_bias", True)))
         rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
-        super().__init__(args, [Block(args, kind) for kind in layer_types(args)], rope)
+        super().__init__(args, [block(args, kind) for kind in layer_types(args)], rope)

@@ -6,8 +6,8 @@ from torch import nn
 
 from ..config import ModelArgs
 from ..errors import CheckpointError
-from .base import CausalLM
-from .layers import Attention, DenseExperts, RMSNorm, Rope, SoftmaxRouter
+from .base import Block, CausalLM
+from .layers import Attention, DenseExperts, Rope, SoftmaxRouter
 
 
 class MoE(nn.Module):
@@ -19,22 +19,6 @@ class MoE(nn.Module):
     def forward(self, x):
         ids, w = self.gate(x)             # [T, k]
         return self.experts(x, ids, w)
-
-
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.self_attn = Attention(args, window=args.sliding_window)
-        self.mlp = MoE(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def make_cache(self, max_len, dtype, device):
-        return self.self_attn.make_cache(max_len, dtype, device)
-
-    def forward(self, h, rope, kv, start):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Model(CausalLM):
@@ -50,4 +34,5 @@ class Model(CausalLM):
         if args.hidden_act != "silu":
             raise CheckpointError(f"Mixtral with hidden_act={args.hidden_act!r} is not supported (only silu is)")
         rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
-        super().__init__(args, [Block(args) for _ in range(args.num_hidden_layers)], rope)
+        super().__init__(args, [Block(args, Attention(args, window=args.sliding_window), MoE(args))
+                               for _ in range(args.num_hidden_layers)], rope)

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..config import ModelArgs
 from ..errors import CheckpointError
-from .base import CausalLM
+from .base import Block, CausalLM
 from .layers import Attention, DenseExperts, RMSNorm, Rope, SoftmaxRouter, apply_rope, attention
 
 
@@ -43,22 +43,6 @@ class MoE(nn.Module):
         return self.experts(x, ids, w)
 
 
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.self_attn = OlmoeAttention(args)
-        self.mlp = MoE(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def make_cache(self, max_len, dtype, device):
-        return self.self_attn.make_cache(max_len, dtype, device)
-
-    def forward(self, h, rope, kv, start):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class Model(CausalLM):
     # save_pretrained writes per-expert gate/up/down_proj; the in-memory state dict is fused (by name)
     CHECKPOINT = {
@@ -70,4 +54,4 @@ class Model(CausalLM):
         if args.hidden_act != "silu":
             raise CheckpointError(f"OLMoE with hidden_act={args.hidden_act!r} is not supported (only silu is)")
         rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
-        super().__init__(args, [Block(args) for _ in range(args.num_hidden_layers)], rope)
+        super().__init__(args, [Block(args, OlmoeAttention(args), MoE(args)) for _ in range(args.num_hidden_layers)], rope)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..config import ModelArgs
-from .base import CausalLM
-from .layers import MLP, Attention, DenseExperts, RMSNorm, Rope, SoftmaxRouter
+from .base import Block, CausalLM
+from .layers import MLP, Attention, DenseExperts, Rope, SoftmaxRouter
 
 
 class MoE(nn.Module):
@@ -20,22 +20,11 @@ class MoE(nn.Module):
         return self.experts(x, ids, w)
 
 
-class Block(nn.Module):
-    def __init__(self, args: ModelArgs, i: int):
-        super().__init__()
-        self.self_attn = Attention(args, qk_norm=True)
-        sparse = (i not in args.get("mlp_only_layers", [])) and args.num_experts > 0 \
-            and (i + 1) % args.get("decoder_sparse_step", 1) == 0
-        self.mlp = MoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def make_cache(self, max_len, dtype, device):
-        return self.self_attn.make_cache(max_len, dtype, device)
-
-    def forward(self, h, rope, kv, start):
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, start)
-        return h + self.mlp(self.post_attention_layernorm(h))
+def block(args: ModelArgs, i: int) -> Block:
+    sparse = (i not in args.get("mlp_only_layers", [])) and args.num_experts > 0 \
+        and (i + 1) % args.get("decoder_sparse_step", 1) == 0
+    mlp = MoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+    return Block(args, Attention(args, qk_norm=True), mlp)
 
 
 class Model(CausalLM):
@@ -46,4 +35,4 @@ class Model(CausalLM):
 
     def __init__(self, args: ModelArgs):
         rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
-        super().__init__(args, [Block(args, i) for i in range(args.num_hidden_layers)], rope)
+        super().__init__(args, [block(args, i) for i in range(args.num_hidden_layers)], rope)
