@@ -77,3 +77,20 @@ def build_for_gpu_test(path):
     """Used by tests/test_gpu.py: a tiny checkpoint to compare CUDA with CPU."""
     tiny_checkpoint(path, GptOssForCausalLM, config(), scale=6.0)
     return path
+
+
+def test_mxfp4_safetensors_experts_give_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from moetier.errors import CheckpointError
+    from moetier.weights.loader import load_model
+    tiny_checkpoint(tmp_path, GptOssForCausalLM, config(num_hidden_layers=1), scale=6.0)
+    f = next(tmp_path.glob("*.safetensors"))
+    sd = load_file(str(f))
+    key = next(k for k in sd if k.endswith("experts.gate_up_proj"))
+    sd[key.replace("gate_up_proj", "gate_up_proj_blocks")] = torch.zeros(4, dtype=torch.uint8)
+    del sd[key]
+    save_file(sd, str(f))
+    (tmp_path / "model.safetensors.index.json").unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="MXFP4"):
+        load_model(tmp_path)

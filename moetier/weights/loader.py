@@ -151,6 +151,11 @@ def _fetch(ckpt: NamedCheckpoint, args: ModelArgs, name: str) -> torch.Tensor:
     if ckpt.has(name):
         return ckpt.tensor(name)
     m = EXPERT_PARAM.match(name)
+    if m and any(k.startswith(f"{m['prefix']}.experts.") and k.endswith("_blocks")
+                 for k in getattr(ckpt, "names", ())):
+        raise CheckpointError(f"{ckpt.ckpt.dir}: the experts are stored as MXFP4 (*_blocks/*_scales, as in the "
+                              "official gpt-oss release), which moetier cannot read from safetensors yet; "
+                              "use a BF16 checkpoint or a GGUF file of the model")
     if m:
         return ExpertSource(ckpt, m["prefix"], [m["name"]]).stacked(m["name"], args.num_experts)
     if name == "lm_head.weight" and (args.tie_word_embeddings or not ckpt.has(name)) \
