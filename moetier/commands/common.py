@@ -29,9 +29,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                                   "(default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--ctx", type=positive_int, default=None, metavar="N",
                    help="context length in tokens (KV cache size); default min(model max, 4096)")
-    g.add_argument("--threads", type=positive_int, default=None, help="CPU threads for torch")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="CPU threads for torch (default: half the CPUs, at least 1)")
     g.add_argument("--no-cuda-graph", dest="cuda_graphs", action="store_false",
                    help="decode eagerly instead of replaying one CUDA graph per token (debugging)")
+    g.add_argument("--cpu-compile", default="auto", choices=("auto", "on", "off"),
+                   help="compile the CPU decode step with torch.compile (~10-35 s once per run, then "
+                        "~1.5-2x faster decode on small models; default: auto = off)")
     g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "int8"),
                    help="KV cache storage; int8 (+ an fp16 scale per 32 values) takes ~53%% of bf16 "
                         "(default: auto, the model dtype)")
@@ -61,6 +65,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     return EngineConfig(device=args.device, dtype=args.dtype, max_context=args.ctx, threads=args.threads,
                         cuda_graphs=getattr(args, "cuda_graphs", True),
+                        cpu_compile=getattr(args, "cpu_compile", "auto"),
                         kv_dtype=getattr(args, "kv_dtype", "auto"), kv_offload=getattr(args, "kv_offload", False),
                         gpu_mem=parse_size(args.gpu_mem), ram_mem=parse_size(args.ram_mem),
                         gpu_reserve=parse_size(args.gpu_reserve), seed=getattr(args, "seed", None),

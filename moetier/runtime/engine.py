@@ -10,6 +10,7 @@ longest common token prefix and computes only the rest (`stats["cached_tokens"]`
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
@@ -53,6 +54,17 @@ def resolve_model_path(model: str | Path | None) -> Path:
         except Exception as e:
             raise UserError(f"{model}: not a local path, and the hub download failed: {e}") from None
     raise UserError(f"{model}: no such model directory or file")
+
+
+def default_threads() -> int:
+    """Half the CPUs this process may use (at least 1). The seeds measured half the hardware
+    threads faster than all; on a 2-vCPU box whose host is busy, 2 OpenMP threads made decoding
+    the default model 3-100x slower than 1 (a stalled thread holds every barrier)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, n // 2)
 
 
 class Session:
@@ -127,8 +139,7 @@ class Engine:
     def load(cls, model: str | Path | None = None, config: EngineConfig | None = None) -> "Engine":
         from ..weights.loader import load_model
         config = config or EngineConfig()
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        torch.set_num_threads(config.threads or default_threads())
         path = resolve_model_path(model)
         device = config.resolved_device()
         dtype = config.resolved_dtype(device)
@@ -239,7 +250,14 @@ class Engine:
                 yield ev
 
     def _decode_step(self, session: Session):
-        """The per-token forward: a CUDA-graph replay on CUDA (captured once per session), else eager."""
+        """The per-token forward: a CUDA-graph replay on CUDA (captured once per session), a
+        torch.compile'd step on the CPU when config.cpu_compile asks (compiled once per Engine), else eager."""
+        from . import cpu_compile
+        if cpu_compile.wanted(self.config.cpu_compile, self.device, self.tiers, session.cache):
+            if getattr(self, "_cpu_decode", None) is None:
+                self._cpu_decode = cpu_compile.CpuDecode(self.model)
+            cpu_step, cache = self._cpu_decode, session.cache
+            return lambda tok: cpu_step(cache, tok)[-1]
         if not (self.device.startswith("cuda") and self.config.cuda_graphs) or self.tiers is not None \
                 or self.config.kv_offload:  # offloaded KV is written on the host: not capturable
             return None  # tiered experts sync with the host per layer: eager until they are graph-safe
