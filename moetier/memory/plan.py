@@ -33,7 +33,6 @@ SCRATCH_BUFFERS = 4         # RAM buffers for streamed reads (= read-ahead depth
 STAGE_SLOTS = 2             # fast-tier buffers for prefill copies (double buffering)
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
-KV_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1 + 2 / 32}   # per KV value (--kv-dtype; int8: fp16 scale / 32)
 
 
 def parse_override(text: str) -> tuple[str, str]:
@@ -125,6 +124,7 @@ class Placement:
     prefill_copy_tokens: int | None
     share: np.ndarray              # expected route share per (li, e)
     kv_tier: str = "device"        # "ram" with --kv-offload on CUDA
+    state_bytes: int = 0           # recurrent states (DeltaNet conv + ssm): on the device, never offloaded
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -172,7 +172,8 @@ class Placement:
         return {
             "model": self.model, "model_type": self.model_type, "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."), "storage_dtype": str(self.storage_dtype).removeprefix("torch."),
-            "ctx": self.ctx, "groups": self.groups, "kv_bytes": self.kv_bytes, "workspace_bytes": self.workspace_bytes,
+            "ctx": self.ctx, "groups": self.groups, "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
+            "kv_tier": self.kv_tier, "workspace_bytes": self.workspace_bytes,
             "experts": {"layers": self.num_layers, "per_layer": self.num_experts, "top_k": self.top_k,
                         "bytes_per_expert": self.expert_bytes, "fast_bytes_per_expert": self.expert_fast_bytes,
                         "bytes_per_layer": self.expert_bytes * self.num_experts,
@@ -215,8 +216,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     cuda = device.startswith("cuda")
     groups, dense, embed = _groups(model, dtype)
     check_dense_overrides([n for n, _ in model.named_parameters() if not EXPERT_PARAM.search(n)], config, device)
-    kv = sum(getattr(c, "nbytes", 0) for c in model.make_cache(ctx, dtype, "meta").layers if c is not None)
-    kv = int(kv * KV_BYTES.get(getattr(config, "kv_dtype", "auto"), dtype.itemsize) / dtype.itemsize)
+    kv, state = cache_bytes(model, ctx, dtype, getattr(config, "kv_dtype", "auto"))
     kv_on_host = cuda and getattr(config, "kv_offload", False)     # --kv-offload keeps the KV cache in RAM
     chunk = min(prefill_chunk, ctx)
     inter = layout.params[0].shape[0] // 2 if layout.params else 0
@@ -258,12 +258,13 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         ram_budget = max(0, ram_free - reserve)
         notes["ram_source"] = f"auto: {fmt_bytes(ram_free)} available - {fmt_bytes(reserve)} reserve"
 
-    fixed = dense + embed + (0 if kv_on_host else kv) + workspace
+    kv_dev = state + (0 if kv_on_host else kv)                     # what the cache keeps on the device
+    fixed = dense + embed + kv_dev + workspace
     forced_fast = sum(E for t in tiers if t == "gpu")
     if cuda:
         gpu_left = gpu_budget - fixed
         if gpu_left < 0:
-            problems.append(f"dense weights ({fmt_bytes(dense + embed)}) + KV cache at {ctx} tokens ({fmt_bytes(kv)}) "
+            problems.append(f"dense weights ({fmt_bytes(dense + embed)}) + KV cache at {ctx} tokens ({fmt_bytes(kv_dev)}) "
                             f"+ prefill workspace ({fmt_bytes(workspace)}) need {fmt_bytes(fixed)}, but the GPU "
                             f"budget is {fmt_bytes(gpu_budget)}: lower --ctx, raise --gpu-mem, or use a larger GPU")
         ram_left = ram_budget - (kv if kv_on_host else 0)
@@ -271,7 +272,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         gpu_left = gpu_budget
         ram_left = ram_budget - fixed
         if ram_left < 0:
-            problems.append(f"dense weights ({fmt_bytes(dense + embed)}) + KV cache at {ctx} tokens ({fmt_bytes(kv)}) "
+            problems.append(f"dense weights ({fmt_bytes(dense + embed)}) + KV cache at {ctx} tokens ({fmt_bytes(kv_dev)}) "
                             f"+ prefill workspace ({fmt_bytes(workspace)}) need {fmt_bytes(fixed)} of RAM, but the "
                             f"RAM budget is {fmt_bytes(ram_budget)}: lower --ctx or raise --ram-mem")
     gpu_left -= forced_fast * fb
@@ -322,7 +323,16 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         bank_candidates=len(candidates), bank_order=candidates, scratch=scratch, gpu_budget=gpu_budget,
         ram_budget=ram_budget, budget_notes=notes, policy=policy, prefetch=prefetch,
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",
-        problems=problems)
+        state_bytes=state, problems=problems)
+
+
+def cache_bytes(model, ctx: int, dtype: torch.dtype, kv_dtype: str = "auto") -> tuple[int, int]:
+    """(attention KV bytes, recurrent-state bytes) of the cache the engine allocates: session_cache at
+    `ctx` on the meta device (no memory). --kv-offload moves the KV, not its size, so it is left out."""
+    from ..runtime.kv_cache import KVCache, session_cache
+    layers = [c for c in session_cache(model, ctx, dtype, "meta", kv_dtype).layers if c is not None]
+    kv = sum(c.nbytes for c in layers if isinstance(c, KVCache))
+    return kv, sum(c.nbytes for c in layers if not isinstance(c, KVCache))
 
 
 def _groups(model, dtype) -> tuple[list[dict], int, int]:
@@ -403,7 +413,7 @@ def decode_ceiling(pl: Placement, bw: dict) -> dict:
     cpu_dt = str(pl.storage_dtype if cuda else pl.dtype).removeprefix("torch.")
     # dense weights are read once per token; the KV cache at the full context; embeddings: one row
     lm_head = next((g["bytes"] for g in pl.groups if g["group"].startswith("embeddings")), 0) / 2
-    fast_bytes = pl.dense_bytes + lm_head + pl.kv_bytes + routes * cov["gpu"] * pl.expert_fast_bytes
+    fast_bytes = pl.dense_bytes + lm_head + pl.kv_bytes + pl.state_bytes + routes * cov["gpu"] * pl.expert_fast_bytes
     cpu_bytes = routes * (cov["ram"] + cov["ssd"]) * pl.layout.raw_bytes
     ssd_bytes = routes * cov["ssd"] * pl.layout.raw_bytes
     fast_bw = bw["hbm_gbs"] if cuda else bw["ram_gbs"]

@@ -69,11 +69,37 @@ def _kv_b_split(kv: torch.Tensor, a) -> list[torch.Tensor]:
     return [k_b.transpose(1, 2).contiguous(), v_b.contiguous()]
 
 
+def _plus_one(name: str) -> Tensor:
+    """Zero-centred RMSNorm weights: the converter stores 1 + w, as llama.cpp's plain RMSNorm wants."""
+    return Tensor((name,), lambda t, a: t - 1, lambda t, a: [t + 1])
+
+
+def _zero_centred(a) -> bool:
+    return a.model_type == "qwen3_next"
+
+
+def _qkvz_join(qkv: torch.Tensor, z: torch.Tensor, a) -> torch.Tensor:
+    # attn_qkv [q all heads | k all heads | v all heads] and attn_gate [z] -> in_proj_qkvz, grouped per
+    # key head: [q_h | k_h | v_h | z_h] for h in Hk (v_h, z_h hold the Hv/Hk value heads of key head h)
+    hk, dk, d = a.get("linear_num_key_heads"), a.get("linear_key_head_dim"), qkv.shape[-1]
+    q, k, v = qkv.split([hk * dk, hk * dk, qkv.shape[0] - 2 * hk * dk])
+    return torch.cat([q.view(hk, -1, d), k.view(hk, -1, d), v.view(hk, -1, d), z.view(hk, -1, d)], 1).view(-1, d)
+
+
+def _qkvz_split(w: torch.Tensor, a) -> list[torch.Tensor]:
+    hk, dk, d = a.get("linear_num_key_heads"), a.get("linear_key_head_dim"), w.shape[-1]
+    dvr = (w.shape[0] // hk - 2 * dk) // 2                      # value rows per key head
+    q, k, v, z = w.view(hk, -1, d).split([dk, dk, dvr, dvr], 1)
+    return [torch.cat([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)]), z.reshape(-1, d)]
+
+
 # ---------------------------------------------------------------- name tables
 
 GLOBAL = {
     "model.embed_tokens.weight": T("token_embd.weight"),
-    "model.norm.weight": T("output_norm.weight"),
+    # stored as 1 + w for zero-centred architectures (see _plus_one)
+    "model.norm.weight": Tensor(("output_norm.weight",), lambda t, a: t - 1 if _zero_centred(a) else t,
+                                lambda t, a: [t + 1 if _zero_centred(a) else t]),
     "lm_head.weight": T("output.weight"),
 }
 
@@ -122,6 +148,31 @@ MLA = {
     "post_attention_layernorm.weight": T("ffn_norm.weight"),
 }
 
+QWEN3_NEXT = {  # convert_hf_to_gguf's Qwen3NextModel: norms + 1, A as -exp(A_log), conv1d squeezed,
+    # in_proj_qkvz regrouped into attn_qkv + attn_gate (see _qkvz_join); in_proj_ba as is
+    "input_layernorm.weight": _plus_one("attn_norm.weight"),
+    "post_attention_layernorm.weight": _plus_one("post_attention_norm.weight"),
+    "self_attn.q_proj.weight": T("attn_q.weight"),           # [query | gate] per head, as ours
+    "self_attn.k_proj.weight": T("attn_k.weight"),
+    "self_attn.v_proj.weight": T("attn_v.weight"),
+    "self_attn.o_proj.weight": T("attn_output.weight"),
+    "self_attn.q_norm.weight": _plus_one("attn_q_norm.weight"),
+    "self_attn.k_norm.weight": _plus_one("attn_k_norm.weight"),
+    "linear_attn.in_proj_qkvz.weight": Tensor(("attn_qkv.weight", "attn_gate.weight"), _qkvz_join, _qkvz_split),
+    "linear_attn.in_proj_ba.weight": T("ssm_ba.weight"),
+    "linear_attn.conv1d.weight": Tensor(("ssm_conv1d.weight",), lambda t, a: t.unsqueeze(1),
+                                        lambda t, a: [t.squeeze(1)]),            # [C, K] <-> [C, 1, K]
+    "linear_attn.A_log": Tensor(("ssm_a",), lambda t, a: torch.log(-t), lambda t, a: [-torch.exp(t)]),
+    "linear_attn.dt_bias": T("ssm_dt.bias"),
+    "linear_attn.norm.weight": T("ssm_norm.weight"),          # a plain RMSNorm weight: not shifted
+    "linear_attn.out_proj.weight": T("ssm_out.weight"),
+    "mlp.shared_expert.gate_proj.weight": T("ffn_gate_shexp.weight"),
+    "mlp.shared_expert.up_proj.weight": T("ffn_up_shexp.weight"),
+    "mlp.shared_expert.down_proj.weight": T("ffn_down_shexp.weight"),
+    "mlp.shared_expert_gate.weight": T("ffn_gate_inp_shexp.weight"),
+    **DENSE_MLP, **ROUTER,
+}
+
 # our stacked expert params (under model.layers.N.mlp.experts.) -> fused GGUF tensors, concatenated on
 # the per-expert row dim: gate_up_proj [E, 2I, D] = gate rows then up rows, as DenseExperts keeps them
 EXPERTS = {
@@ -156,6 +207,7 @@ ARCHS: dict[str, Arch] = {
         "self_attn.sinks": T("attn_sinks.weight"),
         "mlp.router.weight": T("ffn_gate_inp.weight"), "mlp.router.bias": T("ffn_gate_inp.bias")},
         experts={**EXPERTS, **EXPERT_BIASES}),
+    "qwen3next": Arch("qwen3next", "qwen3_next", QWEN3_NEXT),
 }
 BY_MODEL_TYPE = {a.model_type: a for a in ARCHS.values()}
 
@@ -237,6 +289,8 @@ def hf_config(meta: dict, shapes: dict | None = None) -> dict:
         cfg["num_hidden_layers"] -= k("nextn_predict_layers", 0)
         cfg["partial_rotary_factor"] = k("rope.dimension_count", cfg["head_dim"] // 2) / cfg["head_dim"]
         cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+    elif arch == "qwen3next":
+        _qwen3_next(cfg, k, names, meta.get("qwen3next.attention.recurrent_layers"))
     elif arch == "gpt-oss":
         cfg["intermediate_size"] = cfg["moe_intermediate_size"]
         cfg["sliding_window"] = k("attention.sliding_window")
@@ -260,6 +314,25 @@ def _moe_common(cfg: dict, k) -> None:
     if k("expert_gating_func", 2) != 2:
         raise CheckpointError("this GGUF routes experts with softmax (DeepSeek-V2 style); moetier's "
                               "deepseek_v3 / glm4_moe implement sigmoid routing only")
+
+
+def _qwen3_next(cfg: dict, k, names: set, recurrent: list | None) -> None:
+    n = cfg["num_hidden_layers"] - k("nextn_predict_layers", 0)   # MTP blocks are appended as layers
+    cfg["num_hidden_layers"] = n
+    cfg["norm_topk_prob"] = True   # llama.cpp always renormalises Qwen3-Next's top-k weights
+    cfg["shared_expert_intermediate_size"] = k("expert_shared_feed_forward_length")
+    cfg["partial_rotary_factor"] = k("rope.dimension_count", cfg["head_dim"] // 4) / cfg["head_dim"]
+    cfg["linear_conv_kernel_dim"] = k("ssm.conv_kernel")
+    cfg["linear_key_head_dim"] = k("ssm.state_size")
+    cfg["linear_num_key_heads"] = k("ssm.group_count")
+    cfg["linear_num_value_heads"] = k("ssm.time_step_rank")
+    cfg["linear_value_head_dim"] = k("ssm.inner_size") // k("ssm.time_step_rank")
+    if recurrent:
+        cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:n]]
+    else:
+        cfg["full_attention_interval"] = k("full_attention_interval", 4)
+    if names:
+        cfg["mlp_only_layers"] = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" not in names]
 
 
 def _deepseek(cfg: dict, k) -> None:
@@ -347,6 +420,17 @@ def gguf_metadata(args, arch: Arch) -> dict:
     elif a == "glm4moe":
         factor = rp.get("partial_rotary_factor", args.get("partial_rotary_factor", 0.5))
         m["rope.dimension_count"] = int(args.head_dim * factor)
+    elif a == "qwen3next":
+        every, hv = args.get("full_attention_interval", 4), args.get("linear_num_value_heads")
+        types = args.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                            for i in range(args.num_hidden_layers)]
+        factor = rp.get("partial_rotary_factor", args.get("partial_rotary_factor", 0.25))
+        m.update({"expert_shared_feed_forward_length": args.get("shared_expert_intermediate_size"),
+                  "ssm.conv_kernel": args.get("linear_conv_kernel_dim", 4),
+                  "ssm.state_size": args.get("linear_key_head_dim"), "ssm.group_count": args.get("linear_num_key_heads"),
+                  "ssm.time_step_rank": hv, "ssm.inner_size": hv * args.get("linear_value_head_dim"),
+                  "attention.recurrent_layers": [t == "linear_attention" for t in types],
+                  "full_attention_interval": every, "rope.dimension_count": int(args.head_dim * factor)})
     elif a == "gpt-oss":
         m["expert_feed_forward_length"] = args.intermediate_size
         if args.sliding_window:
