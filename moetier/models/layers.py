@@ -230,6 +230,8 @@ class DenseExperts(nn.Module):
             return ops.moe_decode(x, ids, w, self.gate_up_proj, self.down_proj, self.act, biases)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return gathered_experts(x, ids, w, self)
+        if x.is_cuda and x.dtype == torch.bfloat16 and self.gate_up_bias is None and hasattr(torch, "_grouped_mm"):
+            return grouped_mm_experts(x, ids, w, self)
         return grouped_experts(x, ids, w, self.num_experts, self.expert)
 
 
@@ -248,6 +250,21 @@ def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: De
     if ex.down_bias is not None:
         y = y + ex.down_bias[flat]
     return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1)
+
+
+def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts) -> torch.Tensor:
+    """CUDA bf16 prefill: pairs sorted by expert, then one grouped GEMM per projection over all
+    experts (torch._grouped_mm; measured faster than our Triton grouped kernel for bf16), no host sync."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=ex.num_experts).cumsum(0).to(torch.int32)  # group ends
+    rows = order // k
+    h = torch._grouped_mm(x[rows], ex.gate_up_proj.transpose(-2, -1), offs=offs)    # [T*k, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(ex.act(gate, up).contiguous(), ex.down_proj.transpose(-2, -1), offs=offs)
+    y = y * w.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, y)
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
