@@ -141,6 +141,9 @@ class EngineConfig:
                                     # time outweighs the gain for short runs, docs/perf-log.md)
     kv_dtype: str = "auto"          # KV cache storage: auto (the model dtype) | bf16 | fp16 | fp32 | int8
     kv_offload: bool = False        # KV in (pinned) host memory, copied to the GPU each step (no-op on CPU)
+    snapshot_every: int = 0         # recurrent models: also snapshot their state every N prompt tokens (0: off)
+    prompt_cache: str | None = None  # directory of cache snapshots shared across sessions and processes
+    prompt_cache_mem: int = 2 << 30  # byte budget of that directory (least recently used files go first)
     # memory tiers (moetier/memory); any of these turns them on
     tiers: bool = False             # set when a budget flag was given, even "auto"
     cpu_moe: bool = False           # every layer's experts stay off the fast tier (llama.cpp --cpu-moe)

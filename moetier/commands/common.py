@@ -42,6 +42,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload", action="store_true",
                    help="keep the KV cache in pinned host memory and copy it to the GPU each step, "
                         "for very long contexts (slower; no-op on CPU)")
+    g.add_argument("--snapshot-every", type=positive_int, default=0, metavar="N",
+                   help="models with recurrent layers (Qwen3-Next): also snapshot their state every N "
+                        "prompt tokens, so an edited long prompt resumes near the edit (default 0: off)")
+    g.add_argument("--prompt-cache", default=None, metavar="DIR",
+                   help="also write cache snapshots to DIR; a new session or process resumes from the "
+                        "longest saved prefix of its prompt")
+    g.add_argument("--prompt-cache-mem", default="2GiB", metavar="SIZE",
+                   help="disk budget of --prompt-cache; the least recently used files go first (default 2GiB)")
     g.add_argument("--gpu-mem", default=None, metavar="SIZE", help="GPU memory budget, e.g. 8GiB, or auto")
     g.add_argument("--ram-mem", default=None, metavar="SIZE", help="RAM budget for the expert bank, or auto")
     g.add_argument("--gpu-reserve", default=None, metavar="SIZE", help="VRAM left free when --gpu-mem is auto")
@@ -67,6 +75,9 @@ def engine_config(args) -> EngineConfig:
                         cuda_graphs=getattr(args, "cuda_graphs", True),
                         cpu_compile=getattr(args, "cpu_compile", "auto"),
                         kv_dtype=getattr(args, "kv_dtype", "auto"), kv_offload=getattr(args, "kv_offload", False),
+                        snapshot_every=getattr(args, "snapshot_every", 0),
+                        prompt_cache=getattr(args, "prompt_cache", None),
+                        prompt_cache_mem=parse_size(getattr(args, "prompt_cache_mem", "2GiB")) or 2 << 30,
                         gpu_mem=parse_size(args.gpu_mem), ram_mem=parse_size(args.ram_mem),
                         gpu_reserve=parse_size(args.gpu_reserve), seed=getattr(args, "seed", None),
                         **memory_fields(args))

@@ -23,6 +23,7 @@ from ..errors import ContextOverflow, UserError
 from ..weights.tokenizer import Detokenizer, Tokenizer
 from .generate import Done, TokenEvent, generate_stream
 from .kv_cache import Cache, session_cache
+from .prompt_cache import PromptCache
 from .sampling import Sampler, SamplingParams
 
 DEFAULT_CONTEXT = 4096
@@ -70,16 +71,21 @@ def default_threads() -> int:
 class Session:
     """One conversation's cache and the tokens it holds. A cache with recurrent layers cannot be
     cut back, so the session also keeps the last few snapshots of their state taken at turn
-    boundaries (the end of each prompt's prefill); a prompt that leaves the cached tokens resumes
-    from the longest snapshot it extends instead of from 0. Attention-only caches just truncate."""
+    boundaries (the end of each prompt's prefill) and, with --snapshot-every, inside long prompts;
+    a prompt that leaves the cached tokens resumes from the longest snapshot it extends instead of
+    from 0. Attention-only caches just truncate. With a `disk` PromptCache, snapshots (KV included)
+    are also written there, and a prompt resumes from a longer saved prefix found there."""
 
     MAX_SNAPSHOTS = 4
+    MAX_PERIODIC = 8   # --snapshot-every snapshots kept (the latest: edits are mostly near the end)
 
-    def __init__(self, cache: Cache):
+    def __init__(self, cache: Cache, disk: PromptCache | None = None):
         self.cache = cache
+        self.disk = disk
         self.tokens: list[int] = []
         self.lock = threading.Lock()
         self.snapshots: list[tuple[list[int], dict]] = []   # (tokens, Cache.snapshot(kv=False)), oldest first
+        self.periodic: list[tuple[list[int], dict]] = []    # the same, taken every N prompt tokens
         self.graph = None  # runtime.cuda_graph.DecodeGraph, captured on first CUDA decode
 
     def reuse(self, prompt: list[int]) -> int:
@@ -96,29 +102,42 @@ class Session:
         else:
             self.cache.truncate(0)     # ... or from 0
             n = 0
-        self.tokens = self.tokens[:n]
+        if self.disk is not None and (snap := self.disk.load(prompt, n, len(prompt) - 1)) is not None:
+            self.cache.restore(snap)   # a longer prefix saved on disk (KV and recurrent state)
+            n = snap["length"]
+        self.tokens = list(prompt[:n])
         return n
 
     def _best_snapshot(self, prompt: list[int], n: int) -> dict | None:
         """The longest snapshot of a prefix of `prompt` no longer than n: its recurrent states hold
         those tokens, and the KV positions [0, length) still do too (they equal self.tokens[:n])."""
-        fits = [snap for tokens, snap in self.snapshots if len(tokens) <= n and tokens == prompt[:len(tokens)]]
+        fits = [snap for tokens, snap in self.snapshots + self.periodic
+                if len(tokens) <= n and tokens == prompt[:len(tokens)]]
         return max(fits, key=lambda snap: snap["length"], default=None)
 
-    def save_snapshot(self) -> None:
-        """Remember the state of the cache as it is now (call at a turn boundary). Only caches that
-        cannot truncate need it; the last MAX_SNAPSHOTS are kept."""
+    def save_snapshot(self, periodic: bool = False) -> None:
+        """Remember the state of the cache as it is now (call at a turn boundary, or with periodic
+        inside a prefill). In memory only caches that cannot truncate need it; the last
+        MAX_SNAPSHOTS (MAX_PERIODIC) are kept. The disk copy holds the KV too."""
         n = self.cache.length
-        if self.cache.can_truncate or n == 0 or len(self.tokens) < n:
+        if n == 0 or len(self.tokens) < n:
             return
-        tokens = self.tokens[:n]
-        keep = [s for s in self.snapshots if s[0] != tokens][-(self.MAX_SNAPSHOTS - 1):]
-        self.snapshots = keep + [(tokens, self.cache.snapshot(kv=False))]
+        tokens = self.tokens[:n]   # only what the cache really holds
+        if self.disk is not None:
+            self.disk.save(tokens, self.cache.snapshot(kv=True))
+        if self.cache.can_truncate:
+            return
+        kept, limit = (self.periodic, self.MAX_PERIODIC) if periodic else (self.snapshots, self.MAX_SNAPSHOTS)
+        kept = [s for s in kept if s[0] != tokens][-(limit - 1):] + [(tokens, self.cache.snapshot(kv=False))]
+        if periodic:
+            self.periodic = kept
+        else:
+            self.snapshots = kept
 
     @property
     def nbytes(self) -> int:
         """The cache plus the snapshots (bytes)."""
-        snap = sum(t.numel() * t.element_size() for _, s in self.snapshots
+        snap = sum(t.numel() * t.element_size() for _, s in self.snapshots + self.periodic
                    for layer in s["layers"] if layer is not None for t in layer)
         return self.cache.nbytes + snap
 
@@ -134,6 +153,8 @@ class Engine:
         self.prefill_chunk = 2048
         self.name = path.name if path != default_model_path() else "moetier-default"
         self.tiers = None  # memory.experts.Tiers when experts are tiered (Engine.load installs them)
+        self.prompt_cache = None if not config.prompt_cache else PromptCache(
+            config.prompt_cache, f"{path.resolve()}|{dtype}|kv={config.kv_dtype}", config.prompt_cache_mem)
 
     @classmethod
     def load(cls, model: str | Path | None = None, config: EngineConfig | None = None) -> "Engine":
@@ -173,7 +194,7 @@ class Engine:
 
     def new_session(self, max_context: int | None = None) -> Session:
         return Session(session_cache(self.model, max_context or self.max_context, self.dtype, self.device,
-                                     self.config.kv_dtype, self.config.kv_offload))
+                                     self.config.kv_dtype, self.config.kv_offload), self.prompt_cache)
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
                prompt_ids: list[int] | None = None) -> list[int]:
@@ -232,9 +253,11 @@ class Engine:
             session.tokens = list(ids)
             mem0 = self.tiers.snapshot() if self.tiers is not None else None
             first = True
+            every = 0 if session.cache.can_truncate else self.config.snapshot_every
             for ev in generate_stream(self.model, session.cache, ids, ids[cached:], sampler, max_tokens, eos,
                                       detok, stops, logprobs, cancel, self.prefill_chunk, cached,
-                                      logits_processor, self._decode_step(session)):
+                                      logits_processor, self._decode_step(session), every,
+                                      lambda: session.save_snapshot(periodic=True)):
                 if first:  # the prompt is prefilled and nothing decoded yet: a turn boundary
                     session.save_snapshot()
                     first = False

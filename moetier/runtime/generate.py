@@ -69,13 +69,24 @@ class StopMatcher:
         return out
 
 
-def prefill(model, cache: Cache, tokens: list[int], device, chunk: int) -> torch.Tensor:
-    """Run tokens through the model in chunks; -> logits of the last position [V]."""
+def prefill(model, cache: Cache, tokens: list[int], device, chunk: int, every: int = 0,
+            on_split: Callable[[], None] | None = None) -> torch.Tensor:
+    """Run tokens through the model in chunks; -> logits of the last position [V]. With `every`,
+    chunks also end where cache.length reaches a multiple of it, and `on_split()` runs there
+    (not after the last token: the caller's turn boundary follows)."""
     logits = None
+    start = cache.length
     with torch.inference_mode():
-        for i in range(0, len(tokens), chunk):
-            part = torch.tensor(tokens[i:i + chunk], dtype=torch.long, device=device)
+        i = 0
+        while i < len(tokens):
+            end = min(i + chunk, len(tokens))
+            if every:
+                end = min(end, (start + i) // every * every + every - start)
+            part = torch.tensor(tokens[i:end], dtype=torch.long, device=device)
             logits = model(part, cache, last_only=True)[-1]
+            i = end
+            if every and on_split is not None and i < len(tokens) and (start + i) % every == 0:
+                on_split()
     return logits
 
 
@@ -84,13 +95,15 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
                     logprobs: int | None = None, cancel: Callable[[], bool] | None = None,
                     chunk: int = 2048, cached: int = 0,
                     logits_processor: Callable | None = None,
-                    step: Callable[[int], torch.Tensor] | None = None) -> Iterator[TokenEvent | Done]:
+                    step: Callable[[int], torch.Tensor] | None = None, snapshot_every: int = 0,
+                    on_snapshot: Callable[[], None] | None = None) -> Iterator[TokenEvent | Done]:
     """`cache` already holds prompt[:len(prompt) - len(new_tokens)]; run the rest and decode.
-    `logits_processor(out, logits) -> logits` (optional) reshapes what the sampler sees."""
+    `logits_processor(out, logits) -> logits` (optional) reshapes what the sampler sees;
+    `on_snapshot()` runs each time the prefill reaches a multiple of `snapshot_every` tokens."""
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, new_tokens, device, chunk)
+    logits = prefill(model, cache, new_tokens, device, chunk, snapshot_every, on_snapshot)
     out: list[int] = []
     matcher = StopMatcher(list(stops))
     finish = "length"
