@@ -353,3 +353,16 @@ class GroupedSigmoidRouter(nn.Module):
         if self.normalize:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, (w * self.scaling).to(x.dtype)
+
+
+class SoftmaxMoE(nn.Module):
+    """Softmax top-k router + routed SwiGLU experts (Qwen3-MoE, Mixtral, OLMoE)."""
+
+    def __init__(self, dim: int, num_experts: int, k: int, normalize: bool, hidden: int):
+        super().__init__()
+        self.gate = SoftmaxRouter(dim, num_experts, k, normalize)
+        self.experts = DenseExperts(num_experts, dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.gate(x)             # [T, k]
+        return self.experts(x, ids, w)

@@ -2,23 +2,14 @@
 top-k router renormalised over the k, SwiGLU experts."""
 from __future__ import annotations
 
-from torch import nn
-
 from ..config import ModelArgs
 from ..errors import CheckpointError
 from .base import Block, CausalLM
-from .layers import Attention, DenseExperts, Rope, SoftmaxRouter
+from .layers import Attention, Rope, SoftmaxMoE
 
 
-class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate = SoftmaxRouter(args.hidden_size, args.num_experts, args.num_experts_per_tok, normalize=True)
-        self.experts = DenseExperts(args.num_experts, args.hidden_size, args.intermediate_size)
-
-    def forward(self, x):
-        ids, w = self.gate(x)             # [T, k]
-        return self.experts(x, ids, w)
+def moe(args: ModelArgs) -> SoftmaxMoE:
+    return SoftmaxMoE(args.hidden_size, args.num_experts, args.num_experts_per_tok, True, args.intermediate_size)
 
 
 class Model(CausalLM):
@@ -34,5 +25,5 @@ class Model(CausalLM):
         if args.hidden_act != "silu":
             raise CheckpointError(f"Mixtral with hidden_act={args.hidden_act!r} is not supported (only silu is)")
         rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
-        super().__init__(args, [Block(args, Attention(args, window=args.sliding_window), MoE(args))
+        super().__init__(args, [Block(args, Attention(args, window=args.sliding_window), moe(args))
                                for _ in range(args.num_hidden_layers)], rope)

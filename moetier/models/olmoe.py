@@ -2,12 +2,10 @@
 per head), optional clip_qkv, softmax top-k router (renormalised if norm_topk_prob), SwiGLU experts."""
 from __future__ import annotations
 
-from torch import nn
-
 from ..config import ModelArgs
 from ..errors import CheckpointError
 from .base import Block, CausalLM
-from .layers import Attention, DenseExperts, RMSNorm, Rope, SoftmaxRouter, apply_rope, attention
+from .layers import Attention, RMSNorm, Rope, SoftmaxMoE, apply_rope, attention
 
 
 class OlmoeAttention(Attention):
@@ -32,15 +30,9 @@ class OlmoeAttention(Attention):
         return self.o_proj(out.reshape(t, self.h * self.dh))
 
 
-class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate = SoftmaxRouter(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
-        self.experts = DenseExperts(args.num_experts, args.hidden_size, args.intermediate_size)
-
-    def forward(self, x):
-        ids, w = self.gate(x)             # [T, k]
-        return self.experts(x, ids, w)
+def moe(args: ModelArgs) -> SoftmaxMoE:
+    return SoftmaxMoE(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob,
+                      args.intermediate_size)
 
 
 class Model(CausalLM):
@@ -54,4 +46,4 @@ class Model(CausalLM):
         if args.hidden_act != "silu":
             raise CheckpointError(f"OLMoE with hidden_act={args.hidden_act!r} is not supported (only silu is)")
         rope = Rope(args.rope_parameters, args.head_dim, args.max_position_embeddings)
-        super().__init__(args, [Block(args, OlmoeAttention(args), MoE(args)) for _ in range(args.num_hidden_layers)], rope)
+        super().__init__(args, [Block(args, OlmoeAttention(args), moe(args)) for _ in range(args.num_hidden_layers)], rope)

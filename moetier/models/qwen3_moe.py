@@ -2,28 +2,20 @@
 softmax top-k router, SwiGLU experts; dense MLP on `mlp_only_layers` / off `decoder_sparse_step`."""
 from __future__ import annotations
 
-from torch import nn
-
 from ..config import ModelArgs
 from .base import Block, CausalLM
-from .layers import MLP, Attention, DenseExperts, Rope, SoftmaxRouter
+from .layers import Attention, MLP, Rope, SoftmaxMoE
 
 
-class MoE(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate = SoftmaxRouter(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob)
-        self.experts = DenseExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
-
-    def forward(self, x):
-        ids, w = self.gate(x)             # [T, k]
-        return self.experts(x, ids, w)
+def moe(args: ModelArgs) -> SoftmaxMoE:
+    return SoftmaxMoE(args.hidden_size, args.num_experts, args.num_experts_per_tok, args.norm_topk_prob,
+                      args.moe_intermediate_size)
 
 
 def block(args: ModelArgs, i: int) -> Block:
     sparse = (i not in args.get("mlp_only_layers", [])) and args.num_experts > 0 \
         and (i + 1) % args.get("decoder_sparse_step", 1) == 0
-    mlp = MoE(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
+    mlp = moe(args) if sparse else MLP(args.hidden_size, args.intermediate_size)
     return Block(args, Attention(args, qk_norm=True), mlp)
 
 
