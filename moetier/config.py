@@ -144,6 +144,8 @@ class EngineConfig:
     snapshot_every: int = 0         # recurrent models: also snapshot their state every N prompt tokens (0: off)
     prompt_cache: str | None = None  # directory of cache snapshots shared across sessions and processes
     prompt_cache_mem: int = 2 << 30  # byte budget of that directory (least recently used files go first)
+    dequantize_experts: bool = False  # GGUF: dequantize expert tensors at load (default: computed on their
+                                      # stored Q8_0/Q4_0/Q4_K blocks where a kernel exists)
     # memory tiers (moetier/memory); any of these turns them on
     tiers: bool = False             # set when a budget flag was given, even "auto"
     cpu_moe: bool = False           # every layer's experts stay off the fast tier (llama.cpp --cpu-moe)

@@ -55,7 +55,7 @@ def main(args) -> int:
     margs, _, ckpt, layout = inspected
     ctx = config.max_context or min(margs.max_position_embeddings, DEFAULT_CONTEXT)
     flags = {"hbm_gbs": args.hbm_bw, "ram_gbs": args.ram_bw, "ssd_gbs": args.ssd_bw, "pcie_gbs": args.pcie_bw}
-    first_file = next(iter(ckpt.ckpt.files.values())).path
+    first_file = Path(layout.parts(0, 0)[0].path)     # a checkpoint file (safetensors or GGUF) to time reads on
     bw = bandwidths(device, first_file, flags)
     pl = make_placement(Path(path), config, device, dtype, ctx, 2048, bw, inspected)
     ceiling = decode_ceiling(pl, bw)

@@ -7,7 +7,9 @@ Backend, chosen once at first use:
   "numba" the same loops in numba (parallel, nogil) when no compiler is found.
   "torch" any other type, or neither of the above: the reference (dequantize, then matmul).
 The pure-torch twin is kernels.reference.expert_matvec; tests/test_quant_cpu_kernels.py
-compares the two on random inputs.
+compares the two on random inputs. `expert_ffn` runs one whole expert (gate_up matvecs, the
+activation in float32, down matvecs) for the memory tiers' CPU misses; its twin is
+`expert_ffn_native` (tests/test_memory_gguf.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from moetier.quant.formats import get_format
+from moetier.quant.formats import dequantize, get_format
 from moetier.quant.repack import repack
 
 from .reference import expert_matvec
@@ -46,25 +48,26 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def build_library(cache_dir: Path | None = None, march: str = "native") -> Path:
+def build_library(cache_dir: Path | None = None, march: str = "native", source: Path = _SOURCE) -> Path:
     """Compile cpu_kernels.c (once per source / compiler / flags / CPU); return the .so path.
-    `march` other than "native" builds a portable variant (tests use it for the scalar path)."""
+    `march` other than "native" builds a portable variant (tests use it for the scalar path);
+    `source` another file of this directory that #includes cpu_kernels.c (doorbell.c)."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     cache_dir = cache_dir or Path.home() / ".cache" / "moetier" / "kernels"
     flags = [*_CFLAGS, f"-march={march}"]
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
+    key = hashlib.sha256(_SOURCE.read_bytes() + source.read_bytes() + " ".join([cc, *flags]).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
-    so = cache_dir / f"cpu_kernels_{key}.so"
+    so = cache_dir / f"{source.stem}_{key}.so"
     if not so.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
         os.close(fd)
-        res = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, check=False)
+        res = subprocess.run([cc, *flags, str(source), "-o", tmp], capture_output=True, text=True, check=False)
         if res.returncode:
             os.unlink(tmp)
-            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{res.stderr}")
+            raise RuntimeError(f"compiling {source.name} failed:\n{res.stderr}")
         os.replace(tmp, so)                   # atomic: concurrent builders agree
     return so
 
@@ -186,6 +189,45 @@ def matvec_batch(qtype, ws: list[torch.Tensor], x: torch.Tensor, out: torch.Tens
         for i, w in enumerate(ws):
             matvec(fmt, w, x[i], out=y[i], threads=threads)
     return y
+
+
+def expert_ffn(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, act,
+               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+               threads: int | None = None) -> torch.Tensor:
+    """One expert on rows x [n, D] -> [n, D] float32, straight from its GGML blocks: gate_up uint8
+    [2I, row_bytes(D)] (gate rows, then up rows), down uint8 [D, row_bytes(I)]. The weights are
+    never dequantized (n matvecs per projection; the activation runs in float32)."""
+    fmt = get_format(qtype)
+    if _kernel(fmt, None) == "torch":       # no C / numba kernel for this type: the twin
+        return expert_ffn_native(fmt, gate_up, down, x, act, gate_up_bias, down_bias)
+    x = _as_f32(x)
+    n = x.shape[0]
+    if n == 0:
+        return x.new_empty(0, down.shape[0])
+    h = matvec_batch(fmt, [gate_up] * n, x, threads=threads)           # [n, 2I]
+    if gate_up_bias is not None:
+        h += gate_up_bias.float()
+    gate, up = h.chunk(2, dim=-1)
+    y = matvec_batch(fmt, [down] * n, act(gate, up), threads=threads)  # [n, D]
+    if down_bias is not None:
+        y += down_bias.float()
+    return y
+
+
+def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, act,
+                      gate_up_bias: torch.Tensor | None = None,
+                      down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The pure-torch twin of expert_ffn: dequantize both weights to float32, then matmul."""
+    fmt = get_format(qtype)
+    d, i2 = down.shape[0], gate_up.shape[0]
+    wgu = dequantize(gate_up.contiguous(), fmt, (i2, d))                 # [2I, D]
+    wd = dequantize(down.contiguous(), fmt, (d, i2 // 2))                # [D, I]
+    h = x.float() @ wgu.T
+    if gate_up_bias is not None:
+        h = h + gate_up_bias.float()
+    gate, up = h.chunk(2, dim=-1)
+    y = act(gate, up) @ wd.T
+    return y + down_bias.float() if down_bias is not None else y
 
 
 def stream_sum(a: torch.Tensor, threads: int | None = None) -> float:

@@ -41,6 +41,7 @@ class SlotCache:
         self.misses = np.zeros(n_layers, dtype=np.int64)
         self.admissions = self.evictions = self.rejected = 0
         self.table = torch.full((n_layers, num_experts), -1, dtype=torch.int32, device=device)
+        self.write_table = True     # False: the caller orders the device table writes (memory.doorbell)
 
     @property
     def num_slots(self) -> int:
@@ -121,14 +122,16 @@ class SlotCache:
         self.slot_of[li, e] = s
         self.owner[s] = e
         self.recency[li][e] = s
-        self.table[li, e] = s
+        if self.write_table:
+            self.table[li, e] = s
 
     def _clear(self, li: int, e: int) -> None:
         s = int(self.slot_of[li, e])
         self.slot_of[li, e] = -1
         self.owner[s] = -1
         self.recency[li].pop(e, None)
-        self.table[li, e] = -1
+        if self.write_table:
+            self.table[li, e] = -1
 
     # ------------------------------------------------------------------ checks
     def check(self) -> None:

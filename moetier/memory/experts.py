@@ -76,6 +76,7 @@ class Tiers:
         self.save_profile_path = config.save_profile
         self._conv = None
         self._pinned = None     # CUDA: host rows of CPU misses [x rows; y rows]
+        self.graphed = None     # memory.doorbell.GraphTiers once a CUDA-graph decode step uses these tiers
         self.closed = False
 
     # ------------------------------------------------------------------ loading
@@ -103,6 +104,8 @@ class Tiers:
     # ------------------------------------------------------------------ the call
     def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act) -> torch.Tensor:
         t, k = ids.shape
+        if self.graphed is not None and self.graphed.capturing and t == 1:
+            return self.graphed.forward(li, x, ids, w)
         decode = t <= DECODE_MAX
         self.stats.phase = self.fast.phase = "decode" if decode else "prefill"
         if li == 0:
@@ -168,12 +171,12 @@ class Tiers:
                 self.stats.staged[self.stats.phase] += 1
             else:
                 t0 = time.perf_counter()
-                wts = self._cpu_weights(buf)
+                wts, q = self._cpu_weights(buf), self.layout.qtype     # q: GGML blocks -> CPU kernels
                 if host is None:
-                    ys[a:a + n] = expert_math(wts, xs[a:a + n], act)
+                    ys[a:a + n] = expert_math(wts, xs[a:a + n], act, q)
                 else:
                     h = host[3][a]
-                    host[2][h:h + n] = expert_math(wts, host[1][h:h + n], act)
+                    host[2][h:h + n] = expert_math(wts, host[1][h:h + n], act, q)
                 self.stats.cpu_s[self.stats.phase] += time.perf_counter() - t0
             self.stats.served(li, tier, n)     # a staged expert is still a cache miss: counted where it came from
             if decode:
@@ -190,13 +193,23 @@ class Tiers:
     def _cpu_weights(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """The expert in the CPU compute dtype: views of the RAM buffer when the dtypes agree, else
         converted into one preallocated buffer (no allocation per miss: glibc would keep the freed
-        memory and RSS would creep past the budget)."""
+        memory and RSS would creep past the budget). GGML experts: views of the raw blocks."""
         src = self.layout.unpack(buf)
-        if all(v.dtype == self.cpu_dtype for v in src.values()):
+        if self.layout.qtype or all(v.dtype == self.cpu_dtype for v in src.values()):
             return src
         if self._conv is None:
             self._conv = {n: torch.empty(v.shape, dtype=self.cpu_dtype) for n, v in src.items()}
         return {n: self._conv[n].copy_(v) for n, v in src.items()}
+
+    def graph_path(self, act, threads: int, k: int):
+        """-> (GraphTiers, None) when a captured decode step can serve these tiers, else (None, why)."""
+        if self.graphed is None:
+            from .doorbell import GraphTiers, unavailable
+            why = unavailable(self, act)
+            if why:
+                return None, why
+            self.graphed = GraphTiers(self, act, threads, k)
+        return self.graphed, None
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict:

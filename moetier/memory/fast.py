@@ -5,6 +5,11 @@ device (the GPU; without CUDA a CPU tensor stands in). Slots belong to layers (c
 the `stage` slots at the end take prefill copies. `load` fills a slot from a RAM buffer (storage
 dtype -> compute dtype). On CUDA copies run on a side stream: a copy waits for the compute that may
 still read its slot, and a layer's next call waits for the copies into its slots.
+
+GGML experts (layout.qtype "Q4_0" ...) stay quantized: a param's arena is the dict of planes
+quant.repack makes ([slots + stage, rows, ...] each); `load` copies the raw blocks to the device
+and repacks them there, and hits run through kernels.ops.moe (Triton on CUDA, the torch twin
+elsewhere). `kernel_weights()` hands the whole arena to kernels in that form.
 """
 from __future__ import annotations
 
@@ -14,11 +19,19 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .layout import ExpertLayout
+from ..kernels import ops
+from ..kernels.cpu import expert_ffn
+from ..quant.repack import repack
+from .layout import ExpertLayout, ParamSpec
 
 
-def expert_math(wts: dict[str, torch.Tensor], x: torch.Tensor, act: Callable) -> torch.Tensor:
-    """One expert on rows x [n, D] -> [n, D]; the same ops as DenseExperts.expert (bit-identical on CPU)."""
+def expert_math(wts: dict[str, torch.Tensor], x: torch.Tensor, act: Callable, qtype: str | None = None) -> torch.Tensor:
+    """One expert on rows x [n, D] -> [n, D]; the same ops as DenseExperts.expert (bit-identical on CPU).
+    qtype: the weights are raw GGML blocks (layout.unpack), run by the CPU kernels in float32 on
+    torch's current thread count (--cpu-threads)."""
+    if qtype is not None:
+        return expert_ffn(qtype, wts["gate_up_proj"], wts["down_proj"], x, act, wts.get("gate_up_bias"),
+                          wts.get("down_bias"), threads=torch.get_num_threads()).to(x.dtype)
     h = F.linear(x, wts["gate_up_proj"], wts.get("gate_up_bias"))
     gate, up = h.chunk(2, dim=-1)
     return F.linear(act(gate, up), wts["down_proj"], wts.get("down_bias"))
@@ -27,7 +40,7 @@ def expert_math(wts: dict[str, torch.Tensor], x: torch.Tensor, act: Callable) ->
 def grouped_available(device: str, dtype: torch.dtype, layout: ExpertLayout) -> bool:
     """torch._grouped_mm runs all of a layer's hits as one GEMM per projection (CUDA, bf16, no biases)."""
     return (device.startswith("cuda") and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and {p.name for p in layout.params} == {"gate_up_proj", "down_proj"})
+            and layout.qtype is None and {p.name for p in layout.params} == {"gate_up_proj", "down_proj"})
 
 
 class Timer:
@@ -65,8 +78,9 @@ class FastTier:
         self.layout, self.device, self.dtype = layout, device, dtype
         self.n_slots = n_slots
         self.cuda = device.startswith("cuda")
-        self.arena = {p.name: torch.empty((n_slots + n_stage, *p.shape), dtype=dtype, device=device)
-                      for p in layout.params}
+        self.qtype = layout.qtype           # GGML format of the experts, None for float
+        self.arena = {p.name: self._alloc(p, n_slots + n_stage) for p in layout.params}
+        self._staging = None                # CUDA, GGML experts: one raw expert on the device
         self.stage = list(range(n_slots, n_slots + n_stage))
         self._next_stage = 0
         self.grouped = grouped
@@ -78,12 +92,47 @@ class FastTier:
         self.compute_timer = {p: Timer(self.cuda) for p in ("prefill", "decode")}
         self.bytes_copied = {"prefill": 0, "decode": 0}
 
+    def _alloc(self, p: ParamSpec, n: int):
+        """[n, *shape] in the compute dtype, or for a GGML param its repack planes [n, rows, ...]."""
+        if p.qtype is None:
+            return torch.empty((n, *p.shape), dtype=self.dtype, device=self.device)
+        one = repack(p.qtype, torch.zeros(1, p.shape[1], dtype=torch.uint8))     # plane widths of a row
+        return {k: torch.empty((n, p.shape[0], t.shape[-1]), dtype=t.dtype, device=self.device)
+                for k, t in one.items()}
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [x for t in self.arena.values() for x in (t.values() if isinstance(t, dict) else [t])]
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.arena.values())
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
-    def weights(self, slot: int) -> dict[str, torch.Tensor]:
-        return {n: t[slot] for n, t in self.arena.items()}
+    def weights(self, slot: int) -> dict:
+        return {n: {k: v[slot] for k, v in t.items()} if isinstance(t, dict) else t[slot]
+                for n, t in self.arena.items()}
+
+    def kernel_weights(self) -> tuple[str, object, object]:
+        """(fmt, gate_up, down) of every slot (stage slots last) as kernels.ops.moe / moe_decode take
+        them, with slot ids from cache.table: float experts fmt "dense" and the arena tensors
+        [S, 2I, D] / [S, D, I]; GGML experts the format name ("Q4_0") and the dicts of repack planes
+        [S, rows, ...]. No copies: the kernels read the live arena (biases: kernel_biases())."""
+        return self.qtype or "dense", self.arena["gate_up_proj"], self.arena["down_proj"]
+
+    def kernel_biases(self) -> tuple | None:
+        """None, or (gate_up_bias [S, 2I] | None, down_bias [S, D] | None) for kernels.ops."""
+        b = (self.arena.get("gate_up_bias"), self.arena.get("down_bias"))
+        return None if b == (None, None) else b
+
+    def _put(self, slot: int, src: dict[str, torch.Tensor]) -> None:
+        """Write one expert (layout.unpack views, on the arena's device) into `slot`; GGML params
+        are repacked (plain torch indexing: on CUDA it runs on the GPU, on the current stream)."""
+        for p in self.layout.params:
+            dst, t = self.arena[p.name], src[p.name]
+            if p.qtype is None:
+                dst[slot].copy_(t)
+                continue
+            for k, plane in repack(p.qtype, t[None]).items():
+                dst[k][slot].copy_(plane[0])
 
     # ------------------------------------------------------------------ copies
     def load(self, slot: int, buf: torch.Tensor, li: int | None = None, after=None):
@@ -93,8 +142,7 @@ class FastTier:
         timer = self.copy_timer[self.phase]
         tok = timer.start() if not self.cuda else None
         if not self.cuda:
-            for n, t in src.items():
-                self.arena[n][slot].copy_(t)
+            self._put(slot, src)
             timer.stop(tok)
             ev = None
         else:
@@ -106,8 +154,14 @@ class FastTier:
                     self.copy_stream.wait_stream(cur)    # compute may still read the slot's old expert
                 t0 = torch.cuda.Event(enable_timing=True)
                 t0.record(self.copy_stream)
-                for n, t in src.items():
-                    self.arena[n][slot].copy_(t, non_blocking=True)
+                if self.qtype is None:
+                    for n, t in src.items():
+                        self.arena[n][slot].copy_(t, non_blocking=True)
+                else:   # raw blocks to the device (one staging buffer: the copy stream orders its reuse)
+                    if self._staging is None:
+                        self._staging = torch.empty(self.layout.expert_bytes, dtype=torch.uint8, device=self.device)
+                    self._staging.copy_(buf[:self.layout.expert_bytes], non_blocking=True)
+                    self._put(slot, self.layout.unpack(self._staging))
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.copy_stream)
             timer.events.append((t0, ev))
@@ -133,7 +187,11 @@ class FastTier:
         ev = self.load(s, buf, after=self.stage_free.get(s))
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
-        y = expert_math(self.weights(s), x, act)
+        if self.qtype is not None:
+            y = torch.empty_like(x)
+            self._run_kernel([(s, 0, x.shape[0])], x, y, act)
+        else:
+            y = expert_math(self.weights(s), x, act)
         if self.cuda:
             done = torch.cuda.Event()
             done.record()
@@ -148,7 +206,9 @@ class FastTier:
             return
         timer = self.compute_timer[self.phase]
         tok = timer.start()
-        if self.grouped and slot_range is not None and len(hits) > 1:
+        if self.qtype is not None:
+            self._run_kernel(hits, xs, ys, act)
+        elif self.grouped and slot_range is not None and len(hits) > 1:
             self._run_grouped(hits, xs, ys, act, slot_range)
         else:
             for s, a, n in hits:
@@ -171,4 +231,14 @@ class FastTier:
         gate, up = h.chunk(2, dim=-1)
         dn = self.arena["down_proj"][base:base + size].transpose(-2, -1)
         y = torch._grouped_mm(act(gate, up).contiguous(), dn, offs=offs)
+        ys.index_copy_(0, rows, y.to(ys.dtype))
+
+    def _run_kernel(self, hits, xs, ys, act) -> None:
+        """GGML experts: every hit row in one kernels.ops.moe call (k = 1, weight 1) on the slots."""
+        rows = torch.cat([torch.arange(a, a + n) for _, a, n in hits])
+        slots = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, _, n in hits])
+        rows, slots = rows.to(xs.device, non_blocking=True), slots.to(xs.device, non_blocking=True)
+        fmt, gate_up, down = self.kernel_weights()
+        ones = torch.ones(rows.shape[0], 1, dtype=xs.dtype, device=xs.device)
+        y = ops.moe(xs.index_select(0, rows), slots[:, None], ones, gate_up, down, act, self.kernel_biases(), fmt)
         ys.index_copy_(0, rows, y.to(ys.dtype))

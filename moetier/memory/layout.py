@@ -4,6 +4,11 @@ An expert of layer `li` is all its stacked params' slices (gate_up_proj [2I, D],
 optional biases) packed back to back, each at a 64-byte aligned offset, in the checkpoint's
 storage dtype. The tiers move experts as these flat byte buffers; `unpack` gives tensor views.
 Reads go straight to file offsets (os.preadv), never through the checkpoint's mmap.
+
+GGUF files (`build_gguf_layout`): llama.cpp's blk.N.ffn_{gate,up,down}_exps [E, rows, cols] keep
+each expert's rows contiguous, so an expert is 3 pieces (gate rows, up rows, down rows). Block
+formats stay as stored: gate_up_proj is the raw GGML rows uint8 [2I, row_bytes(D)] (gate then up),
+down_proj [D, row_bytes(I)], and the ParamSpec carries the GGML type (`qtype`).
 """
 from __future__ import annotations
 
@@ -12,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UserError
 from ..weights.loader import NamedCheckpoint
 
 ALIGN = 64          # param offsets inside an expert buffer (SIMD loads, dtype views)
 EXPERT_ALIGN = 4096  # expert buffer size (O_DIRECT reads land on page boundaries)
 EXPERT_PARAM = re.compile(r"\.experts\.[A-Za-z_]+$")
+GGUF_EXPERT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K")   # experts the tiers keep as stored
 
 
 def round_up(n: int, a: int) -> int:
@@ -27,10 +33,17 @@ def round_up(n: int, a: int) -> int:
 @dataclass
 class ParamSpec:
     name: str            # our stacked param name: gate_up_proj, down_proj, gate_up_bias, down_bias
-    shape: tuple         # per expert
-    dtype: torch.dtype   # storage dtype in the checkpoint
+    shape: tuple         # per expert, as stored (GGML blocks: uint8 [rows, row_bytes])
+    dtype: torch.dtype   # storage dtype in the checkpoint (uint8 for GGML blocks)
     offset: int          # inside the expert buffer
     nbytes: int
+    qtype: str | None = None     # GGML block format ("Q4_0"), None for float params
+    cols: int | None = None      # values per row of a block format (the K of [rows, K])
+
+    @property
+    def logical_shape(self) -> tuple:
+        """The float shape this param stands for ([2I, D] for gate_up_proj, either storage)."""
+        return self.shape if self.qtype is None else (self.shape[0], self.cols)
 
 
 @dataclass
@@ -74,9 +87,23 @@ class ExpertLayout:
         """uint8 [expert_bytes] -> {name: tensor view in the storage dtype}."""
         return {p.name: buf[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.params}
 
+    @property
+    def qtype(self) -> str | None:
+        """The GGML format of the expert weights (one for all of them), None for float experts."""
+        return next((p.qtype for p in self.params if p.qtype), None)
+
     def fast_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of one expert converted to the compute dtype (its size in the fast tier)."""
-        return sum(round_up(int(torch.Size(p.shape).numel()) * dtype.itemsize, ALIGN) for p in self.params)
+        """Bytes of one expert in the fast tier: float params in the compute dtype, block formats as
+        the planes quant.repack makes of them."""
+        return sum(plane_bytes(p) if p.qtype else round_up(int(torch.Size(p.shape).numel()) * dtype.itemsize, ALIGN)
+                   for p in self.params)
+
+
+def plane_bytes(spec: ParamSpec) -> int:
+    """Bytes of one expert's `repack` planes of a block-format param (one row repacked to measure)."""
+    from ..quant.repack import repack
+    planes = repack(spec.qtype, torch.zeros(1, spec.shape[1], dtype=torch.uint8))
+    return spec.shape[0] * sum(t.numel() * t.element_size() for t in planes.values())
 
 
 def expert_modules(model) -> list[tuple[str, torch.nn.Module]]:
@@ -96,6 +123,8 @@ def layer_index(prefix: str) -> int:
 
 def build_layout(model, ckpt: NamedCheckpoint) -> ExpertLayout:
     """Read the checkpoint's header to find every expert's bytes. `model` may live on meta."""
+    if hasattr(ckpt, "arch"):       # weights.gguf.GGUFCheckpoint
+        return build_gguf_layout(model, ckpt)
     mods = expert_modules(model)
     if not mods:
         raise CheckpointError("this model has no MoE layers: memory tiers need experts to place")
@@ -166,3 +195,94 @@ def _param_parts(ckpt: NamedCheckpoint, prefix: str, spec: ParamSpec, num_expert
         raise CheckpointError(f"{ckpt.ckpt.dir}: {prefix} experts' {spec.name} pieces add up to "
                               f"{buf_off - spec.offset} bytes, expected {spec.nbytes}")
     return out
+
+
+# ---------------------------------------------------------------- GGUF
+def build_gguf_layout(model, ckpt) -> ExpertLayout:
+    """The expert layout of a GGUF file (one file or a split set) from its tensor infos alone:
+    blk.N.ffn_gate_exps / ffn_up_exps [E, I, D] and ffn_down_exps [E, D, I] (+ biases) hold each
+    expert's rows contiguously, so expert e of a tensor is bytes [e * n, (e + 1) * n) of it."""
+    g = ckpt.ckpt                                   # weights.gguf.GGUFFile
+    path_of = {t.name: str(p) for p, r in zip(g.parts, g.readers) for t in r.tensors}
+    mods = expert_modules(model)
+    if not mods:
+        raise CheckpointError("this model has no MoE layers: memory tiers need experts to place")
+    first = mods[0][1]
+    E = first.num_experts
+    names = [n for n, p in first.named_parameters(recurse=False) if p is not None]
+    tensors = [[_gguf_names(ckpt, prefix, n) for n in names] for prefix, _ in mods]
+    specs, off = [], 0
+    for j, n in enumerate(names):
+        spec = _gguf_spec(g, n, tensors[0][j], tuple(getattr(first, n).shape[1:]), E, off)
+        specs.append(spec)
+        off = round_up(off + spec.nbytes, ALIGN)
+    weights = {s.qtype or str(s.dtype) for s in specs if not s.name.endswith("_bias")}
+    if len(weights) > 1 and any(s.qtype for s in specs):    # one kernel format per layer call
+        raise UserError(f"{g.path}: the experts' gate/up and down tensors are stored as different types "
+                        f"({', '.join(sorted(weights))}); memory tiers need one type for all of them: "
+                        "re-quantize (moetier quantize FILE --type Q8_0|Q4_0|Q4_K_S) or run without tier flags")
+    layout = ExpertLayout([layer_index(p) for p, _ in mods], [p for p, _ in mods], E, specs,
+                          round_up(off, EXPERT_ALIGN), sum(s.nbytes for s in specs))
+    for li, row in enumerate(tensors):
+        parts = []
+        for spec, names_j in zip(specs, row):
+            if li:      # every layer must store its experts as the first one does
+                other = _gguf_spec(g, spec.name, names_j, spec.logical_shape, E, spec.offset)
+                if (other.qtype, other.dtype, other.shape) != (spec.qtype, spec.dtype, spec.shape):
+                    raise UserError(f"{g.path}: {names_j[0]} is stored as {other.qtype or other.dtype} but "
+                                    f"{tensors[0][specs.index(spec)][0]} as {spec.qtype or spec.dtype}; memory "
+                                    "tiers need one storage type for every layer's experts (llama.cpp's *_M "
+                                    "mixes vary it): re-quantize with a uniform type (--type Q8_0|Q4_0|Q4_K_S) "
+                                    "or run without tier flags")
+            buf_off, pieces = spec.offset, []
+            for t in names_j:       # absolute file offset of expert 0's rows; experts `per` bytes apart
+                info = g.tensors[t]
+                per = int(info.n_bytes) // E
+                pieces.append(("fused", path_of[t], int(info.data_offset), per, per, buf_off, None))
+                buf_off += per
+            parts.append(pieces)
+        layout._parts.append(parts)
+    return layout
+
+
+def _gguf_names(ckpt, prefix: str, name: str) -> list[str]:
+    """llama.cpp's tensors for our stacked param `name` of the experts under `prefix`."""
+    parts = ckpt.arch.experts.get(name)
+    names = [f"blk.{layer_index(prefix)}.{p}" for p in parts or ()]
+    missing = [n for n in names if n not in ckpt.ckpt]
+    if not names or missing:
+        raise CheckpointError(f"{ckpt.ckpt.path}: no GGUF expert tensors for {prefix}.experts.{name} "
+                              f"(missing {', '.join(missing) or 'a name mapping'}; architecture {ckpt.arch.gguf})")
+    return names
+
+
+def _gguf_spec(g, name: str, tensors: list[str], want: tuple, E: int, offset: int) -> ParamSpec:
+    """One stacked param of one expert from its GGUF tensors (gate_up_proj: gate + up rows)."""
+    from ..quant.formats import get_format
+    from ..weights.gguf import FLOAT_TYPES, qtype_name
+    qtypes = {g.qtype(t) for t in tensors}
+    if len(qtypes) > 1:
+        raise UserError(f"{g.path}: {' and '.join(tensors)} are stored as different types "
+                        f"({', '.join(qtype_name(q) for q in qtypes)}); memory tiers keep them as one param. "
+                        "Re-quantize with one type or run without tier flags")
+    q = qtypes.pop()
+    try:
+        fmt = get_format(q).name
+    except ValueError:
+        fmt = qtype_name(q)
+    if fmt not in GGUF_EXPERT_TYPES:
+        raise UserError(f"{g.path}: experts stored as {fmt} ({tensors[0]}); memory tiers keep experts "
+                        f"quantized and read {', '.join(GGUF_EXPERT_TYPES)}. Re-quantize "
+                        "(moetier quantize FILE --type Q4_K_S|Q4_0|Q8_0) or run without tier flags")
+    shapes = [g.shape(t) for t in tensors]
+    rows = sum(s[1] for s in shapes)
+    logical = (rows, *shapes[0][2:])
+    if any(s[0] != E or s[2:] != shapes[0][2:] for s in shapes) or logical != tuple(want):
+        raise CheckpointError(f"{g.path}: {', '.join(tensors)} have shapes {shapes}; expected [{E}, ...] "
+                              f"making {list(want)} per expert")
+    nbytes = sum(int(g.tensors[t].n_bytes) // E for t in tensors)
+    if q in FLOAT_TYPES:
+        return ParamSpec(name, logical, FLOAT_TYPES[q], offset, nbytes)
+    if len(logical) != 2:
+        raise CheckpointError(f"{g.path}: {tensors[0]} is a {fmt} tensor of shape {shapes[0]}; expected [E, rows, cols]")
+    return ParamSpec(name, (rows, nbytes // rows), torch.uint8, offset, nbytes, fmt, logical[1])

@@ -1,7 +1,8 @@
 """Budgets -> placement: what goes where, how many experts each tier holds, and what decode can reach.
 
-`make_placement` reads only config.json and the safetensors headers (the model is built on the
-meta device for shapes; no weight byte is read). Engine.load uses the same placement it prints,
+`make_placement` reads only config.json and the safetensors headers, or a GGUF file's metadata and
+tensor infos (the model is built on the meta device for shapes; no weight byte is read). GGUF
+experts keep their storage format in every tier, so the budgets count their quantized sizes. Engine.load uses the same placement it prints,
 so `moetier plan` and a real load never disagree.
 
 Tiers: "gpu" is the fast tier (the CUDA device; without CUDA a CPU arena stands in for it so the
@@ -171,7 +172,8 @@ class Placement:
         cov = self.expected_coverage()
         return {
             "model": self.model, "model_type": self.model_type, "device": self.device,
-            "dtype": str(self.dtype).removeprefix("torch."), "storage_dtype": str(self.storage_dtype).removeprefix("torch."),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "storage_dtype": self.layout.qtype or str(self.storage_dtype).removeprefix("torch."),
             "ctx": self.ctx, "groups": self.groups, "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
             "kv_tier": self.kv_tier, "workspace_bytes": self.workspace_bytes,
             "experts": {"layers": self.num_layers, "per_layer": self.num_experts, "top_k": self.top_k,
@@ -194,16 +196,22 @@ class Placement:
 
 
 def inspect(path: Path):
-    """-> (args, meta model, NamedCheckpoint, layout) from config.json + headers only."""
+    """-> (args, meta model, NamedCheckpoint or GGUFCheckpoint, layout) from config.json + headers,
+    or a GGUF file's metadata and tensor infos, only."""
     from ..models import model_class
+    from ..weights.gguf import is_gguf, open_checkpoint
     from ..weights.loader import NamedCheckpoint, read_config
     from ..weights.safetensors import Checkpoint
-    if path.is_file() or path.suffix == ".gguf":
-        raise UserError(f"{path}: memory tiers and `moetier plan` read safetensors model directories; "
-                        "GGUF checkpoints are not tiered yet (run without budget flags)")
-    args = read_config(path)
-    cls = model_class(args.model_type)
-    ckpt = NamedCheckpoint(Checkpoint(path), cls.CHECKPOINT)
+    if is_gguf(path):
+        ckpt = open_checkpoint(path)
+        args = ckpt.args
+        cls = model_class(args.model_type)
+    elif path.is_file():
+        raise UserError(f"{path}: memory tiers read a safetensors model directory or a .gguf file")
+    else:
+        args = read_config(path)
+        cls = model_class(args.model_type)
+        ckpt = NamedCheckpoint(Checkpoint(path), cls.CHECKPOINT)
     with torch.device("meta"):
         model = cls(args)
     return args, model, ckpt, build_layout(model, ckpt)
@@ -285,8 +293,11 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         copy_tokens = prefill_copy_rule(layout, bw or {}, "bfloat16")["tokens"]
     stage = STAGE_SLOTS if copy_tokens and gpu_left >= STAGE_SLOTS * fb else 0
     gpu_left -= stage * fb
+    if cuda and layout.qtype:   # fast.FastTier's device staging buffer + repack temporaries
+        gpu_left -= eb + fb
     n_fast = max(0, gpu_left // fb) if fb else 0
-    conv = layout.fast_bytes(dtype) if not cuda and layout.params[0].dtype != dtype else 0  # CPU conversion buffer
+    # CPU conversion buffer (float experts in another dtype; block formats are read as stored)
+    conv = layout.fast_bytes(dtype) if not cuda and layout.params[0].dtype != dtype and not layout.qtype else 0
     if not cuda:    # the CPU stand-in's arena lives in RAM too: it may not take what streaming needs
         n_fast = max(0, min(n_fast, (ram_left - SCRATCH_BUFFERS * eb - conv - (stage + forced_fast) * fb) // fb))
 
@@ -394,7 +405,7 @@ def prefill_copy_rule(layout: ExpertLayout, bw: dict, cpu_dtype: str = "bfloat16
     """When copying an expert over PCIe beats computing it on the CPU: the CPU needs
     max(bytes / cpu_gbs, n * flops / cpu_gflops) for n tokens; the copy bytes / pcie_gbs (the GPU's own
     compute is ~free at these sizes). -> {"tokens": n*, "copy_ms", "cpu_ms_per_token"}."""
-    params = sum(int(torch.Size(p.shape).numel()) for p in layout.params)
+    params = sum(int(torch.Size(p.logical_shape).numel()) for p in layout.params)
     flops = 2 * params
     raw = layout.raw_bytes
     copy_s = raw / (bw.get("pcie_gbs", 12.0) * 1e9)
@@ -410,7 +421,7 @@ def decode_ceiling(pl: Placement, bw: dict) -> dict:
     cov = pl.expected_coverage()
     routes = pl.top_k * pl.num_layers
     cuda = pl.fast_device == "cuda"
-    cpu_dt = str(pl.storage_dtype if cuda else pl.dtype).removeprefix("torch.")
+    cpu_dt = pl.layout.qtype or str(pl.storage_dtype if cuda else pl.dtype).removeprefix("torch.")  # block formats: C kernels
     # dense weights are read once per token; the KV cache at the full context; embeddings: one row
     lm_head = next((g["bytes"] for g in pl.groups if g["group"].startswith("embeddings")), 0) / 2
     fast_bytes = pl.dense_bytes + lm_head + pl.kv_bytes + pl.state_bytes + routes * cov["gpu"] * pl.expert_fast_bytes

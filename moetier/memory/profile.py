@@ -28,6 +28,7 @@ class ExpertProfile:
         self.layers, self.num_experts, self.model_type = list(layers), num_experts, model_type
         self.counts = {k: torch.zeros(len(layers), num_experts, dtype=torch.float64, device=device) for k in KINDS}
         self.meta = {"prompts": 0, "generated_tokens": 0}
+        self._pending: dict[str, np.ndarray] | None = None     # add_host's sums not yet in counts
 
     def add(self, li: int, ids: torch.Tensor, w: torch.Tensor, decode: bool) -> None:
         """Record one call of MoE layer li: ids, w [T, k]."""
@@ -40,7 +41,25 @@ class ExpertProfile:
             self.counts["decode_tokens"][li].index_add_(0, flat, ones)
             self.counts["decode_weight"][li].index_add_(0, flat, wf)
 
+    def add_host(self, ids: np.ndarray, w: np.ndarray, decode: bool) -> None:
+        """Record one token of every MoE layer from host arrays ids, w [L, k] (the graphed decode
+        step): summed on the host, added to `counts` when they are next read."""
+        if self._pending is None:
+            self._pending = {k: np.zeros(tuple(self.counts[k].shape)) for k in KINDS}
+        rows = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)
+        for k in (("tokens", "decode_tokens") if decode else ("tokens",)):
+            np.add.at(self._pending[k], (rows, ids), 1.0)
+        for k in (("weight", "decode_weight") if decode else ("weight",)):
+            np.add.at(self._pending[k], (rows, ids), w)
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            for k, v in self._pending.items():
+                self.counts[k] += torch.from_numpy(v).to(self.counts[k].device)
+            self._pending = None
+
     def score(self) -> np.ndarray:
+        self.flush()
         dw = self.counts["decode_weight"].cpu().numpy()
         return dw if dw.sum() > 0 else self.counts["weight"].cpu().numpy()
 
@@ -61,6 +80,7 @@ class ExpertProfile:
 
     # ------------------------------------------------------------------ files
     def to_json(self) -> dict:
+        self.flush()
         return {"format": FORMAT, "version": 1, "model_type": self.model_type, "num_experts": self.num_experts,
                 "layers": self.layers, **self.meta,
                 **{k: [[round(float(v), 6) for v in row] for row in t.cpu().tolist()]
@@ -74,6 +94,8 @@ class ExpertProfile:
         tmp.replace(path)
 
     def merge(self, other: "ExpertProfile") -> None:
+        self.flush()
+        other.flush()
         for k in KINDS:
             self.counts[k] += other.counts[k].to(self.counts[k].device)
         for k, v in other.meta.items():

@@ -5,8 +5,10 @@ Per head, with state S [Dk, Dv], decay g_t <= 0 (log space) and learning rate be
     S_t = exp(g_t) * S_{t-1} + k_t (beta_t * (v_t - exp(g_t) * S_{t-1}^T k_t))^T      o_t = S_t^T q_t
 `recurrent_gated_delta_rule` runs that token by token (decode, and the test twin);
 `chunk_gated_delta_rule` computes the same for a whole prompt with matmuls inside chunks of C
-tokens (the WY / UT-transform form) and one sequential step per chunk.
-Shapes: q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dk, Dv] (float32).
+tokens (the WY / UT-transform form) and one sequential step per chunk (`chunk_scan`).
+Both are the pure-torch twins of kernels/triton_deltanet.py; models call them through
+kernels/deltanet_ops.py. With `out_state` the final state is also copied there (the kernels write it
+in place). Shapes: q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dk, Dv] (float32).
 """
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+def _final(s: torch.Tensor, out_state: torch.Tensor | None) -> torch.Tensor:
+    return s if out_state is None else out_state.copy_(s)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, out_state=None):
     """Token by token. -> (out [T, H, Dv] float32, final state [H, Dk, Dv] float32)."""
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     s = state.float()
@@ -31,7 +37,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
         pred = torch.einsum("hk,hkv->hv", k[t], s)                        # what S already recalls for k_t
         s = s + k[t][:, :, None] * ((v[t] - pred) * beta[t][:, None])[:, None, :]
         out.append(torch.einsum("hk,hkv->hv", q[t], s))
-    return torch.stack(out), s
+    return torch.stack(out), _final(s, out_state)
 
 
 def _chunks(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -43,14 +49,23 @@ def _chunks(x: torch.Tensor, c: int) -> torch.Tensor:
     return x.reshape(-1, c, *x.shape[1:]).movedim(2, 0)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """Same result as `recurrent_gated_delta_rule`, in chunks of `chunk` tokens.
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK, out_state=None, scan=None):
+    """Same result as `recurrent_gated_delta_rule`, in chunks of `chunk` tokens; `scan` runs the
+    sequential part (default `chunk_scan`; the Triton kernel has its signature).
     Inside a chunk (positions i, j; G_i = cumulative log decay from the chunk start):
       D[i, j] = exp(G_i - G_j) for j <= i, else 0
       (I + tril(beta_i k_i.k_j D[i, j], -1)) [U | W] = [beta v | beta exp(G) k]    (one triangular solve)
       V' = U - W S;  O = (q exp(G)) S + ((q k^T) * D) V';  S <- exp(G_C) S + (k exp(G_C - G))^T V'
     -> (out [T, H, Dv] float32, final state [H, Dk, Dv] float32)."""
     t, dv = q.shape[0], v.shape[-1]
+    out, s = (scan or chunk_scan)(*chunk_prepare(q, k, v, g, beta, chunk), state, out_state)
+    return out.movedim(0, 2).reshape(-1, out.shape[0], dv)[:t], s
+
+
+def chunk_prepare(q, k, v, g, beta, chunk: int):
+    """The parallel part of the chunk form, batched over every chunk -> u [H, N, C, Dv],
+    w [H, N, C, Dk], q_in [H, N, C, Dk], intra [H, N, C, C], k_out [H, N, C, Dk], span [H, N, 1, 1]."""
+    dv = v.shape[-1]
     q, k, v = (_chunks(x.float(), chunk) for x in (q, k, v))             # [H, N, C, D]
     g, beta = (_chunks(x.float(), chunk) for x in (g, beta))             # [H, N, C]
     cum = g.cumsum(-1)                                                    # G
@@ -65,13 +80,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     q_in = q * cum.exp()[..., None]                                       # reads the state at the chunk start
     k_out = k * (cum[..., -1:] - cum).exp()[..., None]                    # writes decayed to the chunk end
     span = cum[..., -1].exp()[..., None, None]                            # [H, N, 1, 1]
+    return u, w, q_in, intra, k_out, span
+
+
+def chunk_scan(u, w, q_in, intra, k_out, span, state, out_state=None):
+    """One step per chunk: V' = U - W S;  O = Q S + A V';  S = span S + K^T V' -> (out [H, N, C, Dv], S)."""
     s = state.float()
     out = torch.empty_like(u)
     for n in range(u.shape[1]):
         v_new = u[:, n] - w[:, n] @ s
         out[:, n] = q_in[:, n] @ s + intra[:, n] @ v_new
         s = s * span[:, n] + k_out[:, n].transpose(-1, -2) @ v_new
-    return out.movedim(0, 2).reshape(-1, out.shape[0], dv)[:t], s
+    return out, _final(s, out_state)
 
 
 def causal_conv(x: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

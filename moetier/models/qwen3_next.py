@@ -16,9 +16,10 @@ from torch import nn
 
 from ..config import ModelArgs
 from ..errors import CheckpointError
+from ..kernels import deltanet_ops
 from ..runtime.kv_cache import KVCache, RecurrentState
 from .base import CausalLM
-from .deltanet import CHUNK, GatedRMSNorm, causal_conv, chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
+from .deltanet import CHUNK, GatedRMSNorm, causal_conv, l2norm
 from .layers import MLP, DenseExperts, Rope, SoftmaxRouter, apply_rope, attention
 
 
@@ -126,11 +127,10 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)   # log decay <= 0, [T, Hv]
         s0 = torch.zeros_like(state.ssm) if fresh else state.ssm
-        if t == 1:
-            out, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+        if t == 1:   # the final state is written into state.ssm (in place by the kernels)
+            out, _ = deltanet_ops.recurrent(q, k, v, g, beta, s0, out_state=state.ssm)
         else:
-            out, s = chunk_gated_delta_rule(q, k, v, g, beta, s0, self.chunk)
-        state.ssm.copy_(s)
+            out, _ = deltanet_ops.chunk(q, k, v, g, beta, s0, self.chunk, out_state=state.ssm)
         out = self.norm(out.to(x.dtype), z)                                      # [T, Hv, Dv]
         return self.out_proj(out.reshape(t, self.value_dim))
 

@@ -14,8 +14,9 @@ from .kv_cache import Cache
 class DecodeGraph:
     """Captures model(token [T], cache, pos=p) for one cache; `step(tokens)` replays it at cache.length."""
 
-    def __init__(self, model, cache: Cache, t: int = 1, warmup: int = 2):
-        self.model, self.cache, self.t = model, cache, t
+    def __init__(self, model, cache: Cache, t: int = 1, warmup: int = 2, tiers=None):
+        """tiers: a memory.doorbell.GraphTiers whose CPU side answers each replay (tiered experts)."""
+        self.model, self.cache, self.t, self.tiers = model, cache, t, tiers
         dev = next(model.parameters()).device
         self.tokens = torch.zeros(t, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
@@ -23,13 +24,22 @@ class DecodeGraph:
         snap = cache.snapshot()  # warm-up and capture write at position 0: put the cache back after
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            for _ in range(warmup):  # warm-up writes land at position 0..t-1 and are overwritten later
-                model(self.tokens, cache, pos=self.pos)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph):
-            self.logits = model(self.tokens, cache, pos=self.pos)
+        if tiers is not None:
+            tiers.capturing, tiers.counting = True, False
+        try:
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                for _ in range(warmup):  # warm-up writes land at position 0..t-1 and are overwritten later
+                    server = tiers.serve_async() if tiers is not None else None
+                    model(self.tokens, cache, pos=self.pos)
+                    if server is not None:
+                        server.join()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(self.graph):
+                self.logits = model(self.tokens, cache, pos=self.pos)
+        finally:
+            if tiers is not None:
+                tiers.capturing, tiers.counting = False, True
         cache.restore(snap)
         cache.length = saved
 
@@ -40,5 +50,7 @@ class DecodeGraph:
         self.tokens.copy_(tokens)
         self.pos.fill_(self.cache.length)
         self.graph.replay()
+        if self.tiers is not None:
+            self.tiers.after_step()       # the CPU answers this step's expert misses
         self.cache.advance(self.t)
         return self.logits

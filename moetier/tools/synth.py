@@ -62,6 +62,8 @@ class Weights:
             return torch.ones(shape, device=dev)
         if spec.init == "zeros":
             return torch.zeros(shape, device=dev)
+        if spec.init == "neg_ones":
+            return -torch.ones(shape, device=dev)
         std = {"w": 1 / math.sqrt(spec.fan_in), "out": self.out_scale / math.sqrt(spec.fan_in), "bias": 0.02}[spec.init]
         return torch.randn(shape, generator=gen, device=dev) * std
 
@@ -99,7 +101,7 @@ def _gguf_names(cfg: dict):
         if i is None:
             return {"embed": "token_embd.weight"}
         p = f"blk.{i}."
-        norm = p + ("post_attention_norm.weight" if mt in ("gpt_oss", "glm4_moe") else "ffn_norm.weight")
+        norm = p + ("post_attention_norm.weight" if mt in ("gpt_oss", "glm4_moe", "qwen3_next") else "ffn_norm.weight")
         return {"norm": norm, "router": p + "ffn_gate_inp.weight",
                 "router_bias": p + "ffn_gate_inp.bias" if mt == "gpt_oss" else None,
                 "choice_bias": p + "exp_probs_b.bias" if mt in ("deepseek_v3", "glm4_moe") else None}
@@ -153,7 +155,9 @@ def _write_dir(out: Path, shard_bytes: int, name, cfg, weights, device, meta, pr
     bar.close()
     from ..weights.safetensors import Checkpoint
     ck = Checkpoint(out)
-    return out, total, ((lambda n, ids: ck.tensor(n)[ids].float()), (lambda n: ck.tensor(n).float()), _hf_names(cfg))
+    shift = 1.0 if cfg["model_type"] == "qwen3_next" else 0.0   # zero-centred norms: x * (1 + w)
+    full = (lambda n: ck.tensor(n).float() + (shift if n.endswith("layernorm.weight") else 0.0))
+    return out, total, ((lambda n, ids: ck.tensor(n)[ids].float()), full, _hf_names(cfg))
 
 
 def _write_gguf_file(out: Path, quant: str, name, cfg, weights, device, meta, progress, log):

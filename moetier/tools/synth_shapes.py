@@ -1,4 +1,4 @@
-"""The shapes `moetier synth` can write: public config.json values of five MoE models, how to
+"""The shapes `moetier synth` can write: public config.json values of six MoE models, how to
 shrink them (--layers, --scale), and the tensor list of each as a Hugging Face checkpoint and as a
 llama.cpp GGUF file. Shapes are torch's ([out, in]; GGUF's dims are the reverse).
 """
@@ -19,6 +19,10 @@ from ..errors import UserError
 # | gpt-oss-120b    | openai/gpt-oss-120b       | 2880 | 36     | 128 (4)     | 2880  | 64/8     | 201088 |
 # | deepseek-v3     | deepseek-ai/DeepSeek-V3   | 7168 | 61     | 256 (8) +1  | 2048  | 128 MLA  | 129280 |
 # | glm-4.5-air     | zai-org/GLM-4.5-Air       | 4096 | 46     | 128 (8) +1  | 1408  | 96/8     | 151552 |
+# | qwen3-next-80b-a3b | Qwen/Qwen3-Next-80B-A3B-Instruct | 2048 | 48 | 512 (10) +1 | 512 | 16/2 | 151936 |
+# Qwen3-Next: 3 gated DeltaNet layers then 1 gated attention layer (full_attention_interval 4); DeltaNet
+# 16 key / 32 value heads of 128, conv 4. transformers' Qwen3NextConfig defaults match except
+# intermediate_size 5632 (unused: every layer is MoE), rope_theta 1e4 and max_position_embeddings 32768.
 _QWEN3 = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False,
               attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, decoder_sparse_step=1,
               head_dim=128, hidden_act="silu", initializer_range=0.02, max_position_embeddings=40960,
@@ -69,14 +73,26 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=8, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=1000000,
         num_nextn_predict_layers=1, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
         use_qk_norm=False, vocab_size=151552),
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", attention_bias=False, attention_dropout=0.0,
+        bos_token_id=151643, eos_token_id=151645, decoder_sparse_step=1, full_attention_interval=4, head_dim=256,
+        hidden_act="silu", hidden_size=2048, initializer_range=0.02, intermediate_size=5120,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_value_head_dim=128, max_position_embeddings=262144, mlp_only_layers=[], moe_intermediate_size=512,
+        norm_topk_prob=True, num_attention_heads=16, num_experts=512, num_experts_per_tok=10, num_hidden_layers=48,
+        num_key_value_heads=2, output_router_logits=False, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+        rope_scaling=None, rope_theta=10000000, router_aux_loss_coef=0.001, shared_expert_intermediate_size=512,
+        tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, use_sliding_window=False,
+        vocab_size=151936),
 }
 ALIASES = {"Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
            "openai/gpt-oss-120b": "gpt-oss-120b", "deepseek-ai/DeepSeek-V3": "deepseek-v3",
-           "zai-org/GLM-4.5-Air": "glm-4.5-air", "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b",
+           "zai-org/GLM-4.5-Air": "glm-4.5-air", "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b",
+           "qwen3-next": "qwen3-next-80b-a3b", "qwen3-30b": "qwen3-30b-a3b", "qwen3-235b": "qwen3-235b-a22b",
            "gpt-oss": "gpt-oss-120b", "deepseek": "deepseek-v3", "glm-air": "glm-4.5-air"}
 # the keys under which each shape names its expert count / top-k (read back through these)
 _EXPERTS_KEY = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts",
-                "glm4_moe": "n_routed_experts"}
+                "glm4_moe": "n_routed_experts", "qwen3_next": "num_experts"}
 _TOPK_KEYS = ("num_experts_per_tok", "experts_per_token")
 
 
@@ -104,7 +120,7 @@ def dense_layers(cfg: dict) -> int:
 
 
 def is_moe_layer(cfg: dict, i: int) -> bool:
-    if cfg["model_type"] == "qwen3_moe":
+    if cfg["model_type"] in ("qwen3_moe", "qwen3_next"):
         return i not in cfg.get("mlp_only_layers", []) and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
     return i >= dense_layers(cfg)
 
@@ -133,12 +149,18 @@ def shrink(cfg: dict, layers: int | None = None, scale: float | str | None = Non
     f = 64 / cfg["hidden_size"] if scale == "tiny" else float(scale)
     if not 0 < f <= 1:
         raise UserError(f"--scale must be in (0, 1] or 'tiny' (got {scale})")
-    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank"):
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                "shared_expert_intermediate_size"):
         if cfg.get(key):
             cfg[key] = _r(cfg[key] * f, 32, 32)
-    for key in ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+    for key in ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "linear_key_head_dim",
+                "linear_value_head_dim"):
         if cfg.get(key):
             cfg[key] = _r(cfg[key] * f, 16, 16)
+    if cfg.get("linear_num_key_heads"):   # DeltaNet: keep the value heads per key head (2 in Qwen3-Next)
+        per = cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+        cfg["linear_num_key_heads"] = max(1, round(cfg["linear_num_key_heads"] * f))
+        cfg["linear_num_value_heads"] = cfg["linear_num_key_heads"] * per
     h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     cfg["num_attention_heads"] = max(2, round(h * f))
     cfg["num_key_value_heads"] = cfg["num_attention_heads"] if kv == h else max(1, round(kv * f))
@@ -201,12 +223,14 @@ def hf_tensors(cfg: dict) -> list[Spec]:
     d = _dims(cfg)
     D, E, I, F = d["D"], d["E"], d["I"], d["F"]
     mt = cfg["model_type"]
+    norm = "zeros" if mt == "qwen3_next" else "ones"      # Qwen3-Next's RMSNorms store w with x * (1 + w)
     out = [Spec("model.embed_tokens.weight", (d["V"], D), "embed")]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out.append(Spec(p + "input_layernorm.weight", (D,), "ones"))
-        out += [Spec(p + n, s, k, fi) for n, s, k, fi in _attention(cfg, d, hf=True)]
-        out.append(Spec(p + "post_attention_layernorm.weight", (D,), "ones"))
+        out.append(Spec(p + "input_layernorm.weight", (D,), norm))
+        mixer = _qwen3_next_mixer(cfg, d, i, hf=True) if mt == "qwen3_next" else _attention(cfg, d, hf=True)
+        out += [Spec(p + n, s, k, fi) for n, s, k, fi in mixer]
+        out.append(Spec(p + "post_attention_layernorm.weight", (D,), norm))
         if not is_moe_layer(cfg, i):
             out += [Spec(p + "mlp.gate_proj.weight", (F, D), "w", D), Spec(p + "mlp.up_proj.weight", (F, D), "w", D),
                     Spec(p + "mlp.down_proj.weight", (D, F), "out", F)]
@@ -231,7 +255,9 @@ def hf_tensors(cfg: dict) -> list[Spec]:
                 x = m + "shared_experts."
                 out += [Spec(x + "gate_proj.weight", (si, D), "w", D), Spec(x + "up_proj.weight", (si, D), "w", D),
                         Spec(x + "down_proj.weight", (D, si), "out", si)]
-    out += [Spec("model.norm.weight", (D,), "ones"), Spec("lm_head.weight", (d["V"], D), "lm_head")]
+            if mt == "qwen3_next":
+                out += [Spec(p + n, s, k, fi) for n, s, k, fi in _qwen3_next_shared(cfg, d, hf=True)]
+    out += [Spec("model.norm.weight", (D,), norm), Spec("lm_head.weight", (d["V"], D), "lm_head")]
     return out
 
 
@@ -270,17 +296,61 @@ def _attention(cfg: dict, d: dict, hf: bool) -> list[tuple]:
     return out
 
 
+def _qwen3_next_mixer(cfg: dict, d: dict, i: int, hf: bool) -> list[tuple]:
+    """One Qwen3-Next layer's token mixer: gated attention every full_attention_interval-th layer,
+    else gated DeltaNet. GGUF as convert_hf_to_gguf writes it: in_proj_qkvz split into attn_qkv +
+    attn_gate, norms stored as 1 + w, A_log as ssm_a = -exp(A_log) (-1 for A_log = 0), conv [C, K]."""
+    D, H, KV, hd = d["D"], d["H"], d["KV"], d["hd"]
+    n = (lambda h, g: h) if hf else (lambda h, g: g)
+    every = cfg.get("full_attention_interval", 4)
+    types = cfg.get("layer_types")
+    kind = types[i] if types else ("full_attention" if (i + 1) % every == 0 else "linear_attention")
+    if kind == "full_attention":
+        qn = "zeros" if hf else "ones"
+        return [(n("self_attn.q_proj.weight", "attn_q.weight"), (2 * H * hd, D), "w", D),   # [query | gate]
+                (n("self_attn.k_proj.weight", "attn_k.weight"), (KV * hd, D), "w", D),
+                (n("self_attn.v_proj.weight", "attn_v.weight"), (KV * hd, D), "w", D),
+                (n("self_attn.o_proj.weight", "attn_output.weight"), (D, H * hd), "out", H * hd),
+                (n("self_attn.q_norm.weight", "attn_q_norm.weight"), (hd,), qn, 1),
+                (n("self_attn.k_norm.weight", "attn_k_norm.weight"), (hd,), qn, 1)]
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    kd, vd, kern = hk * cfg["linear_key_head_dim"], hv * cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    conv = 2 * kd + vd
+    if hf:
+        out = [("linear_attn.in_proj_qkvz.weight", (2 * kd + 2 * vd, D), "w", D),
+               ("linear_attn.in_proj_ba.weight", (2 * hv, D), "w", D),
+               ("linear_attn.conv1d.weight", (conv, 1, kern), "w", kern),
+               ("linear_attn.dt_bias", (hv,), "ones", 1), ("linear_attn.A_log", (hv,), "zeros", 1)]
+    else:
+        out = [("attn_qkv.weight", (conv, D), "w", D), ("attn_gate.weight", (vd, D), "w", D),
+               ("ssm_ba.weight", (2 * hv, D), "w", D), ("ssm_conv1d.weight", (conv, kern), "w", kern),
+               ("ssm_dt.bias", (hv,), "ones", 1), ("ssm_a", (hv,), "neg_ones", 1)]
+    return out + [(n("linear_attn.norm.weight", "ssm_norm.weight"), (cfg["linear_value_head_dim"],), "ones", 1),
+                  (n("linear_attn.out_proj.weight", "ssm_out.weight"), (D, vd), "out", vd)]
+
+
+def _qwen3_next_shared(cfg: dict, d: dict, hf: bool) -> list[tuple]:
+    """The shared expert and its per-token sigmoid gate [1, D]."""
+    D, si = d["D"], cfg["shared_expert_intermediate_size"]
+    n = (lambda h, g: h) if hf else (lambda h, g: g)
+    return [(n("mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"), (si, D), "w", D),
+            (n("mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"), (si, D), "w", D),
+            (n("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"), (D, si), "out", si),
+            (n("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"), (1, D), "w", D)]
+
+
 def gguf_tensors(cfg: dict) -> list[Spec]:
     """Tensor names and shapes as llama.cpp's convert_hf_to_gguf.py writes them (experts merged [E, ...])."""
     d = _dims(cfg)
     D, E, I, F = d["D"], d["E"], d["I"], d["F"]
     mt = cfg["model_type"]
-    post_norm = "post_attention_norm.weight" if mt in ("gpt_oss", "glm4_moe") else "ffn_norm.weight"
+    post_norm = "post_attention_norm.weight" if mt in ("gpt_oss", "glm4_moe", "qwen3_next") else "ffn_norm.weight"
     out = [Spec("token_embd.weight", (d["V"], D), "embed")]
     for i in range(cfg["num_hidden_layers"]):
         p = f"blk.{i}."
         out.append(Spec(p + "attn_norm.weight", (D,), "ones"))
-        out += [Spec(p + n, s, k, fi) for n, s, k, fi in _attention(cfg, d, hf=False)]
+        mixer = _qwen3_next_mixer(cfg, d, i, hf=False) if mt == "qwen3_next" else _attention(cfg, d, hf=False)
+        out += [Spec(p + n, s, k, fi) for n, s, k, fi in mixer]
         out.append(Spec(p + post_norm, (D,), "ones"))
         if not is_moe_layer(cfg, i):
             out += [Spec(p + "ffn_gate.weight", (F, D), "w", D), Spec(p + "ffn_up.weight", (F, D), "w", D),
@@ -300,12 +370,16 @@ def gguf_tensors(cfg: dict) -> list[Spec]:
             si = I * d["S"]
             out += [Spec(p + "ffn_gate_shexp.weight", (si, D), "w", D), Spec(p + "ffn_up_shexp.weight", (si, D), "w", D),
                     Spec(p + "ffn_down_shexp.weight", (D, si), "out", si)]
+        if mt == "qwen3_next":
+            out += [Spec(p + n, s, k, fi) for n, s, k, fi in _qwen3_next_shared(cfg, d, hf=False)]
     out += [Spec("output_norm.weight", (D,), "ones"), Spec("output.weight", (d["V"], D), "lm_head")]
     return out
 
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
-TOKENIZER_PRE = {"qwen3_moe": "qwen2", "gpt_oss": "gpt-4o", "deepseek_v3": "deepseek-v3", "glm4_moe": "glm4"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe",
+             "qwen3_next": "qwen3next"}
+TOKENIZER_PRE = {"qwen3_moe": "qwen2", "gpt_oss": "gpt-4o", "deepseek_v3": "deepseek-v3", "glm4_moe": "glm4",
+                 "qwen3_next": "qwen2"}
 
 
 def gguf_metadata(cfg: dict, name: str) -> dict:
@@ -322,7 +396,7 @@ def gguf_metadata(cfg: dict, name: str) -> dict:
          f"{a}.attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
          f"{a}.expert_count": d["E"], f"{a}.expert_used_count": top_k(cfg),
          f"{a}.expert_feed_forward_length": d["I"], f"{a}.vocab_size": d["V"]}
-    if mt in ("qwen3_moe", "gpt_oss", "glm4_moe"):
+    if mt in ("qwen3_moe", "gpt_oss", "glm4_moe", "qwen3_next"):
         m[f"{a}.attention.key_length"] = d["hd"]
         m[f"{a}.attention.value_length"] = d["hd"]
     if mt == "gpt_oss":
@@ -334,6 +408,14 @@ def gguf_metadata(cfg: dict, name: str) -> dict:
                   f"{a}.expert_weights_norm": bool(cfg["norm_topk_prob"]), f"{a}.expert_gating_func": 2,
                   f"{a}.expert_group_count": cfg.get("n_group", 1),
                   f"{a}.expert_group_used_count": cfg.get("topk_group", 1), f"{a}.nextn_predict_layers": 0})
+    if mt == "qwen3_next":
+        hv = cfg["linear_num_value_heads"]
+        m.update({f"{a}.expert_shared_feed_forward_length": cfg["shared_expert_intermediate_size"],
+                  f"{a}.ssm.conv_kernel": cfg["linear_conv_kernel_dim"], f"{a}.ssm.state_size": cfg["linear_key_head_dim"],
+                  f"{a}.ssm.group_count": cfg["linear_num_key_heads"], f"{a}.ssm.time_step_rank": hv,
+                  f"{a}.ssm.inner_size": hv * cfg["linear_value_head_dim"],
+                  f"{a}.full_attention_interval": cfg.get("full_attention_interval", 4),
+                  f"{a}.rope.dimension_count": int(d["hd"] * cfg.get("partial_rotary_factor", 0.25))})
     if mt == "glm4_moe":
         m[f"{a}.rope.dimension_count"] = int(d["hd"] * cfg.get("partial_rotary_factor", 1.0))
     if mt == "deepseek_v3":

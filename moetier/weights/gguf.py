@@ -4,9 +4,11 @@
 it through an architecture's table (gguf_arch.py) with NamedCheckpoint's interface, so the loader
 treats both formats alike. Nothing is read until a tensor is asked for; quantized tensors are
 dequantized then, and `expert_raw` hands one expert's storage bytes to the memory tiers.
+`pack_experts` keeps a model's expert tensors in their GGML format instead (models.quant_experts).
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from ..config import ModelArgs
 from ..errors import CheckpointError
 from .gguf_arch import GLOBAL, Arch, Tensor, arch_of
 
+log = logging.getLogger(__name__)
 SPLIT = re.compile(r"^(?P<base>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16: read as is
 INT_TYPES = {24: torch.int8, 25: torch.int16, 26: torch.int32, 27: torch.int64, 28: torch.float64}
@@ -223,6 +226,48 @@ class GGUFCheckpoint:
                                   f"{', '.join(qtype_name(q) for q in qtypes)}; use expert_raw_parts")
         shape = (sum(s[0] for _, _, s in parts), *parts[0][2][1:])
         return torch.cat([r.reshape(s[0], -1) for r, _, s in parts]), qtypes.pop(), shape
+
+
+def pack_experts(model, ckpt: GGUFCheckpoint, device: str, dtype) -> dict[str, int]:
+    """Fill every DenseExperts whose params are still on meta (load_model skipped them): a layer
+    whose gate/up/down share a format with a kernel on `device` becomes a QuantExperts holding the
+    stored blocks (CPU: zero-copy views of the mmap; CUDA: repacked planes on the device); any other
+    layer is dequantized as before. -> {"packed": layers, "dequantized": layers}."""
+    from ..kernels import ops
+    from ..models.layers import DenseExperts
+    from ..models.quant_experts import QuantExperts, cpu_formats, cuda_formats
+    from .loader import _fetch, _set_param
+    cuda = str(device).startswith("cuda")
+    formats = cuda_formats() if cuda else cpu_formats()
+    counts, why = {"packed": 0, "dequantized": 0}, set()
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not DenseExperts or not mod.gate_up_proj.is_meta:
+            continue
+        prefix, _, attr = name.rpartition(".")
+        names = (ckpt._expert_names(prefix, "gate_up_proj") or []) + (ckpt._expert_names(prefix, "down_proj") or [])
+        kinds = sorted({qtype_name(ckpt.ckpt.qtype(n)) for n in names})
+        fmt = kinds[0] if len(names) == 3 and len(kinds) == 1 else None
+        if fmt in formats and not (cuda and ops.as_act(mod.act) is None):
+            gate, up, down = (ckpt.ckpt.raw(n) for n in names)
+            biases = None
+            if mod.gate_up_bias is not None:
+                biases = tuple(ckpt.fused_tensor(prefix, b).to(device=device, dtype=dtype).contiguous()
+                               for b in ("gate_up_bias", "down_bias"))
+            packed = QuantExperts(fmt, gate, up, down, biases, mod.act, "planes" if cuda else "raw", device)
+            setattr(model.get_submodule(prefix), attr, packed)
+            counts["packed"] += 1
+            continue
+        why.add("/".join(kinds) or "no fused GGUF expert tensors")
+        for pname, p in list(mod.named_parameters()):
+            full = f"{name}.{pname}"
+            t = _fetch(ckpt, ckpt.args, full)
+            _set_param(model, full, t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).contiguous())
+        counts["dequantized"] += 1
+    if counts["dequantized"]:
+        log.info("GGUF experts: %d layers computed on their stored format, %d dequantized at load (%s: no %s "
+                 "kernel for that format or mix)", counts["packed"], counts["dequantized"], ", ".join(sorted(why)),
+                 "CUDA" if cuda else "CPU")
+    return counts
 
 
 def open_checkpoint(path: str | Path) -> GGUFCheckpoint:

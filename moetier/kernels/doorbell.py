@@ -1,0 +1,218 @@
+"""Doorbells between a CUDA-graph decode step and CPU threads (the design of LESSONS.md section 1).
+
+Per MoE layer, inside the graph:
+  ring(...)      one kernel: slots = table[ids] (-1 = not on the GPU), the request (x as float32,
+                 ids, w, slots) written to pinned host memory, then bell[li] = seq (release, system scope)
+  <hits>         ops.moe_decode over the GPU slots; slot -1 adds nothing
+  wait_add(...)  if any slot is -1: spin until done[li] == seq, then out = hits + y[li]
+On the host, `MissServer.serve(seq)` (C, doorbell.c, GIL released) answers every layer of the step.
+The sequence number lives on the device (`seq`, bumped by layer 0's ring), so the graph's kernel
+arguments never change; the host keeps its own count in step.
+
+Host buffers are pinned, so with unified addressing the kernels read and write them directly.
+Under TRITON_INTERPRET (CPU tests) the same kernels run on CPU tensors with plain loads and stores.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+BELL_STRIDE = 16            # int64 per layer (doorbell.c)
+GGML_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+_lib = None
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:     # pragma: no cover - the graph path needs triton; MissServer does not
+    triton = None
+
+
+if triton is not None:
+    @triton.jit
+    def _store_release(ptr, val, SYS: tl.constexpr):
+        if SYS:
+            tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tst.volatile.global.u64 [$1], $2;\n\tmov.u32 $0, 0;",
+                                      "=r,l,l", [ptr, val], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.store(ptr, val)
+
+    @triton.jit
+    def _load_acquire(ptr, SYS: tl.constexpr):
+        if SYS:
+            v = tl.inline_asm_elementwise("ld.acquire.sys.global.u64 $0, [$1];", "=l,l", [ptr],
+                                          dtype=tl.int64, is_pure=False, pack=1)
+        else:
+            v = tl.load(ptr, volatile=True)
+        return v
+
+    @triton.jit
+    def _now_ns(SYS: tl.constexpr):
+        if SYS:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        else:
+            t = tl.zeros((), dtype=tl.int64)
+        return t
+
+    @triton.jit
+    def _ring_kernel(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
+                     hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
+                     D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
+                     BD: tl.constexpr, BK: tl.constexpr):
+        seq = tl.load(seq_ptr)
+        if BUMP:            # layer 0 starts a new step
+            seq = seq + 1
+            tl.store(seq_ptr, seq)
+        kk = tl.arange(0, BK)
+        km = kk < K
+        e = tl.load(ids_ptr + kk, mask=km, other=0)
+        s = tl.load(table_ptr + e, mask=km, other=0)
+        w = tl.load(w_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        tl.store(slots_ptr + kk, s.to(tl.int64), mask=km)
+        tl.store(hids_ptr + kk, e.to(tl.int32), mask=km)
+        tl.store(hw_ptr + kk, w, mask=km)
+        tl.store(hslots_ptr + kk, s.to(tl.int32), mask=km)
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            tl.store(hx_ptr + dd, tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32), mask=dd < D)
+        tl.debug_barrier()
+        _store_release(bell_ptr, seq, SYS)
+
+    @triton.jit
+    def _wait_add_kernel(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, D, K, max_spin,
+                         timeout_ns, SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+        kk = tl.arange(0, BK)
+        s = tl.load(slots_ptr + kk, mask=kk < K, other=0)
+        n_miss = tl.sum((s < 0).to(tl.int32), axis=0)
+        dd = tl.program_id(0) * BD + tl.arange(0, BD)
+        dm = dd < D
+        acc = tl.load(hits_ptr + dd, mask=dm, other=0.0).to(tl.float32)
+        failed = tl.load(err_ptr, volatile=True)    # an earlier layer timed out: do not wait again
+        if (n_miss > 0) & (failed == 0):
+            seq = tl.load(seq_ptr)
+            flag = _load_acquire(done_ptr, SYS)
+            n = 0
+            t0 = _now_ns(SYS)
+            late = 0
+            while (flag != seq) & (n < max_spin) & (late == 0):
+                flag = _load_acquire(done_ptr, SYS)
+                n += 1
+                if (n % 256) == 0:
+                    late = ((_now_ns(SYS) - t0) > timeout_ns).to(tl.int32)
+            if flag != seq:             # the host never answered: report, add nothing
+                tl.store(err_ptr, seq)
+            else:
+                acc += tl.load(hy_ptr + dd, mask=dm, other=0.0, volatile=True)
+        tl.store(out_ptr + dd, acc.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool) -> None:
+    """x [1, D], ids / w [1, k] (device) -> slots [k] int64 (device) and the request of layer li."""
+    d, k = x.shape[-1], ids.numel()
+    _ring_kernel[(1,)](x, ids, w, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
+                       req.bell[li * BELL_STRIDE:], d, k, BUMP=bump, SYS=not _interpret(),
+                       BD=min(4096, triton.next_power_of_2(d)), BK=triton.next_power_of_2(k), num_warps=4)
+
+
+def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 << 40,
+             timeout_s: float = 5.0) -> None:
+    """out [1, D] = hits + (y[li] once done[li] == seq, when any slot is -1)."""
+    d, k = hits.shape[-1], slots.numel()
+    bd = min(1024, triton.next_power_of_2(d))
+    _wait_add_kernel[(triton.cdiv(d, bd),)](hits, slots, seq, req.done[li * BELL_STRIDE:], req.y[li], out,
+                                             req.err, d, k, max_spin, int(timeout_s * 1e9),
+                                             SYS=not _interpret(), BD=bd,
+                                             BK=triton.next_power_of_2(k), num_warps=4)
+
+
+class Requests:
+    """The host-mapped request/answer buffers of all L layers (pinned when CUDA is present)."""
+
+    def __init__(self, n_layers: int, dim: int, k: int, pin: bool):
+        def buf(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+        self.bell = buf(n_layers * BELL_STRIDE, dtype=torch.int64)
+        self.done = buf(n_layers * BELL_STRIDE, dtype=torch.int64)
+        self.x, self.y = buf(n_layers, dim, dtype=torch.float32), buf(n_layers, dim, dtype=torch.float32)
+        self.ids, self.slots = buf(n_layers, k, dtype=torch.int32), buf(n_layers, k, dtype=torch.int32)
+        self.w = buf(n_layers, k, dtype=torch.float32)
+        self.err = buf(1, dtype=torch.int64)
+
+
+# ------------------------------------------------------------------ the C server
+class _Ctx(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("L", "E", "D", "I", "k", "qtype", "act", "nthreads")] + [
+        ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+        ("gu_row_bytes", ctypes.c_int64), ("dn_row_bytes", ctypes.c_int64), ("timeout_ns", ctypes.c_int64),
+        ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bell", ctypes.c_void_p), ("done", ctypes.c_void_p),
+        ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("w", ctypes.c_void_p),
+        ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p)]
+
+
+def library() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        from .cpu import build_library
+        lib = ctypes.CDLL(str(build_library(source=Path(__file__).with_name("doorbell.c"))))
+        lib.moetier_serve_step.argtypes = [ctypes.POINTER(_Ctx), ctypes.c_int64]
+        lib.moetier_serve_supported.argtypes = [ctypes.c_int]
+        _lib = lib
+    return _lib
+
+
+def serve_supported(qtype_id: int) -> bool:
+    return bool(library().moetier_serve_supported(qtype_id))
+
+
+class MissServer:
+    """Answers the doorbells of one decode step from expert weights in RAM.
+
+    gate_up / down: [L][E] CPU tensors (rows contiguous) or None where an expert is not in RAM;
+    qtype_id: GGML type id of the weights (0 f32, 1 f16, 30 bf16, 8 Q8_0, 2 Q4_0, 12 Q4_K);
+    act: ops.Act."""
+
+    def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,
+                 threads: int, timeout_s: float = 10.0):
+        n_layers, n_exp = len(gate_up), len(gate_up[0])
+        k = req.ids.shape[1]
+        self.req, self.lib = req, library()
+        if not self.lib.moetier_serve_supported(qtype_id):
+            raise ValueError(f"no CPU kernel for GGML type {qtype_id}")
+        self._gu = (ctypes.c_void_p * (n_layers * n_exp))(
+            *[0 if t is None else t.data_ptr() for row in gate_up for t in row])
+        self._dn = (ctypes.c_void_p * (n_layers * n_exp))(
+            *[0 if t is None else t.data_ptr() for row in down for t in row])
+        some = next(t for t in (t for row in gate_up for t in row) if t is not None)
+        some_dn = next(t for t in (t for row in down for t in row) if t is not None)
+        self.scratch = torch.zeros(k * 3 * hidden + (dim + k * hidden) // 32 + 128, dtype=torch.float32)
+        self.timing = torch.zeros(3, dtype=torch.float64)
+        self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, qtype_id, 0 if act.kind == "swiglu" else 1, threads,
+                        act.alpha, act.limit, some.stride(0) * some.element_size(),
+                        some_dn.stride(0) * some_dn.element_size(), int(timeout_s * 1e9),
+                        ctypes.cast(self._gu, ctypes.c_void_p), ctypes.cast(self._dn, ctypes.c_void_p),
+                        req.bell.data_ptr(), req.done.data_ptr(), req.x.data_ptr(), req.ids.data_ptr(),
+                        req.slots.data_ptr(), req.w.data_ptr(), req.y.data_ptr(), self.scratch.data_ptr(),
+                        self.timing.data_ptr())
+
+    def serve(self, seq: int) -> tuple[float, float, int]:
+        """Answer step `seq`; -> (compute s, s waiting for bells, misses computed)."""
+        rc = self.lib.moetier_serve_step(ctypes.byref(self.ctx), seq)
+        if rc:
+            raise RuntimeError(_why(rc, self.ctx.timeout_ns / 1e9))
+        t = self.timing.tolist()
+        return t[0], t[1], int(t[2])
+
+
+def _why(rc: int, timeout: float) -> str:
+    if -100 < rc < 0:
+        return f"MoE layer {-rc - 1} never rang its doorbell within {timeout:.0f} s (the GPU step stalled)"
+    if rc <= -100 and rc > -200:
+        return f"MoE layer {-rc - 100} missed an expert that is not in the RAM bank"
+    return f"bad doorbell arguments (code {rc})"

@@ -1,0 +1,194 @@
+"""The tiered decode step inside one CUDA graph (issue #3 item 6, issue #5 item 3).
+
+`TieredExperts` on a captured decode token calls `GraphTiers.forward` instead of the eager
+path, which syncs with the host in every layer. Per MoE layer the graph holds four kernels:
+  ring      slots = table[li][ids] on the device; x, ids, w, slots to pinned host memory; bell
+  hits      ops.moe_decode over the GPU cache slots (slot -1: skipped)
+  wait_add  if the layer missed: spin until the CPU answered, out = hits + y_cpu
+and the host, after `graph.replay()`, runs `after_step`: the C server answers every layer's
+misses from the RAM bank (kernels/doorbell.c, GIL released) while the GPU computes the hits;
+then, off the critical path, the counters, the cache policy and the admissions of this step's
+misses (copies on the copy stream; the device table entry is set after the copy, the evicted
+entry cleared before it, so a replay never reads a half-copied slot).
+
+Used when: CUDA, the Triton kernels, a gated activation the kernels know, no expert biases, and
+every expert not pinned on the GPU held in RAM (a miss must never wait for the SSD inside the
+graph). Otherwise decode stays eager (`unavailable` says why).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from ..kernels import ops
+
+MAX_ADMIT_PER_STEP = 8      # decode misses copied into the GPU cache per token (PCIe work per step)
+
+
+def unavailable(tiers, act) -> str | None:
+    """Why the graph path cannot serve these tiers (None: it can)."""
+    if not tiers.cuda:
+        return "the fast tier is not a GPU"
+    try:
+        from ..kernels import doorbell  # noqa: F401
+    except ImportError as e:
+        return f"kernels.doorbell does not import ({e})"
+    if ops.backend() != "triton":
+        return "the Triton kernels are off"
+    a = ops.as_act(act)
+    if a is None:
+        return "the experts' activation has no kernel"
+    names = {p.name for p in tiers.layout.params}
+    if names != {"gate_up_proj", "down_proj"}:
+        return "experts with biases are not served by the CPU doorbell yet"
+    pinned = np.zeros_like(tiers.bank.where, dtype=bool)
+    for li, es in enumerate(tiers.cache.pinned):
+        pinned[li, list(es)] = True
+    if not ((tiers.bank.where >= 0) | pinned).all():
+        return "not every expert is in RAM (some stream from the SSD)"
+    if _qtype_id(tiers.layout) is None:
+        return "no CPU kernel for the expert format"
+    return None
+
+
+def _qtype_id(layout) -> int | None:
+    from ..kernels import doorbell
+    q = layout.qtype
+    if q is None:
+        tid = doorbell.GGML_IDS.get(layout.params[0].dtype)
+    else:
+        from ..quant.formats import get_format
+        tid = get_format(q).type_id
+    return tid if tid is not None and doorbell.serve_supported(tid) else None
+
+
+class GraphTiers:
+    def __init__(self, tiers, act, threads: int, k: int):
+        from ..kernels import doorbell
+        self.tiers, self.act = tiers, ops.as_act(act)
+        lay, dev = tiers.layout, tiers.pl.device
+        self.L, self.E = lay.num_layers, lay.num_experts
+        spec = {p.name: p for p in lay.params}
+        self.dim = spec["down_proj"].shape[0]
+        self.hidden = spec["gate_up_proj"].shape[0] // 2
+        self.k, self.threads = k, threads
+        self.seq = torch.zeros(1, dtype=torch.int64, device=dev)    # bumped on the device by layer 0
+        self.host_seq = 0
+        self.capturing = False
+        self.counting = True
+        self._db = doorbell
+        self._setup()
+
+    def _setup(self) -> None:
+        t, lay, k = self.tiers, self.tiers.layout, self.k
+        self.req = self._db.Requests(self.L, self.dim, k, pin=True)
+        self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=t.pl.device)
+        gu = [[None] * self.E for _ in range(self.L)]
+        dn = [[None] * self.E for _ in range(self.L)]
+        for li in range(self.L):
+            for e in np.flatnonzero(t.bank.where[li] >= 0).tolist():
+                w = lay.unpack(t.bank.slots[int(t.bank.where[li, e])])
+                gu[li][e], dn[li][e] = w["gate_up_proj"], w["down_proj"]
+        self.server = self._db.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act,
+                                          self.threads)
+
+    def weights(self):
+        fast = self.tiers.fast
+        if hasattr(fast, "kernel_weights"):
+            return fast.kernel_weights()
+        return "dense", fast.arena["gate_up_proj"], fast.arena["down_proj"]
+
+    # ------------------------------------------------------------------ inside the graph
+    def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        if k != self.k:
+            raise ValueError(f"the router picked {k} experts per token, the doorbell buffers hold {self.k}")
+        fmt, gu, dn = self.weights()
+        slots = self.slots[li]
+        self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0)
+        hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt)
+        out = torch.empty_like(x)
+        self._db.wait_add(hits, slots, self.seq, self.req, li, out)
+        return out
+
+    # ------------------------------------------------------------------ around the graph
+    def serve_async(self) -> "_Server":
+        """Eager runs (graph warm-up): answer the next step from a thread while the main thread
+        launches the layers (launches can block when the queue fills, so the main thread cannot
+        answer them itself). `.join()` re-raises the thread's error."""
+        return _Server(self.after_step)
+
+    def after_step(self) -> None:
+        """Answer the misses of the step just launched, then account for it."""
+        self.host_seq += 1
+        busy, wait, n_miss = self.server.serve(self.host_seq)
+        if int(self.req.err[0]):
+            bad = int(self.req.err[0])
+            self.req.err[0] = 0
+            raise RuntimeError(f"decode step {bad}: the GPU stopped waiting for the CPU's expert results")
+        if self.counting:
+            self._account(busy)
+
+    def _account(self, busy: float) -> None:
+        t = self.tiers
+        ids, slots, w = self.req.ids.numpy(), self.req.slots.numpy(), self.req.w.numpy()
+        hit = slots >= 0
+        st, c = t.stats, t.cache
+        st.tokens["decode"] += 1
+        n_hit = int(hit.sum())
+        st.routes["decode"]["gpu"] += n_hit
+        st.experts["decode"]["gpu"] += n_hit
+        st.routes["decode"]["ram"] += hit.size - n_hit
+        st.experts["decode"]["ram"] += hit.size - n_hit
+        st.layer_routes[:, 0] += hit.sum(1)
+        st.layer_routes[:, 1] += (~hit).sum(1)
+        st.cpu_s["decode"] += busy
+        t.profile.add_host(ids, w, decode=True)
+        for li in range(self.L):
+            c.lookup(li, ids[li].tolist())
+        miss_li, miss_j = np.nonzero(~hit)
+        self._admit([(int(li), int(ids[li, j])) for li, j in zip(miss_li, miss_j)][:MAX_ADMIT_PER_STEP])
+
+    def _admit(self, misses: list[tuple[int, int]]) -> None:
+        t = self.tiers
+        c, fast, bank = t.cache, t.fast, t.bank
+        if not misses or c.policy == "static":
+            return
+        c.write_table = False
+        try:
+            for li, e in misses:
+                adm = c.admit(li, e)
+                if adm is None:
+                    continue
+                s, victim = adm
+                if victim >= 0:         # later replays see a miss; the copy waits for earlier ones
+                    c.table[li, victim] = -1
+                after = torch.cuda.Event()
+                after.record()
+                ev = fast.load(s, bank.slots[int(bank.where[li, e])], after=after)
+                with torch.cuda.stream(fast.copy_stream):
+                    c.table[li, e] = s
+                bank.mark_busy(("bank", int(bank.where[li, e])), ev)
+        finally:
+            c.write_table = True
+
+
+
+class _Server(threading.Thread):
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.error = fn, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:    # noqa: BLE001 - handed to the joining thread
+            self.error = e
+
+    def join(self, timeout=None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,139 @@
+"""The graph-safe tiered decode step's pieces (kernels/doorbell.py, doorbell.c), on the CPU.
+
+A thread stands in for the GPU: it writes each layer's request into the host buffers and rings
+its bell; MissServer.serve answers from expert weights in RAM. Then the Triton ring / wait_add
+kernels themselves (interpreted on CPU) around the experts op, with the server on a thread."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from moetier.kernels import doorbell as db
+from moetier.kernels import ops
+from moetier.kernels.ops import Act
+from moetier.quant.formats import dequantize, get_format
+from moetier.quant.pack import quantize
+
+L, E, D, I, K = 3, 6, 256, 256, 4      # Q4_K rows need multiples of 256
+
+
+def experts(qtype: str, seed: int = 0):
+    """[L][E] gate_up [2I, D] / down [D, I] in the storage format, and their float32 values."""
+    g = torch.Generator().manual_seed(seed)
+    gu = [[torch.randn(2 * I, D, generator=g) * 0.1 for _ in range(E)] for _ in range(L)]
+    dn = [[torch.randn(D, I, generator=g) * 0.1 for _ in range(E)] for _ in range(L)]
+    if qtype in ("F32", "BF16", "F16"):
+        dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[qtype]
+        store = lambda t: t.to(dt)                                        # noqa: E731
+        value = lambda t: t.float()                                       # noqa: E731
+        tid = db.GGML_IDS[dt]
+    else:
+        store = lambda t: quantize(t, qtype)                              # noqa: E731
+        value = lambda t: dequantize(t, qtype, (t.shape[0], t.shape[1] // get_format(qtype).type_size  # noqa: E731
+                                                * get_format(qtype).block_size))
+        tid = get_format(qtype).type_id
+    s_gu = [[store(t) for t in row] for row in gu]
+    s_dn = [[store(t) for t in row] for row in dn]
+    return s_gu, s_dn, [[value(t) for t in row] for row in s_gu], [[value(t) for t in row] for row in s_dn], tid
+
+
+def reference(x, ids, w, slots, gu, dn, act):
+    y = torch.zeros(D)
+    for j in range(K):
+        if slots[j] < 0:
+            e = int(ids[j])
+            gate, up = (gu[e] @ x).chunk(2)
+            y += w[j] * (dn[e] @ act(gate, up))
+    return y
+
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "F16", "Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("act", [Act(), Act("clamped_swiglu", 1.702, 0.3)])
+def test_miss_server_answers_every_layer(qtype, act):
+    s_gu, s_dn, f_gu, f_dn, tid = experts(qtype)
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, act, threads=2)
+    g = torch.Generator().manual_seed(1)
+    for seq in (1, 2):              # two steps: the bells are compared with the step number
+        def gpu():
+            for li in range(L):
+                req.x[li] = torch.randn(D, generator=g)
+                req.ids[li] = torch.randperm(E, generator=g)[:K].int()
+                req.w[li] = torch.rand(K, generator=g)
+                req.slots[li] = torch.tensor([[-1, 3, -1, -1], [0, 1, 2, 3], [-1, -1, -1, -1]][li], dtype=torch.int32)
+                req.bell[li * db.BELL_STRIDE] = seq
+        req.y.fill_(float("nan"))
+        th = threading.Thread(target=gpu)
+        th.start()
+        busy, wait, n = srv.serve(seq)
+        th.join()
+        assert n == 3 + 0 + 4
+        for li in (0, 2):
+            assert int(req.done[li * db.BELL_STRIDE]) == seq
+            want = reference(req.x[li], req.ids[li], req.w[li], req.slots[li], f_gu[li], f_dn[li], act)
+            torch.testing.assert_close(req.y[li], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert int(req.done[1 * db.BELL_STRIDE]) != seq       # no misses: no answer, the GPU does not wait
+
+
+def test_miss_server_times_out_with_a_clear_error():
+    s_gu, s_dn, _, _, tid = experts("F32")
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=1, timeout_s=0.05)
+    with pytest.raises(RuntimeError, match="MoE layer 0 never rang its doorbell"):
+        srv.serve(7)
+
+
+def test_missing_ram_pointer_is_an_error():
+    s_gu, s_dn, _, _, tid = experts("F32")
+    s_gu[1][2] = None
+    s_dn[1][2] = None
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=1, timeout_s=1.0)
+    req.ids[:] = torch.tensor([2, 0, 1, 3], dtype=torch.int32)
+    req.slots[:] = -1
+    req.bell[::db.BELL_STRIDE] = 1
+    with pytest.raises(RuntimeError, match="not in the RAM bank"):
+        srv.serve(1)
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+def test_ring_hits_wait_add_round_trip(monkeypatch):
+    """The Triton kernels on CPU tensors (interpreter): ring -> experts op over 'GPU' slots -> wait_add,
+    with the C server on a thread, equals the dense computation of all k experts."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreted variant runs on CPU-only machines; tests/test_memory_gpu.py covers CUDA")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    s_gu, s_dn, f_gu, f_dn, tid = experts("F32", seed=3)
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=2)
+    g = torch.Generator().manual_seed(5)
+    # the 'GPU' cache holds experts 0 and 4 of every layer in slots 2 * li, 2 * li + 1
+    table = torch.full((L, E), -1, dtype=torch.int32)
+    arena_gu, arena_dn = torch.zeros(2 * L, 2 * I, D), torch.zeros(2 * L, D, I)
+    for li in range(L):
+        for j, e in enumerate((0, 4)):
+            table[li, e] = 2 * li + j
+            arena_gu[2 * li + j], arena_dn[2 * li + j] = f_gu[li][e], f_dn[li][e]
+    seq = torch.zeros(1, dtype=torch.int64)
+    slots = torch.zeros(L, K, dtype=torch.int64)
+    xs = [torch.randn(1, D, generator=g) for _ in range(L)]
+    ids = [torch.tensor([[0, 1, 4, 5]]), torch.tensor([[4, 0, 2, 3]]), torch.tensor([[0, 4, 1, 2]])]
+    ws = [torch.rand(1, K, generator=g) for _ in range(L)]
+    server = threading.Thread(target=srv.serve, args=(1,))
+    server.start()
+    outs = []
+    for li in range(L):
+        db.ring(xs[li], ids[li], ws[li], table[li], seq, slots[li], req, li, bump=li == 0)
+        hits = ops.moe_decode(xs[li], slots[li].view(1, K), ws[li], arena_gu, arena_dn, Act(), fmt="f32")
+        out = torch.full_like(xs[li], float("nan"))
+        db.wait_add(hits, slots[li], seq, req, li, out, max_spin=1 << 30)
+        outs.append(out)
+    server.join()
+    assert int(seq) == 1 and int(req.err[0]) == 0
+    for li in range(L):
+        want = sum(ws[li][0, j] * (f_dn[li][e] @ Act()(*(f_gu[li][e] @ xs[li][0]).chunk(2)))
+                   for j, e in enumerate(ids[li][0].tolist()))
+        torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert slots[li].tolist() == table[li][ids[li][0]].tolist()
