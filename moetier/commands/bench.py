@@ -73,8 +73,8 @@ def config_namespaces(args) -> list[tuple[str, str, argparse.Namespace]]:
 
 
 def main(args) -> int:
-    from ..runtime.engine import Engine, resolve_model_path
-    from ..tools.bench_core import bench_config, decode_mode, measure_bandwidths, release, reset_peaks
+    from ..runtime.engine import resolve_model_path
+    from ..tools.bench_core import decode_mode
     lens = parse_lengths(args.prompt_len)
     if args.gen < 2:
         raise UserError(f"--gen must be >= 2 to measure decode speed (got {args.gen})")
@@ -82,37 +82,54 @@ def main(args) -> int:
     path = resolve_model_path(args.model)
     configs = config_namespaces(args)
     mode = decode_mode(args.decode, path)
-    results, bw = [], None
+    results, bw, failed = [], None, []
     for label, flags, ns in configs:
-        cfg = engine_config(ns)
-        if cfg.max_context is None:
-            cfg = cfg.replace(max_context=max(lens) + args.gen + 8)
-        cfg = cfg.replace(progress=not args.json)
-        reset_peaks(cfg.resolved_device())
-        log(f"[{label}] loading {path} {flags}".rstrip())
-        t0 = time.perf_counter()
-        engine = Engine.load(path, cfg)
-        load_s = time.perf_counter() - t0
-        fit = [n for n in lens if n + args.gen < engine.max_context]
-        if len(fit) < len(lens):
-            log(f"[{label}] skipping prompt lengths {sorted(set(lens) - set(fit))}: the context holds "
-                f"{engine.max_context} tokens")
-        if not fit:
-            raise UserError(f"no prompt length fits the context of {engine.max_context} tokens; lower --prompt-len")
-        if bw is None:
-            log("measuring bandwidths (cached in ~/.cache/moetier/bandwidth.json) ...")
-            bw = measure_bandwidths(engine.device, path, use_cache=not args.remeasure)
-        r = bench_config(engine, path, fit, args.gen, args.warmup, bw, mode, log)
-        results.append({"label": label, "flags": flags, "load_s": round(load_s, 3), **r})
-        release(engine)
-        engine = None
+        try:
+            bw = _one_config(args, path, label, flags, ns, lens, mode, bw, results, log)
+        except (UserError, RuntimeError, MemoryError) as e:
+            if len(configs) == 1:
+                raise
+            log(f"[{label}] failed: {e}")     # the other configurations still run
+            failed.append({"label": label, "flags": flags, "error": str(e)})
+    if not results:
+        raise UserError("every configuration failed: " + "; ".join(f"{f['label']}: {f['error']}" for f in failed))
     report = {"model": str(path), "prompt_lens": lens, "gen": args.gen, "warmup": args.warmup,
-              "bandwidths": bw, **{k: v for k, v in results[0].items() if k != "runs"}, "configs": results}
+              "bandwidths": bw, **{k: v for k, v in results[0].items() if k != "runs"}, "configs": results,
+              "failed": failed}
     if args.json:
         print(json.dumps(report, default=str))
     else:
         print(format_table(report))
     return 0
+
+
+def _one_config(args, path, label, flags, ns, lens, mode, bw, results, log):
+    """Load and bench one configuration; its result goes to `results`. -> the bandwidths (measured once)."""
+    from ..runtime.engine import Engine
+    from ..tools.bench_core import bench_config, measure_bandwidths, release, reset_peaks
+    cfg = engine_config(ns)
+    if cfg.max_context is None:
+        cfg = cfg.replace(max_context=max(lens) + args.gen + 8)
+    cfg = cfg.replace(progress=not args.json)
+    reset_peaks(cfg.resolved_device())
+    log(f"[{label}] loading {path} {flags}".rstrip())
+    t0 = time.perf_counter()
+    engine = Engine.load(path, cfg)
+    load_s = time.perf_counter() - t0
+    fit = [n for n in lens if n + args.gen < engine.max_context]
+    if len(fit) < len(lens):
+        log(f"[{label}] skipping prompt lengths {sorted(set(lens) - set(fit))}: the context holds "
+            f"{engine.max_context} tokens")
+    if not fit:
+        raise UserError(f"no prompt length fits the context of {engine.max_context} tokens; lower --prompt-len")
+    if bw is None:
+        log("measuring bandwidths (cached in ~/.cache/moetier/bandwidth.json) ...")
+        bw = measure_bandwidths(engine.device, path, use_cache=not args.remeasure)
+    r = bench_config(engine, path, fit, args.gen, args.warmup, bw, mode, log)
+    results.append({"label": label, "flags": flags, "load_s": round(load_s, 3), **r})
+    release(engine)
+    engine = None
+    return bw
 
 
 def _gib(n) -> str:
@@ -146,6 +163,7 @@ def format_table(rep: dict) -> str:
         f"{t['copy_ms']:.2f} + ssd wait {t['ssd_wait_ms']:.2f} + other {t['idle_ms']:.2f}"
         for c in rep["configs"] for t in [c["time_split"]]))
     lines.append("bound: " + "; ".join(f"{c['label']}: {c['bound']['source']}" for c in rep["configs"]))
+    lines += [f"failed [{f['label']}]: {f['error']}" for f in rep.get("failed", [])]
     for c in rep["configs"]:
         if c["distinct_token_frac"] < 0.5:
             lines.append(f"warning [{c['label']}]: greedy decode repeats itself ({c['distinct_token_frac']:.0%} "

@@ -18,6 +18,7 @@ graph). Otherwise decode stays eager (`unavailable` says why).
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import torch
@@ -78,6 +79,9 @@ class GraphTiers:
         self.host_seq = 0
         self.capturing = False
         self.counting = True
+        # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
+        self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
+                       "admitted": 0}
         self._db = doorbell
         self._setup()
 
@@ -123,13 +127,28 @@ class GraphTiers:
     def after_step(self) -> None:
         """Answer the misses of the step just launched, then account for it."""
         self.host_seq += 1
+        t0 = time.perf_counter()
         busy, wait, n_miss = self.server.serve(self.host_seq)
+        t1 = time.perf_counter()
         if int(self.req.err[0]):
             bad = int(self.req.err[0])
             self.req.err[0] = 0
             raise RuntimeError(f"decode step {bad}: the GPU stopped waiting for the CPU's expert results")
         if self.counting:
             self._account(busy)
+            tm = self.timing
+            tm["steps"] += 1
+            tm["serve_s"] += t1 - t0
+            tm["cpu_busy_s"] += busy
+            tm["bell_wait_s"] += wait
+            tm["account_s"] += time.perf_counter() - t1
+
+    def report(self) -> dict:
+        """Mean host milliseconds per graphed decode step."""
+        tm, n = self.timing, max(1, self.timing["steps"])
+        return {"steps": tm["steps"], "admitted": tm["admitted"], "threads": self.threads,
+                **{k.removesuffix("_s") + "_ms": round(tm[k] / n * 1e3, 4)
+                   for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s")}}
 
     def _account(self, busy: float) -> None:
         t = self.tiers
@@ -152,29 +171,39 @@ class GraphTiers:
         self._admit([(int(li), int(ids[li, j])) for li, j in zip(miss_li, miss_j)][:MAX_ADMIT_PER_STEP])
 
     def _admit(self, misses: list[tuple[int, int]]) -> None:
+        """Admit this step's misses the policy wants, as one batch: victims' device entries cleared on
+        the compute stream (later replays compute them on the CPU), copies on the copy stream after
+        that point, then the new entries set on the copy stream (a replay sees -1 or a full slot)."""
         t = self.tiers
         c, fast, bank = t.cache, t.fast, t.bank
         if not misses or c.policy == "static":
             return
+        victims, placed = [], {}
         c.write_table = False
         try:
             for li, e in misses:
                 adm = c.admit(li, e)
-                if adm is None:
-                    continue
-                s, victim = adm
-                if victim >= 0:         # later replays see a miss; the copy waits for earlier ones
-                    c.table[li, victim] = -1
-                after = torch.cuda.Event()
-                after.record()
-                ev = fast.load(s, bank.slots[int(bank.where[li, e])], after=after)
-                with torch.cuda.stream(fast.copy_stream):
-                    c.table[li, e] = s
-                bank.mark_busy(("bank", int(bank.where[li, e])), ev)
+                if adm is not None:
+                    s, victim = adm
+                    if victim >= 0:
+                        victims.append((li, victim))
+                    placed[s] = (li, e)          # an expert admitted and evicted in this batch is dropped
         finally:
             c.write_table = True
-
-
+        if not placed:
+            return
+        dev = c.table.device
+        if victims:
+            li_t, e_t = torch.tensor(victims, dtype=torch.long).T
+            c.table.index_put_((li_t.to(dev), e_t.to(dev)), torch.tensor(-1, dtype=c.table.dtype, device=dev))
+        after = torch.cuda.Event()
+        after.record()
+        slots = list(placed)
+        fast.load_many(slots, [bank.slots[int(bank.where[li, e])] for li, e in placed.values()], after)
+        with torch.cuda.stream(fast.copy_stream):
+            li_t, e_t = torch.tensor(list(placed.values()), dtype=torch.long).T
+            c.table.index_put_((li_t.to(dev), e_t.to(dev)), torch.tensor(slots, dtype=c.table.dtype).to(dev))
+        self.timing["admitted"] += len(placed)
 
 class _Server(threading.Thread):
     def __init__(self, fn):

@@ -248,6 +248,7 @@ class Tiers:
                     "wait_ms": view["ms"]["ssd_wait"], "busy_ms": round(snap["ssd_busy_ms"], 3)},
         }
         return {"tiers": tiers, "layers": layers, "hit_rate": view["hit_rate"],
+                "graph": self.graphed.report() if self.graphed is not None else None,
                 "policy": pl.policy, "fast_tier": pl.fast_device, "prefetch_enabled": self.prefetcher is not None,
                 "expert_bytes": self.layout.expert_bytes, "cumulative": view}
 

@@ -159,15 +159,48 @@ class FastTier:
                         self.arena[n][slot].copy_(t, non_blocking=True)
                 else:   # raw blocks to the device (one staging buffer: the copy stream orders its reuse)
                     if self._staging is None:
-                        self._staging = torch.empty(self.layout.expert_bytes, dtype=torch.uint8, device=self.device)
-                    self._staging.copy_(buf[:self.layout.expert_bytes], non_blocking=True)
-                    self._put(slot, self.layout.unpack(self._staging))
+                        self._staging = torch.empty(8, self.layout.expert_bytes, dtype=torch.uint8, device=self.device)
+                    self._staging[0].copy_(buf[:self.layout.expert_bytes], non_blocking=True)
+                    self._put(slot, self.layout.unpack(self._staging[0]))
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.copy_stream)
             timer.events.append((t0, ev))
             if li is not None:
                 self.pending[li] = ev
         self.bytes_copied[self.phase] += self.layout.raw_bytes
+        return ev
+
+    def load_many(self, slots: list[int], bufs: list[torch.Tensor], after) -> object:
+        """CUDA: fill several slots on the copy stream after event `after`, GGML experts repacked in
+        one batch (a handful of launches however many experts). -> event when all are done."""
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(after)
+            t0 = torch.cuda.Event(enable_timing=True)
+            t0.record(self.copy_stream)
+            if self.qtype is None:
+                for s, buf in zip(slots, bufs):
+                    for n, t in self.layout.unpack(buf).items():
+                        self.arena[n][s].copy_(t, non_blocking=True)
+            else:
+                n = len(bufs)
+                if self._staging is None or self._staging.dim() == 1 or self._staging.shape[0] < n:
+                    self._staging = torch.empty(max(n, 8), self.layout.expert_bytes, dtype=torch.uint8,
+                                                device=self.device)
+                for i, buf in enumerate(bufs):
+                    self._staging[i].copy_(buf[:self.layout.expert_bytes], non_blocking=True)
+                idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+                for p in self.layout.params:
+                    raw = self._staging[:n, p.offset:p.offset + p.nbytes].view(n, *p.shape)
+                    dst = self.arena[p.name]
+                    if p.qtype is None:
+                        dst.index_copy_(0, idx, raw.view(p.dtype).view(n, *p.shape).to(dst.dtype))
+                        continue
+                    for k, plane in repack(p.qtype, raw).items():
+                        dst[k].index_copy_(0, idx, plane)
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.copy_stream)
+        self.copy_timer[self.phase].events.append((t0, ev))
+        self.bytes_copied[self.phase] += self.layout.raw_bytes * len(slots)
         return ev
 
     def wait(self, li: int) -> None:
