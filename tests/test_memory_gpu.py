@@ -144,3 +144,38 @@ def test_graphed_tiered_decode_gives_the_eager_tokens(tiny, tmp_path, dtype):
         else:
             agree = sum(a == b for a, b in zip(got[True], got[False])) / len(got[True])
             assert got[True][:4] == got[False][:4] and agree >= 0.5, (name, agree)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gguf_tiers_on_cuda(tmp_path, qtype):
+    """GGUF experts kept in their format in the tiers on CUDA: repacked on the device when admitted,
+    hits by the Triton kernels (decode) or dequantized grouped GEMMs (prefill rows >= DEQUANT_ROWS),
+    misses by the C server (graphed decode) or staged copies (prefill). bf16 logits and greedy tokens
+    against the same file loaded without tiers (QuantExperts)."""
+    from test_gguf import build_qwen3_moe
+
+    from moetier import SamplingParams
+    from moetier.commands.quantize import quantize
+    model = build_qwen3_moe(tmp_path / "model", hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
+                            num_hidden_layers=4, mlp_only_layers=[1], num_experts=16, num_experts_per_tok=4)
+    path = quantize(model, qtype, tmp_path / f"m-{qtype}.gguf")
+    prompt = torch.randint(0, 300, (96,), generator=torch.Generator().manual_seed(3)).tolist()
+    pl = make_placement(path, EngineConfig(max_context=CTX + 64, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
+                        torch.bfloat16, CTX + 64)
+    few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 20 * pl.expert_fast_bytes + (64 << 20)
+    got = {}
+    for name, kw in {"untiered": {}, "few_slots": dict(gpu_mem=few, ram_mem=1 << 32),
+                     "cpu_moe": dict(cpu_moe=True, ram_mem=1 << 32)}.items():
+        eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype="bfloat16", max_context=CTX + 64, **kw))
+        done = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
+                            ignore_eos=True)
+        got[name] = done.token_ids
+        if eng.tiers is not None:
+            assert eng.tiers.graphed is not None, name
+            torch.cuda.synchronize()
+            eng.tiers.cache.check()
+            eng.tiers.close()
+        del eng
+        torch.cuda.empty_cache()
+    for name in ("few_slots", "cpu_moe"):
+        assert got[name][:4] == got["untiered"][:4], (name, got)

@@ -194,16 +194,22 @@ class GraphTiers:
             return
         dev = c.table.device
         if victims:
-            li_t, e_t = torch.tensor(victims, dtype=torch.long).T
-            c.table.index_put_((li_t.to(dev), e_t.to(dev)), torch.tensor(-1, dtype=c.table.dtype, device=dev))
+            li_t, e_t = _to_device(victims, dev)
+            c.table.index_put_((li_t, e_t), torch.tensor(-1, dtype=c.table.dtype, device=dev))
         after = torch.cuda.Event()
         after.record()
         slots = list(placed)
         fast.load_many(slots, [bank.slots[int(bank.where[li, e])] for li, e in placed.values()], after)
         with torch.cuda.stream(fast.copy_stream):
-            li_t, e_t = torch.tensor(list(placed.values()), dtype=torch.long).T
-            c.table.index_put_((li_t.to(dev), e_t.to(dev)), torch.tensor(slots, dtype=c.table.dtype).to(dev))
+            li_t, e_t, s_t = _to_device([(li, e, s) for s, (li, e) in placed.items()], dev)
+            c.table.index_put_((li_t, e_t), s_t.to(c.table.dtype))
         self.timing["admitted"] += len(placed)
+
+def _to_device(rows: list[tuple], dev) -> torch.Tensor:
+    """Small index columns to the device without blocking the host (a pageable copy would wait for
+    the stream, i.e. for the end of the step being served)."""
+    return torch.tensor(rows, dtype=torch.long).T.contiguous().pin_memory().to(dev, non_blocking=True)
+
 
 class _Server(threading.Thread):
     def __init__(self, fn):

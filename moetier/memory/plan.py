@@ -409,6 +409,10 @@ def prefill_copy_rule(layout: ExpertLayout, bw: dict, cpu_dtype: str = "bfloat16
     flops = 2 * params
     raw = layout.raw_bytes
     copy_s = raw / (bw.get("pcie_gbs", 12.0) * 1e9)
+    if layout.qtype:    # the C kernels read the blocks once per token: every token costs a GEMV
+        gemv_s = raw / (bw.get(f"cpu_gbs_{layout.qtype}", bw.get("ram_gbs", 8.0) / 2) * 1e9)
+        n = max(1, math.ceil(copy_s / gemv_s))
+        return {"tokens": n, "copy_ms": copy_s * 1e3, "cpu_gemv_ms": gemv_s * 1e3, "cpu_ms_per_token": gemv_s * 1e3}
     gemv_s = raw / (bw.get(f"cpu_gbs_{cpu_dtype}", 8.0) * 1e9)
     per_tok = flops / (bw.get(f"cpu_gflops_{cpu_dtype}", 100.0) * 1e9)
     n = 1 if gemv_s >= copy_s else max(1, math.ceil(copy_s / per_tok))
