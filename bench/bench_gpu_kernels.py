@@ -1,7 +1,7 @@
 """GPU MoE expert kernels (moetier/kernels/triton_moe.py): correctness against the torch twin, then
 speed, as achieved HBM GB/s next to the measured copy bandwidth of this GPU.
 
-For each model shape x weight format (bf16 "dense", Q8_0, Q4_0, Q4_K):
+For each model shape x weight format (bf16 "dense", Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS):
   decode  T = 1, 2, 4, 8 tokens: the two fused GEMV kernels (gate_up+act, down+weighted sum) alone
           and together; bytes = the weights of the distinct slots the call reads.
   grouped T = 16 .. 4096 tokens (prefill): align + two tensor-core GEMMs + sum; TFLOP/s and GB/s.
@@ -9,11 +9,14 @@ Each call touches a different set of slots (16 rotating routings over a 128-slot
 the L2), so weights come from HBM, as in a real decode step. Times: CUDA graph replays of the 16
 calls (the engine's mode; per call) and triton.testing.do_bench (eager launches, L2 flushed).
 
+    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 kernels and tiles, every
+                                                               # format, Qwen3-30B-A3B T=1 (< 2 min)
     python bench/bench_gpu_kernels.py [--out results.json] [--fmt dense,Q4_0] [--quick]
     python bench/bench_gpu_kernels.py --sweep [decode|grouped] [--fmt Q4_0]   # best tiles per kernel
     python bench/bench_gpu_kernels.py --interpret              # CPU smoke test of this script (tiny)
     python bench/bench_gpu_kernels.py --compile-sm90           # no GPU: compile the default tiles for
-                                                               # sm_90, print registers and spills
+                                                               # sm_90: registers, spills, SASS
+                                                               # instructions per weight in the K loop
 """
 from __future__ import annotations
 
@@ -48,9 +51,34 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
+def random_planes(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) -> dict:
+    """Random repack planes of `fmt` (Q5_K, Q6_K, MXFP4, IQ3_XXS): random quant bits, scales sized so
+    that rows give O(1) dot products. Valid input for the kernels and their twin alike."""
+    def ints(cols, lo=0, hi=256, dtype=torch.uint8):
+        return torch.randint(lo, hi, (slots, n, cols), device=device, generator=gen, dtype=torch.int32).to(dtype)
+
+    def scale(cols, v):
+        return (torch.rand(slots, n, cols, device=device, generator=gen) * v / math.sqrt(k)).half()
+    if fmt == "Q5_K":
+        return {"qs": ints(k // 2), "qh": ints(k // 8), "d": scale(k // 256, 1 / 512), "dmin": scale(k // 256, 1 / 64),
+                "sc": ints(k // 32, 0, 64), "mn": ints(k // 32, 0, 64)}
+    if fmt == "Q6_K":
+        return {"ql": ints(k // 2), "qh": ints(k // 4), "sc": ints(k // 16, -32, 32, torch.int8),
+                "d": scale(k // 256, 1 / 256)}
+    if fmt == "MXFP4":
+        return {"qs": ints(k // 2), "e": ints(k // 32, 118, 122)}
+    if fmt == "IQ3_XXS":
+        return {"qs": ints(k // 4), "sg": ints(k // 32, -2 ** 31, 2 ** 31 - 1, torch.int32), "sc": ints(k // 32, 0, 16),
+                "d": scale(k // 256, 1 / 16)}
+    raise ValueError(f"no random planes for {fmt}")
+
+
 def make_weights(fmt: str, slots: int, n: int, k: int, gen: torch.Generator | None, device: str = DEV):
     """Random [slots, n, k] weights in the kernel layout, built on the GPU (quantized formats by a
-    vectorised torch quantizer: same block layout as GGML, values need not match gguf-py's rounding)."""
+    vectorised torch quantizer: same block layout as GGML, values need not match gguf-py's rounding;
+    the newer formats as random planes)."""
+    if fmt in ("Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"):
+        return random_planes(fmt, slots, n, k, gen, device)
     w = torch.randn(slots, n, k, device=device, generator=gen, dtype=torch.float32) / math.sqrt(k)
     if fmt == "dense":
         return w.to(XDT)
@@ -176,17 +204,18 @@ class Case:
         return rel_err(got, want)
 
 
-def decode_calls(c: Case, t: int, gen, cfg_gu=None, cfg_dn=None):
+def decode_calls(c: Case, t: int, gen, cfg_gu=None, cfg_dn=None, variant=None):
     """ROT closures for each decode kernel (inputs prepared) and the mean distinct slots per call."""
     rs = routings(t, c.k, c.slots, gen)
     x = torch.randn(t, c.d, generator=gen).to(DEV, XDT)
-    h = torch.empty(t * c.k, c.i, device=DEV, dtype=XDT)
+    v2 = tm.variant_of(c.fmt, variant) != "v1"            # as tm.moe_decode: v2 keeps h in float32
+    h = torch.empty(t * c.k, c.i, device=DEV, dtype=torch.float32 if v2 else XDT)
     out = torch.empty_like(x)
     flat = [(ids.reshape(-1), w.reshape(-1)) for ids, w in rs]
     uniq = sum(len(set(ids.reshape(-1).tolist()) - {-1}) for ids, _ in rs) / ROT
-    gu = [lambda ids=ids: tm.decode_gate_up(x, ids, c.gw, c.code, c.act.alpha, c.act.limit, c.b[0], h, cfg_gu)
+    gu = [lambda ids=ids: tm.decode_gate_up(x, ids, c.gw, c.code, c.act.alpha, c.act.limit, c.b[0], h, cfg_gu, variant)
           for ids, _ in flat]
-    dn = [lambda ids=ids, w=w: tm.decode_down(h, ids, w, c.dw, c.b[1], out, cfg_dn) for ids, w in flat]
+    dn = [lambda ids=ids, w=w: tm.decode_down(h, ids, w, c.dw, c.b[1], out, cfg_dn, variant) for ids, w in flat]
     return gu, dn, uniq
 
 
@@ -233,10 +262,109 @@ def torch_grouped_mm(c: Case, x, ids):
     return torch._grouped_mm((torch.nn.functional.silu(g) * u).contiguous(), c.dn.transpose(-2, -1), offs=offs)
 
 
+# --variants: alternatives to the shipped v2 tiles (triton_decode.GATE_UP / DOWN): (BN, BK, warps, stages)
+ALT_TILES = {"gate_up": [(16, 1024, 4), (16, 512, 4, 2), (32, 512, 8)],
+             "down": [(8, 256, 4, 2), (16, 1024, 8), (4, 1024, 4)]}
+VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
+
+
+def time_kernel(c: Case, gen, kind: str, variant: str, cfg) -> dict:
+    """Per-call time and GB/s of one decode kernel (T=1) at one tile (None: the shipped one)."""
+    gu, dn, uniq = decode_calls(c, 1, gen, cfg_gu=cfg if kind == "gate_up" else None,
+                                cfg_dn=cfg if kind == "down" else None, variant=variant)
+    if kind == "down":                                    # h must hold real activations
+        for f in gu:
+            f()
+    us = graph_us(gu if kind == "gate_up" else dn)
+    gbps = uniq * (c.gu_bytes if kind == "gate_up" else c.dn_bytes) / (us * 1e-6) / 1e9
+    return {"us": round(us, 2), "GBps": round(gbps, 1)}
+
+
+def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> list[dict]:
+    """Qwen3-30B-A3B decode T=1 in passes over the formats, each step skipped once budget_s has passed
+    (Triton compiles dominate): 1. v1 (Q8_0/Q4_0/Q4_K, dense) and v2, both kernels back to back at
+    the shipped tiles, with the error against the twin; 2. v2pdl (v2, down as a programmatic
+    dependent launch) likewise; 3. each kernel alone, shipped tiles; 4. v2 at ALT_TILES. Then per
+    format and variant the best gate_up + best down."""
+    t_start, out = time.perf_counter(), []
+    cases = {fmt: Case(model, fmt, cgen) for fmt in fmts}
+
+    def late(what: str) -> bool:
+        if time.perf_counter() - t_start > budget_s:
+            log(f"  {what}: skipped (time budget)")
+            out.append({"skipped": what})
+            return True
+        return False
+
+    def pair(c: Case, v: str):
+        if late(f"{c.fmt} {v} pair"):
+            return
+        try:
+            x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
+            ids, w = routings(1, c.k, c.slots, gen)[0]
+            want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
+            got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, variant=v)
+            gu, dn, uniq = decode_calls(c, 1, gen, variant=v)
+            us = graph_us([lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)])
+            gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
+            r = {"us": round(us, 2), "GBps": round(gb, 1), "frac_of_copy": round(gb / copy_bw, 3),
+                 "max_rel_err": round(rel_err(got, want), 5)}
+        except Exception as e:  # noqa: BLE001 (report, go on)
+            r = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
+        out.append({"fmt": c.fmt, "variant": v, "kernel": "pair_default", **r})
+        log(f"  {c.fmt} {v} gate_up + down, shipped tiles: {r}")
+
+    def alone(c: Case, v: str, kind: str, cfg):
+        if late(f"{c.fmt} {v} {kind} {cfg or 'default'}"):
+            return
+        try:
+            r = time_kernel(c, gen, kind, v, cfg)
+        except Exception as e:  # noqa: BLE001 (out of resources: report, go on)
+            r = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
+        out.append({"fmt": c.fmt, "variant": v, "kernel": kind, "tile": repr(cfg) if cfg else "default",
+                     "bytes_per_slot": c.gu_bytes if kind == "gate_up" else c.dn_bytes, **r,
+                     "frac_of_copy": round(r["GBps"] / copy_bw, 3) if "GBps" in r else None})
+        log(f"  {c.fmt} {v} {kind} {cfg or 'default'}: {r}")
+
+    def has(fmt, v):
+        try:
+            return tm.variant_of(fmt, v) == v
+        except ValueError:
+            return False
+    for c in cases.values():
+        for v in ("v1", "v2"):
+            if has(c.fmt, v):
+                pair(c, v)
+    for c in cases.values():
+        if has(c.fmt, "v2pdl"):
+            pair(c, "v2pdl")
+    for c in cases.values():
+        for v in ("v1", "v2"):
+            for kind in ("gate_up", "down") if has(c.fmt, v) else ():
+                alone(c, v, kind, None)
+    for c in cases.values():
+        for kind in ("gate_up", "down") if has(c.fmt, "v2") else ():
+            for cfg in ALT_TILES[kind]:
+                alone(c, "v2", kind, cfg)
+    for fmt in fmts:
+        for v in ("v1", "v2"):
+            best = {k: min((o for o in out if o.get("fmt") == fmt and o.get("variant") == v and o.get("kernel") == k
+                            and "us" in o), key=lambda o: o["us"], default=None) for k in ("gate_up", "down")}
+            if all(best.values()):
+                us = best["gate_up"]["us"] + best["down"]["us"]
+                gb = (best["gate_up"]["GBps"] * best["gate_up"]["us"] + best["down"]["GBps"] * best["down"]["us"]) / us
+                out.append({"fmt": fmt, "variant": v, "kernel": "total_best", "us": round(us, 2), "GBps": round(gb, 1),
+                            "frac_of_copy": round(gb / copy_bw, 3), "tiles": [best["gate_up"]["tile"], best["down"]["tile"]]})
+                log(f"  {fmt} {v} best gate_up + best down: {us:.1f} us, {gb:.0f} GB/s = {gb / copy_bw:.0%} of copy")
+    log(f"variants: {time.perf_counter() - t_start:.0f} s")
+    return out
+
+
 def sweep(c: Case, gen, what: str = "all") -> dict:
     """Decode tiles (T=1) and grouped tiles (T=512): the fastest of a small grid per kernel."""
-    elem = {"dense": 2, "Q8_0": 1, "Q4_0": 0.5, "Q4_K": 0.5}[c.fmt]
-    words = (True, False) if c.fmt in ("Q4_0", "Q4_K") else (True,)
+    elem = {"dense": 2, "Q8_0": 1, "Q4_0": 0.5, "Q4_K": 0.5, "Q5_K": 0.625, "Q6_K": 0.75, "MXFP4": 0.5,
+            "IQ3_XXS": 0.4}[c.fmt]
+    words = (True,)                      # quantized formats: v2 tiles (BN, BK, warps, stages; words unused)
 
     def tiles(bns, bks, k_len, rows, lo, hi):               # bytes per K step within [lo, hi]
         for bn, bk, nw, wd, ns in itertools.product(bns, bks, (4, 8), words, (1, 3)):
@@ -297,7 +425,7 @@ def compile_sm90(fmts) -> list[dict]:
             return torch.device("cpu")
 
     driver.set_active(Hopper())
-    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    nvbin = Path(triton.__file__).parent / "backends/nvidia/bin"
     d, i, k, s = 2048, 768, 8, 4
     out = []
     for fmt in fmts:
@@ -306,39 +434,90 @@ def compile_sm90(fmts) -> list[dict]:
         ids, w = torch.zeros(k, dtype=torch.int32), torch.empty(k, dtype=torch.bfloat16)
         sp, bs = torch.empty(1024, dtype=torch.int32), torch.empty(64, dtype=torch.int32)
         hh, y = torch.empty(1024, i, dtype=torch.bfloat16), torch.empty(1024, d, dtype=torch.bfloat16)
-        t1, t2, g = tm.DECODE_GATE_UP[fmt], tm.DECODE_DOWN[fmt], tm.GROUPED[fmt]
-        def dec(t):
-            return {"BN": t.bn, "BK": t.bk, "WORDS": t.words, "NS": t.stages, "num_warps": t.warps}
+        g = tm.GROUPED.get(fmt, tm.GROUPED["Q4_K"])
         grp = {"BM": 64, "BN": g.bn, "BK": g.bk, "PREC": "tf32", "num_warps": g.warps, "num_stages": g.stages}
-        jobs = [("decode_gate_up", tm._decode_gate_up_kernel, (x, d, ids, *gu.args(), x, 0, h, 1.0, 7.0),
-                 dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **dec(t1))),
-                ("decode_down", tm._decode_down_kernel, (h, ids, w, *dn.args(), x, 0, x, d),
-                 dict(D=d, I=i, KTOP=k, FMT=dn.code, HAS_BIAS=False, **dec(t2))),
-                ("grouped_gate_up", tm._grouped_gate_up_kernel, (x, d, sp, bs, *gu.args(), x, 0, hh, 1000, 1.0, 7.0),
-                 dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **grp)),
-                ("grouped_down", tm._grouped_down_kernel, (hh, sp, bs, w, *dn.args(), x, 0, y, 1000),
-                 dict(D=d, I=i, FMT=dn.code, HAS_BIAS=False, **grp))]
-        for name, fn, args, kw in jobs:
+        jobs, step = [], {}   # (name, kernel, args, constexprs, weights per K step per program); K step
+        if fmt in tm.V1_FORMATS:
+            t1, t2 = tm.DECODE_GATE_UP[fmt], tm.DECODE_DOWN[fmt]
+            def dec(t, kk, fmt=fmt):
+                return {"BN": t.bn, "BK": tm._bk(t.bk, kk, fmt), "WORDS": t.words, "NS": t.stages, "num_warps": t.warps}
+            jobs += [("v1_decode_gate_up", tm._decode_gate_up_kernel, (x, d, ids, *gu.args(), x, 0, h, 1.0, 7.0),
+                      dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **dec(t1, d)), 2 * t1.bn * min(t1.bk, d)),
+                     ("v1_decode_down", tm._decode_down_kernel, (h, ids, w, *dn.args(), x, 0, x, d),
+                      dict(D=d, I=i, KTOP=k, FMT=dn.code, HAS_BIAS=False, **dec(t2, i)), k * t2.bn * tm._bk(t2.bk, i, fmt))]
+            step.update(v1_decode_gate_up=min(t1.bk, d), v1_decode_down=tm._bk(t2.bk, i, fmt))
+        if fmt != "dense":
+            v2 = tm.v2
+            t1, t2 = v2.GATE_UP[fmt], v2.DOWN[fmt]
+            bsz = v2.STEP_BLOCK[fmt]
+            def dec2(t, kk, fmt=fmt, bsz=bsz):
+                return {"BS": bsz, "BN": t.bn, "NB": tm.v2._nb(t.bk, kk, fmt), "NS": t.stages, "PDL": False,
+                        "num_warps": t.warps}
+            h32 = torch.empty(k, i, dtype=torch.float32)                  # v2 keeps h in float32
+            jobs += [("v2_decode_gate_up", v2._gate_up_kernel,
+                      (x, d, ids, *gu.v2_args(), x, 0, h32, 1.0, 7.0, v2.ONE_BITS),
+                      dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **dec2(t1, d)),
+                      2 * t1.bn * v2._nb(t1.bk, d, fmt) * bsz),
+                     ("v2_decode_down", v2._down_kernel, (h32, ids, w, *dn.v2_args(), x, 0, x, d, v2.ONE_BITS),
+                      dict(D=d, I=i, KTOP=k, FMT=dn.code, HAS_BIAS=False, **dec2(t2, i)),
+                      k * t2.bn * v2._nb(t2.bk, i, fmt) * bsz)]
+            step.update(v2_decode_gate_up=v2._nb(t1.bk, d, fmt) * bsz, v2_decode_down=v2._nb(t2.bk, i, fmt) * bsz)
+        jobs += [("grouped_gate_up", tm._grouped_gate_up_kernel,
+                  (x, d, sp, bs, *gu.args(), *gu.extra_args(), x, 0, hh, 1000, 1.0, 7.0),
+                  dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **grp), 0),
+                 ("grouped_down", tm._grouped_down_kernel, (hh, sp, bs, w, *dn.args(), *dn.extra_args(), x, 0, y, 1000),
+                  dict(D=d, I=i, FMT=dn.code, HAS_BIAS=False, **grp), 0)]
+        for name, fn, args, kw, per_iter in jobs:
+            t0 = time.perf_counter()
             kern = fn.warmup(*args, grid=(1,), **kw)
+            secs = time.perf_counter() - t0
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kern.asm["cubin"])
                 f.flush()
-                usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                usage = subprocess.run([str(nvbin / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
                                        text=True, check=True).stdout
+                sass = subprocess.run([str(nvbin / "cuobjdump"), "-sass", f.name], capture_output=True,
+                                      text=True, check=True).stdout
             regs, stack = (int(re.search(p + r":(\d+)", usage).group(1)) for p in ("REG", "STACK"))
-            out.append({"fmt": fmt, "kernel": name, "regs": regs, "spill_stack_bytes": stack,
-                        "shared_bytes": kern.metadata.shared})
+            r = {"fmt": fmt, "kernel": name, "regs": regs, "spill_stack_bytes": stack,
+                 "shared_bytes": kern.metadata.shared, "compile_s": round(secs, 1), **sass_loop(sass)}
+            if per_iter:       # per K step, or per program when the K loop was unrolled away (one step)
+                weights = per_iter if r["k_loop"] else per_iter * max(1, (d if "gate_up" in name else i) // step[name])
+                r["instr_per_weight_per_thread"] = round(r["loop_instructions"] * 32 * kw["num_warps"] / weights, 2)
+            out.append(r)
             log(json.dumps(out[-1]))
     return out
 
 
+def sass_loop(sass: str) -> dict:
+    """The largest loop of a SASS listing (a backward BRA; the K loop of a GEMV kernel), else the
+    whole kernel: its instructions and global loads by width (to compare variants per weight)."""
+    import re
+    ins = [(int(m.group(1), 16), m.group(2)) for line in sass.splitlines()
+           if (m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line))]
+    loops = [(int(t.group(1), 16), a) for a, text in ins
+             if (t := re.search(r"\bBRA\s+0x([0-9a-f]+)", text)) and int(t.group(1), 16) < a]
+    lo, hi = max(loops, key=lambda r: r[1] - r[0]) if loops else (0, 1 << 62)
+    body = [text for a, text in ins if lo <= a <= hi]
+    loads = {}
+    for text in body:
+        if (m := re.search(r"\bLDG\.E(\.[A-Z0-9.]+)?", text)):
+            key = "LDG" + (m.group(1) or ".32")
+            loads[key] = loads.get(key, 0) + 1
+    return {"sass_instructions": len(ins), "k_loop": bool(loops), "loop_instructions": len(body), "loop_loads": loads}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fmt", default="dense,Q8_0,Q4_0,Q4_K")
+    ap.add_argument("--fmt", default="dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS")
     ap.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b")
     ap.add_argument("--quick", action="store_true", help="T=1 decode and T=512 grouped only")
     ap.add_argument("--sweep", nargs="?", const="all", choices=("decode", "grouped", "all"),
                     help="search tile sizes (default model: qwen3-30b-a3b only)")
+    ap.add_argument("--variants", action="store_true",
+                    help="decode v1 vs v2 and tiles, Qwen3-30B-A3B T=1, every format (fmt order: --fmt)")
+    ap.add_argument("--budget", type=float, default=80.0, help="--variants: seconds after which the "
+                    "remaining measurements are skipped (compiles dominate; the whole run stays < 2 min)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (Triton interpreter, tiny shapes)")
     ap.add_argument("--compile-sm90", action="store_true", help="no GPU needed: compile for sm_90, report registers")
@@ -361,9 +540,13 @@ def main():
            "torch": torch.__version__,
            "triton": triton.__version__, "hbm_copy_GBps": round(copy_bw, 1), "cases": []}
     log(f"{res['device']}: HBM copy (read + write) {copy_bw:.0f} GB/s")
-    for model in a.models.split(","):
+    if a.variants:
+        fmts = (VARIANT_FMTS if a.fmt == ap.get_default("fmt") else a.fmt).split(",")
+        res["variants"] = variants("tiny" if a.interpret else "qwen3-30b-a3b", fmts, gen, cgen, copy_bw, a.budget)
+        a.models = ""
+    for model in filter(None, a.models.split(",")):
         for fmt in a.fmt.split(","):
-            if fmt == "Q4_K" and MODELS[model][0] % 256:
+            if MODELS[model][0] % tm.BLOCK[fmt] or MODELS[model][1] % tm.BLOCK[fmt]:
                 continue
             c = Case(model, fmt, cgen)
             if a.sweep:

@@ -49,12 +49,15 @@ def reference(x, ids, w, slots, gu, dn, act):
     return y
 
 
-@pytest.mark.parametrize("qtype", ["F32", "BF16", "F16", "Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("qtype,q8", [("F32", False), ("BF16", False), ("F16", False), ("Q8_0", False),
+                                      ("Q4_0", False), ("Q4_K", False), ("Q8_0", True), ("Q4_0", True)])
 @pytest.mark.parametrize("act", [Act(), Act("clamped_swiglu", 1.702, 0.3)])
-def test_miss_server_answers_every_layer(qtype, act):
+def test_miss_server_answers_every_layer(qtype, q8, act):
+    """Float activations: float32 rounding of the reference. int8 activations (q8, one scale per 32
+    values as llama.cpp quantizes them): within 3% of the output's largest value (measured 0.8-1.2%)."""
     s_gu, s_dn, f_gu, f_dn, tid = experts(qtype)
     req = db.Requests(L, D, K, pin=False)
-    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, act, threads=2)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, act, threads=2, q8_act=q8)
     g = torch.Generator().manual_seed(1)
     for seq in (1, 2):              # two steps: the bells are compared with the step number
         def gpu():
@@ -73,7 +76,8 @@ def test_miss_server_answers_every_layer(qtype, act):
         for li in (0, 2):
             assert int(req.done[li * db.BELL_STRIDE]) == seq
             want = reference(req.x[li], req.ids[li], req.w[li], req.slots[li], f_gu[li], f_dn[li], act)
-            torch.testing.assert_close(req.y[li], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            err = ((req.y[li] - want).abs().max() / want.abs().max()).item()
+            assert err <= (3e-2 if q8 else 2e-5), (qtype, q8, err)
         assert int(req.done[1 * db.BELL_STRIDE]) != seq       # no misses: no answer, the GPU does not wait
 
 

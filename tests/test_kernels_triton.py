@@ -4,6 +4,8 @@ Without CUDA the kernels run on CPU tensors in Triton's interpreter (TRITON_INTE
 before triton is imported); the module is skipped when triton is not installed. Interpreter limits:
 tl.dot on bf16 is wrong there (numpy has no bf16), so the bf16 grouped GEMM is checked on the GPU only.
 Shapes are tiny and odd where masks matter; inputs random, never zeros; outputs poisoned with NaN.
+Quantized decode runs the v2 kernels (triton_decode.py) by default; v1 (Q8_0/Q4_0/Q4_K) on request.
+Interpreter time grows with programs x ops, not tile size: the tiles here are wide (few programs).
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 # interpreter-friendly tiles (few programs); the defaults are exercised by test_default_tiles
-SMALL_DECODE = {"cfg_gate_up": (64, 256, 4), "cfg_down": (64, 256, 4)}
+SMALL_DECODE = {"cfg_gate_up": (512, 256, 4), "cfg_down": (512, 256, 4)}   # rows masked, K tail masked
 SMALL_GROUPED = {"cfg": (64, 256, 4, 1)}
-FMT_SHAPES = {"dense": (72, 40), "Q8_0": (64, 96), "Q4_0": (64, 96), "Q4_K": (256, 256)}  # (D, I)
+FMT_SHAPES = {"dense": (72, 40), "Q8_0": (64, 96), "Q4_0": (64, 96), "Q4_K": (256, 256), "Q5_K": (256, 256),
+              "Q6_K": (256, 256), "MXFP4": (64, 96), "IQ3_XXS": (256, 256)}  # (D, I)
+QUANT = [f for f in ops.KERNEL_FORMATS if f != "dense"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -47,8 +51,8 @@ def make_experts(fmt: str, slots: int, d: int, i: int, bias: bool, dtype=torch.f
     if fmt == "dense":
         gu, dn = gu.to(dtype), dn.to(dtype)
     else:
-        if fmt.endswith("_K"):
-            pytest.importorskip("libgguf", reason="packing K-quants needs libgguf")
+        if fmt.endswith("_K") or fmt.startswith("IQ"):
+            pytest.importorskip("libgguf", reason="packing K- and i-quants needs libgguf")
         from moetier.quant.pack import quantize
         from moetier.quant.repack import repack
         gu, dn = repack(fmt, quantize(gu, fmt)), repack(fmt, quantize(dn, fmt))
@@ -71,6 +75,7 @@ def routing(t: int, k: int, slots: int, seed: int = 1, miss: bool = True, dtype=
 
 
 def run_kernel(kind, x, ids, w, gu, dn, fmt, act, biases, **cfg):
+    """The triton_moe kernel (decode / grouped) on x, with an output poisoned with NaN."""
     x, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, ops.normalize_fmt(fmt), ops.as_act(act), biases)
     out = torch.full_like(x, float("nan"))                     # every element must be written
     fn = tm.moe_decode if kind == "decode" else tm.moe_grouped
@@ -80,13 +85,15 @@ def run_kernel(kind, x, ids, w, gu, dn, fmt, act, biases, **cfg):
 
 
 # ------------------------------------------------------------------ fp32: kernels == twin to 1e-4
-CASES = [("dense", 1), ("dense", 3), ("Q8_0", 1), ("Q8_0", 3), ("Q4_0", 1), ("Q4_0", 3), ("Q4_K", 1)]
+def test_every_kernel_format_is_tested():
+    assert set(FMT_SHAPES) == set(ops.KERNEL_FORMATS) == set(tm.FMT_CODES)
 
 
-@pytest.mark.parametrize("fmt,t", CASES)
+@pytest.mark.parametrize("fmt", list(FMT_SHAPES))
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
-def test_decode_matches_twin(fmt, t, gpt_oss):
+def test_decode_matches_twin(fmt, gpt_oss):
     d, i = FMT_SHAPES[fmt]
+    t = 1 if gpt_oss else 3                                            # 3 tokens share slots
     gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
     act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
     ids, w = routing(t, 2, 6)
@@ -96,20 +103,46 @@ def test_decode_matches_twin(fmt, t, gpt_oss):
     assert rel_err(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
-def test_decode_q4_reads_bytes_or_words(fmt):
-    """Both ways of reading 4-bit planes (bytes / int32 words, the WORDS tile flag) agree with the twin."""
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_K"])
+def test_decode_v1_and_v2_agree_with_twin(fmt):
+    """The kept v1 kernels (bytes or int32 words, the WORDS tile flag) and v2, several tiles."""
     d, i = FMT_SHAPES[fmt]
     gu, dn, _ = make_experts(fmt, 6, d, i, bias=False)
-    ids, w = routing(2, 2, 6)
-    x = torch.randn(2, d, device=DEV)
+    ids, w = routing(1, 2, 6, miss=False)
+    x = torch.randn(1, d, device=DEV)
     want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
     for words in (False, True):
-        cfg = {"cfg_gate_up": tm.DecodeTile(64, 256, words=words), "cfg_down": tm.DecodeTile(64, 256, words=not words)}
-        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, **cfg), want) <= 1e-4
+        cfg = {"cfg_gate_up": tm.DecodeTile(256, 256, words=words), "cfg_down": tm.DecodeTile(256, 256, words=not words)}
+        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v1", **cfg), want) <= 1e-4
+    bk = 128 if fmt == "Q4_K" else 32                                   # several K steps and row blocks
+    cfg = {"cfg_gate_up": (64, bk, 4), "cfg_down": (128, bk, 4, 2)}
+    assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v2", **cfg), want) <= 1e-4
+    if fmt == "Q8_0":                                                   # the shipped v2 tiles
+        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None), want) <= 1e-4
 
 
-@pytest.mark.parametrize("fmt,t", [("dense", 3), ("dense", 17), ("Q8_0", 17), ("Q4_0", 17), ("Q4_K", 9)])
+@pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K", "IQ3_XXS"])
+def test_decode_v2_k_tail(fmt):
+    """K = 3 super-blocks with a 2-super-block step: the second step's blocks are half masked."""
+    gu, dn, _ = make_experts(fmt, 3, 768, 256, bias=False)
+    ids, w = routing(1, 2, 3, miss=False)
+    x = torch.randn(1, 768, device=DEV)
+    want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
+    cfg = {"cfg_gate_up": (256, 512, 4), "cfg_down": (1024, 256, 4)}
+    assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, **cfg), want) <= 1e-4
+
+
+def test_decode_variant_errors_say_what_reads_what():
+    with pytest.raises(ValueError, match="v1 reads"):
+        tm.variant_of("MXFP4", "v1")
+    with pytest.raises(ValueError, match="v2 every quantized"):
+        tm.variant_of("dense", "v2")
+    assert tm.variant_of("Q4_K", None) == "v2" and tm.variant_of("dense", None) == "v1"
+    assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
+
+
+@pytest.mark.parametrize("fmt,t", [("dense", 3), ("dense", 17), ("Q8_0", 17), ("Q4_0", 17), ("Q4_K", 9), ("Q5_K", 9),
+                                   ("Q6_K", 9), ("MXFP4", 17), ("IQ3_XXS", 9)])
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
 def test_grouped_matches_twin(fmt, t, gpt_oss):
     d, i = FMT_SHAPES[fmt]
@@ -238,7 +271,7 @@ def test_bad_shapes_say_what_is_expected():
 # ------------------------------------------------------------------ real GPU
 @gpu
 @cuda
-@pytest.mark.parametrize("fmt", ["dense", "Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("fmt", list(FMT_SHAPES))
 def test_gpu_qwen3_shapes_default_tiles(fmt):
     """Qwen3-30B-A3B expert shapes, default tiles, bf16 activations: decode T=1,4 and grouped T=64."""
     d, i, s = 2048, 768, 8

@@ -21,6 +21,78 @@ enum { ACT_SWIGLU = 0, ACT_CLAMPED = 1 };
 #define BELL_STRIDE 16   /* int64 per layer: bells and done flags on their own 128-byte lines */
 #define MAX_K 64
 
+/* ---- int8 activations (llama.cpp's Q8_0 for x): integer dot products for Q4_0 / Q8_0 weights ---- */
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_Q8_ACT 1
+/* x [K] -> qx [K] int8, dx [K/32] scales, sx [K/32] sums of qx per block */
+static void quantize_q8(const float *x, int64_t K, int8_t *qx, float *dx, int32_t *sx) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int q = (int)lrintf(x[32 * b + j] * id);
+            qx[32 * b + j] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d;
+        sx[b] = sum;
+    }
+}
+
+static inline __m256i dot_u8s8(__m256i a, __m256i b) {     /* 8 int32 partial sums of a (u8) * b (s8) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Q4_0 row . q8 x: sum_b d_b dx_b (sum_j nib_j qx_j - 8 sx_b) */
+static float row_q4_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, const int32_t *sx, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++, w += 18, qx += 32) {
+        PREFETCH(w);
+        const __m128i t = _mm_loadu_si128((const __m128i *)(w + 2));
+        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
+        const __m256i p = dot_u8s8(nib, _mm256_loadu_si256((const __m256i *)qx));
+        const float s = fp16_to_f32(w) * dx[b];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
+        off += s * (float)sx[b];
+    }
+    return hsum8(acc) - 8.f * off;
+}
+
+/* Q8_0 row . q8 x (signed x signed through the sign trick) */
+static float row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 34, qx += 32) {
+        PREFETCH(w);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i y = _mm256_loadu_si256((const __m256i *)qx);
+        const __m256i p = dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(w) * dx[b]), acc);
+    }
+    return hsum8(acc);
+}
+#endif
+
+/* activations of one projection: float x, its per-32 sums (Q4_0 / Q4_K offsets), and with
+ * q8 activations the int8 copy */
+typedef struct { const float *x, *xs; const int8_t *qx; const float *dx; const int32_t *sx; } act_vec;
+
+static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K);
+
 typedef struct {
     int32_t L, E, D, I, k, qtype, act, nthreads;
     float alpha, limit;
@@ -36,6 +108,7 @@ typedef struct {
     float *y;                             /* [L, D] */
     float *scratch;                       /* >= k * 2I + k * I + (D + k * I) / 32 + 64 floats */
     double *timing;                       /* out: [0] compute s, [1] wait-for-bell s, [2] misses */
+    int32_t q8_act;                       /* Q4_0 / Q8_0: int8 activations, integer dot products */
 } serve_ctx;
 
 static double now_s(void) {
@@ -107,6 +180,25 @@ static float any_row(int qtype, const uint8_t *w, const float *x, const float *x
     }
 }
 
+static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K) {
+#ifdef HAVE_Q8_ACT
+    if (q8 && qtype == Q4_0) return row_q4_0_q8(w, a.qx, a.dx, a.sx, K / 32);
+    if (q8 && qtype == Q8_0) return row_q8_0_q8(w, a.qx, a.dx, K / 32);
+#else
+    (void)q8;
+#endif
+    return any_row(qtype, w, a.x, a.xs, K);
+}
+
+static int q8_ok(int qtype) {
+#ifdef HAVE_Q8_ACT
+    return qtype == Q4_0 || qtype == Q8_0;
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
+
 int moetier_serve_supported(int qtype) {
     return qtype == F32 || qtype == BF16 || qtype == F16 || moetier_supported(qtype);
 }
@@ -141,6 +233,13 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     float *h = hpre + (int64_t)k * 2 * I;           /* [k, I] */
     float *xs = h + (int64_t)k * I;                 /* [D / 32] */
     float *hs = xs + D / 32 + 16;                   /* [k, I / 32] */
+    const int q8 = c->q8_act && q8_ok(c->qtype);
+    float *dx = hs + (int64_t)k * (I / 32) + 16;    /* q8: x scales [D / 32], h scales [k, I / 32] */
+    float *dh = dx + D / 32;
+    int32_t *sxv = (int32_t *)(dh + (int64_t)k * (I / 32));   /* sums [D / 32], [k, I / 32] */
+    int32_t *shv = sxv + D / 32;
+    int8_t *qxv = (int8_t *)(shv + (int64_t)k * (I / 32) + 16);  /* [D], then [k, I] */
+    int8_t *qhv = qxv + D;
     int n_miss[L > 0 ? L : 1];
     int32_t miss_e[L > 0 ? L : 1][MAX_K];
     float miss_w[L > 0 ? L : 1][MAX_K];
@@ -168,6 +267,9 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     n_miss[li] = m;
                     total += m;
                     if (m && quant) block_sums(c->x + (int64_t)li * D, D, xs);
+#ifdef HAVE_Q8_ACT
+                    if (m && q8) quantize_q8(c->x + (int64_t)li * D, D, qxv, dx, sxv);
+#endif
                 }
                 t_wait += now_s() - tw;
             }
@@ -178,24 +280,31 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             double tb = tid == 0 ? now_s() : 0.0;
             const float *x = c->x + (int64_t)li * D;
             const uint8_t *const *gu = c->gate_up + li * (int64_t)c->E, *const *dn = c->down + li * (int64_t)c->E;
+            const act_vec ax = {x, xs, qxv, dx, sxv};
             #pragma omp for schedule(dynamic, 16)
             for (int64_t r = 0; r < (int64_t)m * 2 * I; r++) {
                 int64_t j = r / (2 * I), row = r % (2 * I);
-                hpre[r] = any_row(c->qtype, gu[miss_e[li][j]] + row * c->gu_row_bytes, x, xs, D);
+                hpre[r] = act_row(c->qtype, q8, gu[miss_e[li][j]] + row * c->gu_row_bytes, ax, D);
             }
             #pragma omp for schedule(static)
             for (int j = 0; j < m; j++) {
                 for (int i = 0; i < I; i++)
                     h[(int64_t)j * I + i] = act_one(c, hpre[(int64_t)j * 2 * I + i], hpre[(int64_t)j * 2 * I + I + i]);
                 if (quant) block_sums(h + (int64_t)j * I, I, hs + (int64_t)j * (I / 32));
+#ifdef HAVE_Q8_ACT
+                if (q8) quantize_q8(h + (int64_t)j * I, I, qhv + (int64_t)j * I, dh + (int64_t)j * (I / 32),
+                                    shv + (int64_t)j * (I / 32));
+#endif
             }
             float *y = c->y + (int64_t)li * D;
             #pragma omp for schedule(dynamic, 32)
             for (int64_t d = 0; d < D; d++) {
                 float s = 0.f;
-                for (int j = 0; j < m; j++)
-                    s += miss_w[li][j] * any_row(c->qtype, dn[miss_e[li][j]] + d * c->dn_row_bytes,
-                                                 h + (int64_t)j * I, hs + (int64_t)j * (I / 32), I);
+                for (int j = 0; j < m; j++) {
+                    const act_vec ah = {h + (int64_t)j * I, hs + (int64_t)j * (I / 32), qhv + (int64_t)j * I,
+                                        dh + (int64_t)j * (I / 32), shv + (int64_t)j * (I / 32)};
+                    s += miss_w[li][j] * act_row(c->qtype, q8, dn[miss_e[li][j]] + d * c->dn_row_bytes, ah, I);
+                }
                 y[d] = s;
             }
             if (tid == 0) {

@@ -153,7 +153,7 @@ class _Ctx(ctypes.Structure):
         ("gu_row_bytes", ctypes.c_int64), ("dn_row_bytes", ctypes.c_int64), ("timeout_ns", ctypes.c_int64),
         ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bell", ctypes.c_void_p), ("done", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("w", ctypes.c_void_p),
-        ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p)]
+        ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32)]
 
 
 def library() -> ctypes.CDLL:
@@ -176,10 +176,11 @@ class MissServer:
 
     gate_up / down: [L][E] CPU tensors (rows contiguous) or None where an expert is not in RAM;
     qtype_id: GGML type id of the weights (0 f32, 1 f16, 30 bf16, 8 Q8_0, 2 Q4_0, 12 Q4_K);
-    act: ops.Act."""
+    act: ops.Act. q8_act: Q4_0 / Q8_0 weights meet int8 activations (one scale per 32 values, as
+    llama.cpp does) in integer dot products; otherwise float32 activations."""
 
     def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,
-                 threads: int, timeout_s: float = 10.0):
+                 threads: int, timeout_s: float = 10.0, q8_act: bool = True):
         n_layers, n_exp = len(gate_up), len(gate_up[0])
         k = req.ids.shape[1]
         self.req, self.lib = req, library()
@@ -191,7 +192,9 @@ class MissServer:
             *[0 if t is None else t.data_ptr() for row in down for t in row])
         some = next(t for t in (t for row in gate_up for t in row) if t is not None)
         some_dn = next(t for t in (t for row in down for t in row) if t is not None)
-        self.scratch = torch.zeros(k * 3 * hidden + (dim + k * hidden) // 32 + 128, dtype=torch.float32)
+        # float h [k, 3I]; per-32 sums / scales / int sums of x and h; int8 x and h (doorbell.c)
+        self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + 256,
+                                   dtype=torch.float32)
         self.timing = torch.zeros(3, dtype=torch.float64)
         self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, qtype_id, 0 if act.kind == "swiglu" else 1, threads,
                         act.alpha, act.limit, some.stride(0) * some.element_size(),
@@ -199,7 +202,7 @@ class MissServer:
                         ctypes.cast(self._gu, ctypes.c_void_p), ctypes.cast(self._dn, ctypes.c_void_p),
                         req.bell.data_ptr(), req.done.data_ptr(), req.x.data_ptr(), req.ids.data_ptr(),
                         req.slots.data_ptr(), req.w.data_ptr(), req.y.data_ptr(), self.scratch.data_ptr(),
-                        self.timing.data_ptr())
+                        self.timing.data_ptr(), int(q8_act))
 
     def serve(self, seq: int) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed)."""

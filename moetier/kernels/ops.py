@@ -5,7 +5,7 @@ torch, or triton; `set_backend` overrides it (EngineConfig, tests).
     out[t] = sum_j w[t, j] * (down[s] @ act(gate_up[s] @ x[t] + b_gu[s]) + b_d[s]),  s = slot_ids[t, j]
 
 gate_up [S, 2I, D] (gate rows, then up rows) and down [S, D, I] are a float tensor (fmt "bf16",
-"f16", "f32" or "dense": the tensor's own dtype) or, for a GGML format ("Q8_0", "Q4_0", "Q4_K", ...),
+"f16", "f32" or "dense": the tensor's own dtype) or, for a GGML format (KERNEL_FORMATS: "Q8_0", "Q4_K", ...),
 the dict of planes `quant.repack(fmt, raw [S, N, row_bytes])` gives. A slot id < 0 adds nothing
 (a miss computed elsewhere). `act`: "swiglu", Act("clamped_swiglu", alpha, limit), or the model's
 callable (layers.swiglu / partial(clamped_swiglu, alpha=, limit=) are recognised; any other runs
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_DECODE_TOKENS = 8        # up to this many tokens: the GEMV decode kernels, above: grouped GEMM
-KERNEL_FORMATS = ("dense", "Q8_0", "Q4_0", "Q4_K")
+KERNEL_FORMATS = ("dense", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS")  # each matches its twin
 _FLOAT_NAMES = {None, "dense", "float", "bf16", "bfloat16", "f16", "fp16", "float16", "f32", "fp32", "float32"}
 
 

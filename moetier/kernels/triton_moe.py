@@ -1,11 +1,13 @@
 """Triton MoE expert kernels over a weight arena addressed by slot ids (GPU; CPU under TRITON_INTERPRET).
 
 Weights: gate_up [S, 2I, D] (gate rows, then up rows) and down [S, D, I] per slot, either a float
-tensor (bf16/fp16/fp32) or the planes of `quant.repack` with leading dims [S, N]: Q8_0 {d, qs},
-Q4_0 {d, qs}, Q4_K {d, dmin, sc, mn, qs}. Any strides, unit stride on the last dim. A slot id < 0
+tensor (bf16/fp16/fp32) or the planes of `quant.repack` with leading dims [S, N] (PLANE_DIV: Q8_0,
+Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS). Any strides, unit stride on the last dim. A slot id < 0
 means "not here" (a miss computed elsewhere): the pair adds nothing.
 
-decode (T <= 8): two launches, no host sync, CUDA-graph capturable.
+decode (T <= 8): two launches, no host sync, CUDA-graph capturable. Quantized formats run the "v2"
+  kernels of triton_decode.py (int32-word loads, see there); dense, and v1 on request (variant=), the
+  GEMV kernels here:
   1. gate_up: grid (T*k pairs, I/BN): each program streams BN gate rows and BN up rows of its slot
      against x[t] -> h[pair] = act(gate, up) in x's dtype.
   2. down: grid (T, D/BN): per K step, each program loads BN rows of each of its token's k experts
@@ -17,7 +19,8 @@ decode (T <= 8): two launches, no host sync, CUDA-graph capturable.
   pair is the fastest grid axis), so L2 serves the repeats.
 grouped (prefill): pairs sorted by slot and padded to BM per slot (`align_pairs`, device ops only),
   then two tensor-core GEMMs (tl.dot, fp32 accumulation): gate_up+act -> h, down * w -> y [T*k, D];
-  quantized tiles are dequantized to x's dtype on the fly. out = y.view(T, k, D).sum(1).
+  quantized tiles are dequantized to x's dtype on the fly (Q5_K, Q6_K, MXFP4, IQ3_XXS element-wise by
+  triton_tiles.deq_tile). out = y.view(T, k, D).sum(1).
 """
 from __future__ import annotations
 
@@ -27,10 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_decode as v2
+from .triton_decode import _act
+from .triton_tiles import deq_tile
+from .triton_weights import BLOCK, FMT_CODES, PLANE_DIV, Weights  # noqa: F401 (re-exported)
+
 DENSE, Q8_0, Q4_0, Q4_K = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 SWIGLU = tl.constexpr(0)
-FMT_CODES = {"dense": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3}
-BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256}       # row length must be a multiple
+Q5_K, Q6_K, MXFP4, IQ3_XXS = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6), tl.constexpr(7)
+V1_FORMATS = ("dense", "Q8_0", "Q4_0", "Q4_K")                  # formats the v1 kernels read
 ACT_CODES = {"swiglu": 0, "clamped_swiglu": 1}
 
 class DecodeTile(NamedTuple):
@@ -58,7 +66,10 @@ DECODE_GATE_UP = {"dense": DecodeTile(16, 256, 4, 3), "Q8_0": DecodeTile(16, 512
 DECODE_DOWN = {"dense": DecodeTile(4, 256, 4, 3), "Q8_0": DecodeTile(4, 1024, 4),
                "Q4_0": DecodeTile(4, 1024, 4, words=False), "Q4_K": DecodeTile(4, 1024, 4, words=False)}
 GROUPED = {"dense": GroupedTile(128, 64, 4, 4), "Q8_0": GroupedTile(128, 64, 4, 3),
-           "Q4_0": GroupedTile(128, 64, 4, 3), "Q4_K": GroupedTile(128, 64, 4, 3)}
+           "Q4_0": GroupedTile(128, 64, 4, 3), "Q4_K": GroupedTile(128, 64, 4, 3),
+           # element-gathered tiles (triton_tiles): no cp.async pipeline (its buffers would not fit)
+           "Q5_K": GroupedTile(128, 64, 8, 1), "Q6_K": GroupedTile(128, 64, 8, 1),
+           "MXFP4": GroupedTile(128, 64, 8, 1), "IQ3_XXS": GroupedTile(128, 64, 8, 1)}
 
 
 # ------------------------------------------------------------------ element helpers
@@ -72,16 +83,6 @@ def _i8f(q):
 def _u8f(v, bias: tl.constexpr = 0.0):
     """uint8 in [0, 255] -> float32 v - bias, same trick (one integer op, one FADD)."""
     return (v.to(tl.int32) + 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
-
-
-@triton.jit
-def _act(g, u, ACT: tl.constexpr, alpha, limit):
-    if ACT == SWIGLU:                         # SwiGLU: silu(gate) * up
-        return g * tl.sigmoid(g) * u
-    else:                                     # GPT-OSS: clamped, (up + 1) * gate * sigmoid(alpha * gate)
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        return (u + 1.0) * (g * tl.sigmoid(g * alpha))
 
 
 # ------------------------------------------------------------------ block loads (all formats)
@@ -318,7 +319,7 @@ def _decode_down_kernel(h_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_p
 def _x_tile(x_ptr, xo, xm, k0, K, FMT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Rows xo [BM] of x, columns of a K step in the order the weight tile uses -> (lo, hi):
     dense/Q8_0 [BM, BK] (twice); Q4_* the low- and high-nibble columns [BM, BK/2] each."""
-    if FMT == DENSE or FMT == Q8_0:
+    if FMT != Q4_0 and FMT != Q4_K:
         kk = k0 + tl.arange(0, BK)
         a = tl.load(x_ptr + xo[:, None] + kk[None, :], mask=xm[:, None] & (kk < K)[None, :], other=0.0)
         return a, a
@@ -332,10 +333,14 @@ def _x_tile(x_ptr, xo, xm, k0, K, FMT: tl.constexpr, BM: tl.constexpr, BK: tl.co
 
 
 @triton.jit
-def _mm_step(acc, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, k0, K,
-             FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _mm_step(acc, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, rmn, rh,
+             mask, k0, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """acc [BM, BN] += x tile @ W[rows, k0:k0+BK]^T, the weight tile dequantized to x's dtype."""
-    if FMT == DENSE:
+    if FMT >= Q5_K:
+        w = deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, rmn, rh, mask, k0, K,
+                     FMT, BK)
+        return tl.dot(a_lo, tl.trans(w.to(a_lo.dtype)), acc, input_precision=PREC)
+    elif FMT == DENSE:
         kk = k0 + tl.arange(0, BK)
         w = tl.load(q_ptr + rq[None, :] + kk[:, None], mask=mask[None, :] & (kk < K)[:, None], other=0.0)
         return tl.dot(a_lo, w.to(a_lo.dtype), acc, input_precision=PREC)
@@ -361,7 +366,7 @@ def _mm_step(acc, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, r
 
 @triton.jit
 def _grouped_gate_up_kernel(x_ptr, stride_x, sorted_ptr, bslot_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
-                            sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n,
+                            sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, qh_ptr, lut_ptr, sh_s, sh_n,
                             b_ptr, sb_s, h_ptr, P, alpha, limit,
                             I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
                             ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -380,12 +385,12 @@ def _grouped_gate_up_kernel(x_ptr, stride_x, sorted_ptr, bslot_ptr, q_ptr, d_ptr
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, D, BK):
             a_lo, a_hi = _x_tile(x_ptr, xo, xm, k0, D, FMT, BM, BK)
-            acc_g = _mm_step(acc_g, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + ng * sq_n,
-                             s * sd_s + ng * sd_n, s * sm_s + ng * sm_n, s * ssc_s + ng * ssc_n,
-                             s * smn_s + ng * smn_n, mask, k0, D, FMT, BN, BK, PREC)
-            acc_u = _mm_step(acc_u, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + nu * sq_n,
-                             s * sd_s + nu * sd_n, s * sm_s + nu * sm_n, s * ssc_s + nu * ssc_n,
-                             s * smn_s + nu * smn_n, mask, k0, D, FMT, BN, BK, PREC)
+            acc_g = _mm_step(acc_g, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, qh_ptr, lut_ptr,
+                             s * sq_s + ng * sq_n, s * sd_s + ng * sd_n, s * sm_s + ng * sm_n, s * ssc_s + ng * ssc_n,
+                             s * smn_s + ng * smn_n, s * sh_s + ng * sh_n, mask, k0, D, FMT, BN, BK, PREC)
+            acc_u = _mm_step(acc_u, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, qh_ptr, lut_ptr,
+                             s * sq_s + nu * sq_n, s * sd_s + nu * sd_n, s * sm_s + nu * sm_n, s * ssc_s + nu * ssc_n,
+                             s * smn_s + nu * smn_n, s * sh_s + nu * sh_n, mask, k0, D, FMT, BN, BK, PREC)
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + s * sb_s + ng, mask=mask, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + s * sb_s + nu, mask=mask, other=0.0).to(tl.float32)[None, :]
@@ -394,8 +399,8 @@ def _grouped_gate_up_kernel(x_ptr, stride_x, sorted_ptr, bslot_ptr, q_ptr, d_ptr
 
 
 @triton.jit
-def _grouped_down_kernel(h_ptr, sorted_ptr, bslot_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
-                         sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n,
+def _grouped_down_kernel(hx_ptr, sorted_ptr, bslot_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                         sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, qh_ptr, lut_ptr, sh_s, sh_n,
                          b_ptr, sb_s, y_ptr, P,
                          D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
@@ -411,10 +416,10 @@ def _grouped_down_kernel(h_ptr, sorted_ptr, bslot_ptr, w_ptr, q_ptr, d_ptr, m_pt
         nd = n.to(tl.int64)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
-            a_lo, a_hi = _x_tile(h_ptr, ho, pm, k0, I, FMT, BM, BK)
-            acc = _mm_step(acc, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + nd * sq_n,
-                           s * sd_s + nd * sd_n, s * sm_s + nd * sm_n, s * ssc_s + nd * ssc_n,
-                           s * smn_s + nd * smn_n, mask, k0, I, FMT, BN, BK, PREC)
+            a_lo, a_hi = _x_tile(hx_ptr, ho, pm, k0, I, FMT, BM, BK)
+            acc = _mm_step(acc, a_lo, a_hi, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, qh_ptr, lut_ptr,
+                           s * sq_s + nd * sq_n, s * sd_s + nd * sd_n, s * sm_s + nd * sm_n, s * ssc_s + nd * ssc_n,
+                           s * smn_s + nd * smn_n, s * sh_s + nd * sh_n, mask, k0, I, FMT, BN, BK, PREC)
         if HAS_BIAS:
             acc += tl.load(b_ptr + s * sb_s + nd, mask=mask, other=0.0).to(tl.float32)[None, :]
         acc *= tl.load(w_ptr + pair, mask=pm, other=0.0).to(tl.float32)[:, None]
@@ -423,48 +428,6 @@ def _grouped_down_kernel(h_ptr, sorted_ptr, bslot_ptr, w_ptr, q_ptr, d_ptr, m_pt
 
 
 # ------------------------------------------------------------------ launchers
-# per format: plane -> elements of a row per entry of the plane's last dim (its length is K / that)
-PLANE_DIV = {"dense": {"w": 1}, "Q8_0": {"qs": 1, "d": 32}, "Q4_0": {"qs": 2, "d": 32},
-             "Q4_K": {"qs": 2, "d": 256, "dmin": 256, "sc": 32, "mn": 32}}
-
-
-class Weights:
-    """A weight arena as kernel arguments: the 5 plane tensors (qs, d, dmin, sc, mn; unused ones
-    repeat qs) with their (slot, row) strides, for `slots` x [n, k] matrices of format `fmt`."""
-
-    def __init__(self, weight, fmt: str):
-        self.fmt, self.code = fmt, FMT_CODES[fmt]
-        planes = {"w": weight} if fmt == "dense" else dict(weight)
-        if fmt == "dense" and not weight.dtype.is_floating_point:
-            raise ValueError(f"float weights expected for fmt 'dense'; got {weight.dtype} (pass the GGML format name)")
-        if set(PLANE_DIV[fmt]) - set(planes):
-            raise ValueError(f"{fmt} weights need the planes {sorted(PLANE_DIV[fmt])} of quant.repack; "
-                             f"got {sorted(planes)}")
-        main = planes["w" if fmt == "dense" else "qs"]
-        if main.dim() != 3:
-            raise ValueError(f"{fmt} weights must be [slots, N, K'] tensors; got shape {tuple(main.shape)}")
-        self.slots, self.n = main.shape[0], main.shape[1]
-        self.k = main.shape[2] * PLANE_DIV[fmt]["qs" if fmt != "dense" else "w"]
-        if self.k % BLOCK[fmt]:
-            raise ValueError(f"{fmt} rows hold blocks of {BLOCK[fmt]}; K={self.k} is not a multiple")
-        for name, div in PLANE_DIV[fmt].items():
-            t = planes[name]
-            if tuple(t.shape) != (self.slots, self.n, self.k // div) or t.stride(-1) != 1:
-                raise ValueError(f"plane {name} of {fmt} weights must be [{self.slots}, {self.n}, "
-                                 f"{self.k // div}] with unit stride on the last dim; got "
-                                 f"{tuple(t.shape)} with strides {t.stride()}")
-        if fmt in ("Q4_0", "Q4_K") and (main.stride(0) % 4 or main.stride(1) % 4 or main.data_ptr() % 4):
-            raise ValueError(f"{fmt} nibble planes are read as int32 words: slot and row strides and the "
-                             f"start must be multiples of 4 bytes; got strides {main.stride()}")
-        names = ("w",) * 5 if fmt == "dense" else ("qs", "d", "dmin", "sc", "mn")
-        self.planes = [planes.get(p, main) for p in names]
-        used = [p in PLANE_DIV[fmt] and (fmt != "dense" or i == 0) for i, p in enumerate(names)]
-        self.strides = [st for t, u in zip(self.planes, used) for st in ((t.stride(0), t.stride(1)) if u else (0, 0))]
-
-    def args(self) -> list:
-        return [*self.planes, *self.strides]
-
-
 def _bk(bk: int, k: int, fmt: str) -> int:
     """Largest useful K step: no wider than the row (rounded up to a power of two), at least a block pair."""
     return max(min(bk, triton.next_power_of_2(k)), 64 if fmt == "Q4_K" else 32 if fmt != "dense" else 16)
@@ -474,8 +437,23 @@ def _bias(b, like: torch.Tensor):
     return (b, b.stride(0)) if b is not None else (like, 0)
 
 
-def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: float, bias, h, cfg=None):
+def variant_of(fmt: str, variant: str | None) -> str:
+    """The decode kernel variant: "v1" (dense; Q8_0/Q4_0/Q4_K as before), "v2" (all quantized formats,
+    the default for them) or "v2pdl" (v2, the down kernel a programmatic dependent launch on CUDA:
+    scheduled while gate_up runs; measured by bench --variants before it can become the default)."""
+    v = variant or ("v1" if fmt == "dense" else "v2")
+    if v not in ("v1", "v2", "v2pdl") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
+        raise ValueError(f"decode variant {variant!r} does not read {fmt}: v1 reads {', '.join(V1_FORMATS)}, "
+                         f"v2 every quantized format ({', '.join(v2.STEP_BLOCK)})")
+    return v
+
+
+def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: float, bias, h, cfg=None,
+                   variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
+    v = variant_of(gate_up.fmt, variant)
+    if v != "v1":
+        return v2.gate_up(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v2pdl" and x.is_cuda)
     t, d = x.shape
     k, i = ids.numel() // t, gate_up.n // 2
     tile = DecodeTile(*(cfg or DECODE_GATE_UP[gate_up.fmt]))
@@ -487,8 +465,11 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
     return h
 
 
-def decode_down(h, ids, w, down: Weights, bias, out, cfg=None):
+def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
+    v = variant_of(down.fmt, variant)
+    if v != "v1":
+        return v2.down(h, ids, w, down, bias, out, cfg, pdl=v == "v2pdl" and out.is_cuda)
     t, d = out.shape
     k, i = ids.numel() // t, down.k
     tile = DecodeTile(*(cfg or DECODE_DOWN[down.fmt]))
@@ -501,13 +482,15 @@ def decode_down(h, ids, w, down: Weights, bias, out, cfg=None):
 
 
 def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: float, limit: float,
-               biases=(None, None), out=None, cfg_gate_up=None, cfg_down=None) -> torch.Tensor:
-    """x [T, D], ids/w [T, k] device tensors -> out [T, D] (x's dtype). Two launches, no host sync."""
+               biases=(None, None), out=None, cfg_gate_up=None, cfg_down=None, variant=None) -> torch.Tensor:
+    """x [T, D], ids/w [T, k] device tensors -> out [T, D] (x's dtype). Two launches, no host sync.
+    variant: None (the default per format), "v1", "v2" or "v2pdl" (variant_of)."""
     t, k = ids.shape
     ids, w = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
-    h = torch.empty(t * k, down.k, dtype=x.dtype, device=x.device)
-    decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up)
-    return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down)
+    v = variant_of(gate_up.fmt, variant)                 # v2: h in float32 (values rounded to x's dtype)
+    h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
+    decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
+    return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, variant)
 
 
 def align_pairs(ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -551,7 +534,7 @@ def grouped_gate_up(x, sorted_pairs, bslot, bm: int, k: int, gate_up: Weights, a
     bn = _bn(bn, i)
     b, sb = _bias(bias, x)
     _grouped_gate_up_kernel[(bslot.numel(), triton.cdiv(i, bn))](
-        x, x.stride(0), sorted_pairs, bslot, *gate_up.args(), b, sb, h, x.shape[0] * k, alpha, limit,
+        x, x.stride(0), sorted_pairs, bslot, *gate_up.args(), *gate_up.extra_args(), b, sb, h, x.shape[0] * k, alpha, limit,
         I=i, D=d, KTOP=k, FMT=gate_up.code, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn,
         BK=_bk(bk, d, gate_up.fmt), PREC=_prec(x), num_warps=nw, num_stages=ns)
     return h
@@ -564,7 +547,7 @@ def grouped_down(h, sorted_pairs, bslot, bm: int, w, down: Weights, bias, y, cfg
     bn = _bn(bn, d)
     b, sb = _bias(bias, y)
     _grouped_down_kernel[(bslot.numel(), triton.cdiv(d, bn))](
-        h, sorted_pairs, bslot, w, *down.args(), b, sb, y, p, D=d, I=down.k,
+        h, sorted_pairs, bslot, w, *down.args(), *down.extra_args(), b, sb, y, p, D=d, I=down.k,
         FMT=down.code, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=_bk(bk, down.k, down.fmt), PREC=_prec(h),
         num_warps=nw, num_stages=ns)
     return y

@@ -18,6 +18,9 @@ Planes per type (K = row length):
         chunk c = sub-block 2c element j (low) and sub-block 2c+1 element j (high))
   Q5_K  as Q4_K + qh u8[K/8] (per 256: bit s of byte j = high bit of element 32 s + j)
   Q6_K  d f16[K/256]  sc i8[K/16]  ql u8[K/2]  qh u8[K/4] (GGML order inside each 256)
+  IQ3_XXS  d f16[K/256]  sc u8[K/32] (4-bit)  sg i32[K/32] (bit e = sign of element e of the
+        32-block: the four 7-bit ksigns indices expanded, parity bit included)  qs u8[K/4] (grid
+        indices; byte i -> elements 4i .. 4i+3 of the 4-wide grid row)
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from gguf import quants as gq
 
 from .bits import shifts, table
 from .formats import dequantize, get_format
-from .iquants import _values, e8m0_half
+from .iquants import _grid, _values, e8m0_half
 from .kquants import scale_min_k4
 
 # field name -> (byte offset, byte length, dtype) inside one block
@@ -45,19 +48,21 @@ _FIELDS = {
     "Q6_K": {"ql": (0, 128, torch.uint8), "qh": (128, 64, torch.uint8), "sc": (192, 16, torch.int8),
              "d": (208, 2, torch.float16)},
 }
-REPACKED = set(_FIELDS)
+REPACKED = set(_FIELDS) | {"IQ3_XXS"}
 
 
 def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
     """raw uint8 [..., N, row_bytes] -> planes (see module doc). Lossless."""
     fmt = get_format(qtype)
-    if fmt.name not in _FIELDS:
+    if fmt.name not in REPACKED:
         return {"raw": raw}
     if raw.dtype != torch.uint8 or raw.dim() < 2 or raw.shape[-1] % fmt.type_size:
         raise ValueError(f"repack({fmt.name}) needs uint8 [..., N, row_bytes] with row_bytes a "
                          f"multiple of {fmt.type_size}; got {raw.dtype} {tuple(raw.shape)}")
     lead, nb = raw.shape[:-1], raw.shape[-1] // fmt.type_size
     blocks = raw.reshape(*lead, nb, fmt.type_size)
+    if fmt.name == "IQ3_XXS":
+        return _repack_iq3_xxs(blocks, lead)
     out = {}
     for name, (off, size, dtype) in _FIELDS[fmt.name].items():
         field = blocks[..., off:off + size].contiguous().view(dtype)     # [..., nb, size / itemsize]
@@ -66,6 +71,18 @@ def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
         sc, mn = scale_min_k4(blocks[..., 4:16].reshape(-1, 12))
         out["sc"], out["mn"] = sc.reshape(*lead, -1), mn.reshape(*lead, -1)
     return out
+
+
+def _repack_iq3_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
+    """[..., nb, 98] blocks -> d, sc, sg, qs planes (module doc)."""
+    w = blocks[..., 66:98].contiguous().view(torch.int32)                  # [..., nb, 8] u32 bit patterns
+    idx = shifts(w.unsqueeze(-1), [0, 7, 14, 21], 0x7F)                    # [..., nb, 8, 4, 1]
+    ks = torch.tensor([i | (i.bit_count() & 1) << 7 for i in range(128)], dtype=torch.int32)
+    sg = ks.to(w.device)[idx.long()].squeeze(-1) << torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=w.device)
+    return {"d": blocks[..., 0:2].contiguous().view(torch.float16).reshape(*lead, -1),
+            "sc": ((w >> 28) & 0xF).to(torch.uint8).reshape(*lead, -1),
+            "sg": sg.sum(-1, dtype=torch.int32).reshape(*lead, -1).contiguous(),
+            "qs": blocks[..., 2:66].reshape(*lead, -1).contiguous()}
 
 
 def dequantize_repacked(qtype, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -151,5 +168,16 @@ def _q6_k(p):
     return _rows(dl * _groups(q, 16).float())
 
 
+def _iq3_xxs(p):
+    sc = p["sc"].float()
+    lead = sc.shape[:-1]
+    d = p["d"].float().repeat_interleave(8, dim=-1)                      # [..., K/32]
+    db = (d * (0.5 + sc) * 0.5).unsqueeze(-1)
+    grid = table("iq3xxs", p["qs"].device, lambda: _grid(gq.IQ3_XXS))[p["qs"].long()]   # [..., K/4, 4]
+    bits = shifts(p["sg"].unsqueeze(-1), list(range(32)), 1).flatten(-2)  # [..., K/32, 32]
+    signs = torch.where(bits == 0, 1.0, -1.0)
+    return _rows(db * grid.reshape(*lead, -1, 32) * signs)
+
+
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "IQ4_NL": _iq4_nl, "Q4_1": _q4_1, "Q5_0": _q5,
-            "Q5_1": _q5, "MXFP4": _mxfp4, "Q4_K": _q45_k, "Q5_K": _q45_k, "Q6_K": _q6_k}
+            "Q5_1": _q5, "MXFP4": _mxfp4, "Q4_K": _q45_k, "Q5_K": _q45_k, "Q6_K": _q6_k, "IQ3_XXS": _iq3_xxs}

@@ -1,0 +1,386 @@
+"""Decode GEMV kernels, variant "v2" (all quantized formats): quant planes read as int32 words.
+
+Why (H200 Qwen3-30B-A3B decode, v1 measured 16-38% of HBM copy for Q4/Q8): at full bandwidth an
+SM gets ~16.5 B/clk for 128 lanes/clk, ~4 thread-instructions per 4-bit weight. v1 spent 6-8 per
+weight in gate_up and 9-13 in down (sm_90 SASS, bench --compile-sm90); v2 4.9-5.5 and 5.4-6.5:
+  - each program streams BN rows x NB blocks per K step as [BN, NB, words] int32 tiles (16-byte
+    vector loads); x is gathered per field position (L1) and reused over the rows a thread holds;
+  - a field becomes a float by one shift + one LOP3 ((w >> s) & mask | one: 1.0's bits, passed as
+    the runtime argument `one` so that mask and OR fuse) + one FFMA with x: f = 1 + q / 2^bits,
+    exact. For 4-bit fields one shift per byte serves both nibbles (low at 1 + q/256, high at
+    1 + q/16). The offset (f - 1, the zero point) is taken out per block with sums of x;
+  - one scale (and min) per block per row, applied to the block's partial sum; the token weight of
+    the down projection multiplies the per-block sums, not every x element;
+  - h between the projections is kept in float32 (values rounded to x's dtype first, as the twin
+    does): the down kernel's x loads need no conversion.
+Blocks of a step: Q8_0 / Q4_0 / MXFP4 / IQ3_XXS 32 elements, Q4_K / Q5_K 64 (two 32-sub-blocks),
+Q6_K 128 (half a super-block). Each `_dot_*` returns [BN, NB] scaled partial dot products.
+Planes (moetier.quant.repack; word planes as int32 views): q (qs / ql), d, dmin, sc, mn, h (qh / sg).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS = (tl.constexpr(c) for c in (1, 2, 3, 4, 5, 6, 7))
+STEP_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 128, "MXFP4": 32, "IQ3_XXS": 32}
+ONE_BITS = 0x3F800000                  # bits of 1.0f: the kernels' `one` argument (module doc)
+SWIGLU = tl.constexpr(0)
+
+
+@triton.jit
+def _act(g, u, ACT: tl.constexpr, alpha, limit):
+    if ACT == SWIGLU:                         # SwiGLU: silu(gate) * up
+        return g * tl.sigmoid(g) * u
+    else:                                     # GPT-OSS: clamped, (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return (u + 1.0) * (g * tl.sigmoid(g * alpha))
+
+
+@triton.jit
+def _field(w, SH: tl.constexpr, M: tl.constexpr):
+    """(w << SH) & M, a right shift when SH < 0 (arithmetic; the mask drops the sign copies)."""
+    if SH >= 0:
+        return (w << SH) & M
+    else:
+        return (w >> (-SH)) & M
+
+
+@triton.jit
+def _f(bits, one):
+    """bits | one (the bits of 1.0f, a runtime argument so that mask and OR fuse into one LOP3)."""
+    return (bits | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _xload(x_ptr, xo, idx, mg):
+    return tl.load(x_ptr + xo + idx, mask=mg, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dot_q8_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB: tl.constexpr):
+    """32-blocks of 8 words; byte b of word w = element 4w + b. f = 1 + (q + 128) / 256."""
+    g = g0 + tl.arange(0, NB)
+    mg = g < NBK
+    wi = tl.arange(0, 8)
+    words = tl.load(q_ptr + rq[:, None, None] + (g[:, None] * 8 + wi[None, :])[None, :, :],
+                    mask=(mask[:, None] & mg[None, :])[:, :, None], other=0)
+    p = tl.zeros(words.shape, dtype=tl.float32)
+    sx = tl.zeros([NB, 8], dtype=tl.float32)
+    one8 = one | 0x400000                                  # 1.0 with the byte's top bit flipped: q + 128
+    for b in tl.static_range(4):
+        x = _xload(x_ptr, xo, g[:, None] * 32 + wi[None, :] * 4 + b, mg[:, None])
+        f = (_field(words, 15 - 8 * b, 0x7F8000) ^ one8).to(tl.float32, bitcast=True)
+        p += f * x[None, :, :]
+        sx += x
+    d = tl.load(d_ptr + rd[:, None] + g[None, :], mask=mask[:, None] & mg[None, :], other=0.0).to(tl.float32)
+    return d * (256.0 * tl.sum(p, axis=2) - 384.0 * tl.sum(sx, axis=1)[None, :])
+
+
+@triton.jit
+def _shift(w, SH: tl.constexpr):
+    if SH >= 0:
+        return w << SH
+    else:
+        return w >> (-SH)
+
+
+@triton.jit
+def _dot_q4_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB: tl.constexpr, MX: tl.constexpr):
+    """32-blocks of 4 words; byte b of word w holds elements 4w + b (low nibble), + 16 (high).
+    Q4_0: one shift per byte puts the low nibble at bits 15-18 (f = 1 + q / 256) and the high one at
+    19-22 (f = 1 + q / 16); value q - 8. MXFP4: the nibble (sign, 2-bit exponent, 1-bit mantissa,
+    doubled E2M1) placed into fp16 bits = value * 2^-15 (fp16 subnormals convert exactly)."""
+    g = g0 + tl.arange(0, NB)
+    mg = g < NBK
+    m2 = mask[:, None] & mg[None, :]
+    wi = tl.arange(0, 4)
+    words = tl.load(q_ptr + rq[:, None, None] + (g[:, None] * 4 + wi[None, :])[None, :, :],
+                    mask=m2[:, :, None], other=0)
+    p_lo = tl.zeros(words.shape, dtype=tl.float32)
+    p_hi = tl.zeros(words.shape, dtype=tl.float32)
+    sx_lo = tl.zeros([NB, 4], dtype=tl.float32)
+    sx_hi = tl.zeros([NB, 4], dtype=tl.float32)
+    for b in tl.static_range(4):
+        x_lo = _xload(x_ptr, xo, g[:, None] * 32 + wi[None, :] * 4 + b, mg[:, None])
+        x_hi = _xload(x_ptr, xo, g[:, None] * 32 + wi[None, :] * 4 + b + 16, mg[:, None])
+        if MX:
+            for h in tl.static_range(2):
+                hb = _field(words, 9 - 8 * b - 4 * h, 0x0E00) | _field(words, 12 - 8 * b - 4 * h, 0x8000)
+                v = hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                if h == 0:
+                    p_lo += v * x_lo[None, :, :]
+                else:
+                    p_hi += v * x_hi[None, :, :]
+        else:
+            t = _shift(words, 15 - 8 * b)
+            p_lo += _f(t & 0x78000, one) * x_lo[None, :, :]
+            p_hi += _f(t & 0x780000, one) * x_hi[None, :, :]
+            sx_lo += x_lo
+            sx_hi += x_hi
+    if MX:                                             # d = 2^(e - 128) (e8m0_half) * 2^15
+        e = tl.load(d_ptr + rd[:, None] + g[None, :], mask=m2, other=0).to(tl.int32)
+        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True) * 32768.0
+        return d * tl.sum(p_lo + p_hi, axis=2)
+    else:
+        d = tl.load(d_ptr + rd[:, None] + g[None, :], mask=m2, other=0.0).to(tl.float32)
+        s_lo = tl.sum(sx_lo, axis=1)[None, :]
+        s_hi = tl.sum(sx_hi, axis=1)[None, :]
+        return d * (256.0 * (tl.sum(p_lo, axis=2) - s_lo) + 16.0 * (tl.sum(p_hi, axis=2) - s_hi) - 8.0 * (s_lo + s_hi))
+
+
+@triton.jit
+def _dot_q45_k(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, c0, NCK,
+               x_ptr, xo, one, NB: tl.constexpr, Q5: tl.constexpr):
+    """64-chunks c of 8 words; byte b of word w holds elements 64c + 4w + b (low nibble, sub-block 2c)
+    and + 32 (high, sub-block 2c + 1). Q4_K: one shift per byte, the low nibble to bits 15-18
+    (f = 1 + q / 256), the high one to 19-22 (1 + q / 16). Q5_K: the 5th bit is bit 8b + 2 (c % 4) + h
+    of qh word 8 (c // 4) + w; q at bits 18-22 (f = 1 + q / 32). Value d * sc * q - dmin * mn."""
+    c = c0 + tl.arange(0, NB)
+    mc = c < NCK
+    m2 = mask[:, None] & mc[None, :]
+    wi = tl.arange(0, 8)
+    words = tl.load(q_ptr + rq[:, None, None] + (c[:, None] * 8 + wi[None, :])[None, :, :],
+                    mask=m2[:, :, None], other=0)
+    if Q5:
+        hw = tl.load(h_ptr + rh[:, None, None] + ((c // 4)[:, None] * 8 + wi[None, :])[None, :, :],
+                     mask=m2[:, :, None], other=0)
+        hw = hw >> (2 * (c % 4))[None, :, None]            # bit 8b + h: high bit of nibble (b, h)
+    p_lo = tl.zeros(words.shape, dtype=tl.float32)
+    p_hi = tl.zeros(words.shape, dtype=tl.float32)
+    sx_lo = tl.zeros([NB, 8], dtype=tl.float32)
+    sx_hi = tl.zeros([NB, 8], dtype=tl.float32)
+    for b in tl.static_range(4):
+        x_lo = _xload(x_ptr, xo, c[:, None] * 64 + wi[None, :] * 4 + b, mc[:, None])
+        x_hi = _xload(x_ptr, xo, c[:, None] * 64 + wi[None, :] * 4 + b + 32, mc[:, None])
+        if Q5:
+            f_lo = _f(_field(words, 18 - 8 * b, 0x3C0000) | _field(hw, 22 - 8 * b, 0x400000), one)
+            f_hi = _f(_field(words, 14 - 8 * b, 0x3C0000) | _field(hw, 21 - 8 * b, 0x400000), one)
+        else:
+            t = _shift(words, 15 - 8 * b)
+            f_lo = _f(t & 0x78000, one)
+            f_hi = _f(t & 0x780000, one)
+        p_lo += f_lo * x_lo[None, :, :]
+        p_hi += f_hi * x_hi[None, :, :]
+        sx_lo += x_lo
+        sx_hi += x_hi
+    d = tl.load(d_ptr + rd[:, None] + (c // 4)[None, :], mask=m2, other=0.0).to(tl.float32)
+    dm = tl.load(m_ptr + rm[:, None] + (c // 4)[None, :], mask=m2, other=0.0).to(tl.float32)
+    sc_lo = tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :], mask=m2, other=0).to(tl.float32)
+    sc_hi = tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :] + 1, mask=m2, other=0).to(tl.float32)
+    mn_lo = tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :], mask=m2, other=0).to(tl.float32)
+    mn_hi = tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :] + 1, mask=m2, other=0).to(tl.float32)
+    s_lo = tl.sum(sx_lo, axis=1)[None, :]
+    s_hi = tl.sum(sx_hi, axis=1)[None, :]
+    u_lo = 32.0 if Q5 else 256.0                        # sum q x = u * (sum f x - sum x)
+    u_hi = 32.0 if Q5 else 16.0
+    return (d * (sc_lo * (u_lo * (tl.sum(p_lo, axis=2) - s_lo)) + sc_hi * (u_hi * (tl.sum(p_hi, axis=2) - s_hi)))
+            - dm * (mn_lo * s_lo + mn_hi * s_hi))
+
+
+@triton.jit
+def _dot_q6_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, c0, NCK, x_ptr, xo, one, NB: tl.constexpr):
+    """128-chunks c (half a super-block): ql words a = 16c + w, b = 16c + 8 + w, qh word 8c + w,
+    w < 8. Byte j of word w (l = 4w + j) gives element 128c + l + 32m, m = 0..3: the low (m = 0, 1) or
+    high (m = 2, 3) nibble of ql word a (m even) or b (m odd), 2 high bits at 8j + 2m of the qh word.
+    Scale sc[8c + 2m + (w >= 4)]; f = 1 + q / 64, value d * sc * (q - 32)."""
+    c = c0 + tl.arange(0, NB)
+    mc = c < NCK
+    m2 = mask[:, None] & mc[None, :]
+    m3 = m2[:, :, None]
+    wi = tl.arange(0, 8)
+    wa = tl.load(q_ptr + rq[:, None, None] + (c[:, None] * 16 + wi[None, :])[None, :, :], mask=m3, other=0)
+    wb = tl.load(q_ptr + rq[:, None, None] + (c[:, None] * 16 + 8 + wi[None, :])[None, :, :], mask=m3, other=0)
+    wh = tl.load(h_ptr + rh[:, None, None] + (c[:, None] * 8 + wi[None, :])[None, :, :], mask=m3, other=0)
+    d = tl.load(d_ptr + rd[:, None] + (c // 2)[None, :], mask=m2, other=0.0).to(tl.float32)
+    acc = tl.zeros(wa.shape, dtype=tl.float32)
+    for m in tl.static_range(4):
+        p = tl.zeros(wa.shape, dtype=tl.float32)
+        sx = tl.zeros([NB, 8], dtype=tl.float32)
+        for j in tl.static_range(4):
+            x = _xload(x_ptr, xo, c[:, None] * 128 + wi[None, :] * 4 + (j + 32 * m), mc[:, None])
+            lo = _field(wa if m % 2 == 0 else wb, 17 - 8 * j - 4 * (m // 2), 0x1E0000)
+            p += _f(lo | _field(wh, 21 - 8 * j - 2 * m, 0x600000), one) * x[None, :, :]
+            sx += x
+        sc = tl.load(sc_ptr + rsc[:, None, None] + (c[:, None] * 8 + 2 * m + wi[None, :] // 4)[None, :, :],
+                     mask=m3, other=0).to(tl.float32)
+        acc += sc * (64.0 * p - 96.0 * sx[None, :, :])
+    return d * tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _dot_iq3_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo,
+                 NB: tl.constexpr):
+    """32-blocks of 2 grid-index words; byte j of word w -> grid row (4 values, float table lut) of
+    elements 16w + 4j .. + 3; sign of element e = bit e of the sg word (h plane); scale
+    d * (0.5 + sc) * 0.5."""
+    g = g0 + tl.arange(0, NB)
+    mg = g < NBK
+    m2 = mask[:, None] & mg[None, :]
+    wi = tl.arange(0, 2)
+    words = tl.load(q_ptr + rq[:, None, None] + (g[:, None] * 2 + wi[None, :])[None, :, :],
+                    mask=m2[:, :, None], other=0)
+    sg = tl.load(h_ptr + rh[:, None] + g[None, :], mask=m2, other=0)[:, :, None]
+    p = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(4):
+        row = _field(words, -8 * j, 0xFF) * 4
+        for v in tl.static_range(4):
+            e = wi * 16 + (4 * j + v)                                     # [2]
+            gv = tl.load(lut_ptr + row + v).to(tl.int32, bitcast=True)
+            sign = (sg << (31 - e)[None, None, :]) & -2147483648
+            x = _xload(x_ptr, xo, g[:, None] * 32 + e[None, :], mg[:, None])
+            p += (gv ^ sign).to(tl.float32, bitcast=True) * x[None, :, :]
+    d = tl.load(d_ptr + rd[:, None] + (g // 8)[None, :], mask=m2, other=0.0).to(tl.float32)
+    sc = tl.load(sc_ptr + rsc[:, None] + g[None, :], mask=m2, other=0).to(tl.float32)
+    return (d * (0.5 + sc) * 0.5) * tl.sum(p, axis=2)
+
+
+@triton.jit
+def _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, rmn, rh, mask, g0, NBK,
+         x_ptr, xo, one, FMT: tl.constexpr, NB: tl.constexpr):
+    """[BN, NB] scaled partial dot products of step blocks g0 .. g0+NB (of NBK) of rows (offsets r*)."""
+    if FMT == Q8_0:
+        return _dot_q8_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB)
+    elif FMT == Q4_0 or FMT == MXFP4:
+        return _dot_q4_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB, FMT == MXFP4)
+    elif FMT == Q4_K or FMT == Q5_K:
+        return _dot_q45_k(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, g0, NBK,
+                          x_ptr, xo, one, NB, FMT == Q5_K)
+    elif FMT == Q6_K:
+        return _dot_q6_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, one, NB)
+    else:
+        return _dot_iq3_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, NB)
+
+
+@triton.jit
+def _rows(s, n, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n):
+    """Element offsets of rows n of slot s in the six planes (q, d, dmin, sc, mn, h)."""
+    return (s * sq_s + n * sq_n, s * sd_s + n * sd_n, s * sm_s + n * sm_n, s * ssc_s + n * ssc_n,
+            s * smn_s + n * smn_n, s * sh_s + n * sh_n)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr,
+                    sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
+                    b_ptr, sb_s, out_ptr, alpha, limit, one,
+                    I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                    NS: tl.constexpr, PDL: tl.constexpr):
+    """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias).
+    PDL: let the down kernel (launched as a programmatic dependent) be scheduled now."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.load(ids_ptr + p).to(tl.int64)
+    mask = (n < I) & (s >= 0)
+    s = tl.maximum(s, 0)
+    ng = n.to(tl.int64)
+    nu = ng + I
+    gq, gd, gm, gsc, gmn, gh = _rows(s, ng, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n)
+    uq, ud, um, usc, umn, uh = _rows(s, nu, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n)
+    xo = (p // KTOP).to(tl.int64) * stride_x
+    acc_g = tl.zeros([BN, NB], dtype=tl.float32)
+    acc_u = tl.zeros([BN, NB], dtype=tl.float32)
+    for g0 in tl.range(0, D // BS, NB, num_stages=NS):
+        acc_g += _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, gq, gd, gm, gsc, gmn, gh, mask,
+                      g0, D // BS, x_ptr, xo, one, FMT, NB)
+        acc_u += _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, uq, ud, um, usc, umn, uh, mask,
+                      g0, D // BS, x_ptr, xo, one, FMT, NB)
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if HAS_BIAS:
+        gate += tl.load(b_ptr + s * sb_s + ng, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + s * sb_s + nu, mask=mask, other=0.0).to(tl.float32)
+    h = _act(gate, up, ACT, alpha, limit)              # 0 for a skipped pair (act(0, 0) == 0)
+    h = h.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)   # rounded to x's dtype, stored as out's
+    tl.store(out_ptr + p.to(tl.int64) * I + n, h, mask=n < I)
+
+
+@triton.jit
+def _down_kernel(hx_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr,
+                 sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
+                 b_ptr, sb_s, out_ptr, stride_o, one,
+                 D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BS: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, NS: tl.constexpr, PDL: tl.constexpr):
+    """grid (T, D/BN): out[t, n] = sum_j w[t, j] * (down_j row n . h[t, j] (+ bias)); the k experts'
+    tiles of a K step are in flight together; no atomics. PDL: launched as a programmatic dependent
+    of the gate_up kernel, it waits for that grid's h before any load."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < D
+    nd = n.to(tl.int64)
+    acc = tl.zeros([BN, NB], dtype=tl.float32)
+    for g0 in tl.range(0, I // BS, NB, num_stages=NS):
+        for j in tl.static_range(KTOP):
+            s = tl.load(ids_ptr + t * KTOP + j).to(tl.int64)
+            wj = tl.where(s >= 0, tl.load(w_ptr + t * KTOP + j).to(tl.float32), 0.0)
+            rq, rd, rm, rsc, rmn, rh = _rows(tl.maximum(s, 0), nd, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n,
+                                             ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n)
+            acc += wj * _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, rmn, rh,
+                             nm & (s >= 0), g0, I // BS, hx_ptr, (t * KTOP + j).to(tl.int64) * I, one, FMT, NB)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        for j in tl.static_range(KTOP):
+            s = tl.load(ids_ptr + t * KTOP + j).to(tl.int64)
+            wj = tl.load(w_ptr + t * KTOP + j).to(tl.float32)
+            y += wj * tl.load(b_ptr + tl.maximum(s, 0) * sb_s + nd, mask=nm & (s >= 0), other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+# ------------------------------------------------------------------ launchers
+class Tile(NamedTuple):
+    """v2 GEMV tile: BN rows (per expert) x BK elements per K step, warps, pipeline stages."""
+    bn: int
+    bk: int
+    warps: int = 4
+    stages: int = 1
+
+
+# Qwen3-30B-A3B T=1, picked from sm_90 SASS (bench --compile-sm90: instructions per weight, registers)
+# before any GPU run. gate_up: 384 programs of 2 x 16 rows x 512 elements per step (Q4: 8 KB, Q8:
+# 16 KB), <= 128 registers so all fit in one wave (4 per SM); 1024-element steps cut instructions per
+# weight ~10% but need ~240 registers (2 per SM: 1.5 waves). down: 256 programs of 8 experts x 8 rows
+# x 1024 elements (I=768: one step, all of a program's bytes in flight at once). bench --variants
+# times these against ALT_TILES and v1.
+_GU, _DN = Tile(16, 512, 4), Tile(8, 1024, 4)
+GATE_UP = {f: _GU for f in STEP_BLOCK}
+DOWN = {f: _DN for f in STEP_BLOCK}
+
+
+def _nb(bk: int, k: int, fmt: str) -> int:
+    """Blocks per K step: BK elements, no more than the row (rounded up to a power of two)."""
+    return max(1, min(bk, triton.next_power_of_2(k)) // STEP_BLOCK[fmt])
+
+
+def gate_up(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False):
+    """h [T*k, I] = act(gate_up[ids] @ x) (+ bias) rounded to x's dtype; ids flat [T*k]; w a
+    triton_moe.Weights. h may be float32 (moe_decode's choice: the down kernel then reads floats
+    without converting them). One launch."""
+    t, d = x.shape
+    k, i = ids.numel() // t, w.n // 2
+    tile = Tile(*(cfg or GATE_UP[w.fmt])[:4])
+    b, sb = (bias, bias.stride(0)) if bias is not None else (x, 0)
+    _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
+        x, x.stride(0), ids, *w.v2_args(), b, sb, h, alpha, limit, ONE_BITS, I=i, D=d, KTOP=k, FMT=w.code, ACT=act,
+        HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB=_nb(tile.bk, d, w.fmt), NS=tile.stages,
+        PDL=pdl, num_warps=tile.warps)
+    return h
+
+
+def down(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False):
+    """out [T, D] = sum_j wt[t, j] * (down[ids[t, j]] @ hx[t*k + j] (+ bias)); ids, wt flat. One launch."""
+    t, d = out.shape
+    k, i = ids.numel() // t, w.k
+    tile = Tile(*(cfg or DOWN[w.fmt])[:4])
+    b, sb = (bias, bias.stride(0)) if bias is not None else (out, 0)
+    _down_kernel[(t, triton.cdiv(d, tile.bn))](
+        hx, ids, wt, *w.v2_args(), b, sb, out, out.stride(0), ONE_BITS, D=d, I=i, KTOP=k, FMT=w.code,
+        HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB=_nb(tile.bk, i, w.fmt), NS=tile.stages,
+        PDL=pdl, num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+    return out

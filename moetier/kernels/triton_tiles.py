@@ -1,0 +1,58 @@
+"""Weight tiles in element order for the grouped (prefill) GEMM, formats without a dedicated path
+(Q5_K, Q6_K, MXFP4, IQ3_XXS): each element gathered from the byte planes of moetier.quant.repack
+(q = qs / ql, h = qh / sg; see its doc for the layouts) and dequantized, as `dequantize_repacked`.
+Gathers, not wide loads: prefill is bound by the tensor-core work, the tile is reused BM times.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+Q5_K, Q6_K, MXFP4, IQ3_XXS = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6), tl.constexpr(7)
+
+
+@triton.jit
+def _ld(ptr, rows, idx, m):
+    return tl.load(ptr + rows[:, None] + idx, mask=m, other=0)
+
+
+@triton.jit
+def deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, rmn, rh, mask, k0, K,
+             FMT: tl.constexpr, BK: tl.constexpr):
+    """-> [BN, BK] float32: W[rows, k0 .. k0+BK] (rows: offsets r* into each plane, mask [BN])."""
+    e = k0 + tl.arange(0, BK)
+    m = mask[:, None] & (e < K)[None, :]
+    e = e[None, :]
+    if FMT == Q5_K or FMT == Q6_K:
+        sb = e // 256
+        r = e % 256
+        d = _ld(d_ptr, rd, sb, m).to(tl.float32)
+        if FMT == Q5_K:        # byte 32 (r // 64) + r % 32 of the sb's 128 (nibble r // 32 % 2), qh bit r // 32
+            b = _ld(q_ptr, rq, sb * 128 + r // 64 * 32 + r % 32, m).to(tl.int32)
+            q = (b >> (4 * (r // 32 % 2))) & 15
+            q = q | (((_ld(h_ptr, rh, sb * 32 + r % 32, m).to(tl.int32) >> (r // 32)) & 1) << 4)
+            sc = _ld(sc_ptr, rsc, e // 32, m).to(tl.float32)
+            mn = _ld(mn_ptr, rmn, e // 32, m).to(tl.float32)
+            return d * sc * q.to(tl.float32) - _ld(m_ptr, rm, sb, m).to(tl.float32) * mn
+        else:                  # half r // 128, quarter qm = r // 32 % 4, l = r % 32
+            half, qm, l = r // 128, r // 32 % 4, r % 32
+            b = _ld(q_ptr, rq, sb * 128 + half * 64 + l + 32 * (qm % 2), m).to(tl.int32)
+            q = (b >> (4 * (qm // 2))) & 15
+            q = q | (((_ld(h_ptr, rh, sb * 64 + half * 32 + l, m).to(tl.int32) >> (2 * qm)) & 3) << 4)
+            sc = _ld(sc_ptr, rsc, e // 16, m).to(tl.float32)
+            return d * sc * (q - 32).to(tl.float32)
+    elif FMT == MXFP4:         # byte 16 (e // 32) + e % 16, high nibble for e % 32 >= 16
+        b = _ld(q_ptr, rq, e // 32 * 16 + e % 16, m).to(tl.int32)
+        n = (b >> (4 * (e % 32 // 16))) & 15
+        hb = ((n & 7) << 9) | ((n & 8) << 12)                       # doubled E2M1 * 2^-15 as fp16
+        v = hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x = _ld(d_ptr, rd, e // 32, m).to(tl.int32)
+        dh = tl.where(x < 2, 0x00200000 << x, (x - 1) << 23).to(tl.float32, bitcast=True)
+        return dh * (v * 32768.0)
+    else:                      # IQ3_XXS: grid byte e // 4, value e % 4, sign bit e % 32 of sg[e // 32]
+        idx = _ld(q_ptr, rq, e // 4, m).to(tl.int32)
+        gv = tl.load(lut_ptr + idx * 4 + e % 4)
+        sg = (_ld(h_ptr, rh, e // 32, m) >> (e % 32)) & 1
+        sc = _ld(sc_ptr, rsc, e // 32, m).to(tl.float32)
+        db = _ld(d_ptr, rd, e // 256, m).to(tl.float32) * (0.5 + sc) * 0.5
+        return tl.where(m, db * tl.where(sg != 0, -gv, gv), 0.0)

@@ -1,0 +1,91 @@
+"""Weight arenas as Triton kernel arguments: the repack planes of each format mapped to the kernels'
+plane slots, checked, with word views for the v2 decode kernels (triton_decode.py).
+"""
+from __future__ import annotations
+
+import torch
+
+FMT_CODES = {"dense": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ3_XXS": 7}
+BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,
+         "IQ3_XXS": 256}                                        # row length must be a multiple
+
+# per format: plane -> elements of a row per entry of the plane's last dim (its length is K / that)
+PLANE_DIV = {"dense": {"w": 1}, "Q8_0": {"qs": 1, "d": 32}, "Q4_0": {"qs": 2, "d": 32},
+             "Q4_K": {"qs": 2, "d": 256, "dmin": 256, "sc": 32, "mn": 32},
+             "Q5_K": {"qs": 2, "d": 256, "dmin": 256, "sc": 32, "mn": 32, "qh": 8},
+             "Q6_K": {"ql": 2, "qh": 4, "sc": 16, "d": 256}, "MXFP4": {"qs": 2, "e": 32},
+             "IQ3_XXS": {"qs": 4, "sg": 32, "sc": 32, "d": 256}}
+SLOTS = ("q", "d", "dmin", "sc", "mn", "h")            # kernel plane arguments, in order
+SLOT_OF = {"w": "q", "qs": "q", "ql": "q", "e": "d", "qh": "h", "sg": "h"}   # plane name -> slot
+WORD_SLOTS = ("q", "h")                                  # read as int32 words by the v2 kernels
+
+
+class Weights:
+    """A weight arena as kernel arguments, for `slots` x [n, k] matrices of format `fmt`: v1 kernels
+    get 5 planes (q, d, dmin, sc, mn; unused ones repeat q) and their (slot, row) strides; v2
+    kernels get 6 planes (+ h) with q and h as int32 word views, a lookup table, 12 strides."""
+
+    def __init__(self, weight, fmt: str):
+        self.fmt, self.code = fmt, FMT_CODES[fmt]
+        planes = {"w": weight} if fmt == "dense" else dict(weight)
+        if fmt == "dense" and not weight.dtype.is_floating_point:
+            raise ValueError(f"float weights expected for fmt 'dense'; got {weight.dtype} (pass the GGML format name)")
+        if set(PLANE_DIV[fmt]) - set(planes):
+            raise ValueError(f"{fmt} weights need the planes {sorted(PLANE_DIV[fmt])} of quant.repack; "
+                             f"got {sorted(planes)}")
+        by_slot = {SLOT_OF.get(name, name): planes[name] for name in PLANE_DIV[fmt]}
+        main_name = next(iter(n for n in PLANE_DIV[fmt] if SLOT_OF.get(n) == "q"))
+        main = by_slot["q"]
+        if main.dim() != 3:
+            raise ValueError(f"{fmt} weights must be [slots, N, K'] tensors; got shape {tuple(main.shape)}")
+        self.slots, self.n = main.shape[0], main.shape[1]
+        self.k = main.shape[2] * PLANE_DIV[fmt][main_name]
+        if self.k % BLOCK[fmt]:
+            raise ValueError(f"{fmt} rows hold blocks of {BLOCK[fmt]}; K={self.k} is not a multiple")
+        for name, div in PLANE_DIV[fmt].items():
+            t = planes[name]
+            if tuple(t.shape) != (self.slots, self.n, self.k // div) or t.stride(-1) != 1:
+                raise ValueError(f"plane {name} of {fmt} weights must be [{self.slots}, {self.n}, "
+                                 f"{self.k // div}] with unit stride on the last dim; got "
+                                 f"{tuple(t.shape)} with strides {t.stride()}")
+        words = {}
+        for slot in WORD_SLOTS if fmt != "dense" else ():
+            t = by_slot.get(slot)
+            if t is None:
+                continue
+            if t.element_size() * t.stride(0) % 4 or t.element_size() * t.stride(1) % 4 or t.data_ptr() % 4:
+                raise ValueError(f"{fmt} planes are read as int32 words: slot and row strides and the start "
+                                 f"must be multiples of 4 bytes; got strides {t.stride()} of {t.dtype}")
+            words[slot] = t if t.dtype == torch.int32 else t.view(torch.int32)
+        self.planes = [by_slot.get(slot, main) for slot in SLOTS[:5]]
+        self.strides = [st for slot, t in zip(SLOTS, self.planes)
+                        for st in ((t.stride(0), t.stride(1)) if slot in by_slot else (0, 0))]
+        v2 = [words.get(slot, by_slot.get(slot, main)) if slot in WORD_SLOTS else by_slot.get(slot, main)
+              for slot in SLOTS] if fmt != "dense" else []
+        self.v2_planes = [t if slot in by_slot else v2[0] for slot, t in zip(SLOTS, v2)]
+        self.v2_strides = [st for slot, t in zip(SLOTS, self.v2_planes)
+                           for st in ((t.stride(0), t.stride(1)) if slot in by_slot else (0, 0))]
+        self.h_plane = by_slot.get("h", main)
+        self.lut = _iq3_grid(main.device) if fmt == "IQ3_XXS" else (self.v2_planes or [main])[0]
+
+    def args(self) -> list:
+        """v1 kernel arguments: 5 planes, 10 strides."""
+        return [*self.planes, *self.strides]
+
+    def extra_args(self) -> list:
+        """Grouped kernels' arguments after args(): the h plane (bytes / int32), the table, 2 strides."""
+        h = self.h_plane
+        return [h, self.lut, *((h.stride(0), h.stride(1)) if h is not self.planes[0] else (0, 0))]
+
+    def v2_args(self) -> list:
+        """v2 kernel arguments: 6 planes, the lookup table, 12 strides."""
+        return [*self.v2_planes, self.lut, *self.v2_strides]
+
+
+def _iq3_grid(device) -> torch.Tensor:
+    """IQ3_XXS grid as float32 [256 * 4] on `device` (cached)."""
+    from gguf import quants as gq
+
+    from moetier.quant.bits import table
+    from moetier.quant.iquants import _grid
+    return table("iq3xxs_flat", device, lambda: _grid(gq.IQ3_XXS).reshape(-1).contiguous())
