@@ -162,9 +162,16 @@ class Tiers:
         computed on the CPU, or in prefill copied to a stage slot when that is cheaper."""
         rows_of = {e: (a, n) for e, a, n in misses}
         wait0 = self.bank.stats["wait_s"]
+        batch = []      # staged experts from a bank that never evicts: copied and run together
         for e, buf, tier, handle in self.bank.fetch(li, [m[0] for m in misses], decode):
             a, n = rows_of[e]
             ev = None
+            if e in staged and self.bank.all_resident and handle[0] == "bank":
+                batch.append((buf, a, n, handle))
+                self.stats.served(li, tier, n)
+                if len(batch) == len(self.fast.stage):
+                    self._run_batch(batch, xs, ys, act)
+                continue
             if e in staged:
                 y, ev = self.fast.run_staged(buf, xs[a:a + n], act)
                 ys[a:a + n] = y
@@ -185,10 +192,22 @@ class Tiers:
                     ev = self.fast.load(adm[0], buf, li)
             if ev is not None:
                 self.bank.mark_busy(handle, ev)
+        self._run_batch(batch, xs, ys, act)
         self.stats.wait_s[self.stats.phase] += self.bank.stats["wait_s"] - wait0
         if host is not None:   # the pinned y rows are rewritten only after the next layer's sync
             idx, _, y_host, _ = host
             ys.index_copy_(0, idx, y_host.to(ys.device, non_blocking=True).to(ys.dtype))
+
+    def _run_batch(self, batch: list, xs, ys, act) -> None:
+        """Staged prefill experts, one copy batch and one grouped computation (emptied in place)."""
+        if not batch:
+            return
+        ev = self.fast.run_staged_many([(buf, a, n) for buf, a, n, _ in batch], xs, ys, act)
+        self.stats.staged[self.stats.phase] += len(batch)
+        if ev is not None:
+            for *_, handle in batch:
+                self.bank.mark_busy(handle, ev)
+        batch.clear()
 
     def _cpu_weights(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """The expert in the CPU compute dtype: views of the RAM buffer when the dtypes agree, else

@@ -37,12 +37,18 @@ def expert_math(wts: dict[str, torch.Tensor], x: torch.Tensor, act: Callable, qt
     return F.linear(act(gate, up), wts["down_proj"], wts.get("down_bias"))
 
 
+def _to(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor to `device` without blocking the host (pinned first on CUDA)."""
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _grouped(hits, per_group: list[int], gu: torch.Tensor, dn: torch.Tensor, xs, ys, act) -> None:
     """hits [(slot, row start, rows)] sorted like the groups of gu [G, 2I, D] / dn [G, D, I], with
     per_group rows each (0: an empty group): two torch._grouped_mm calls, rows written to ys."""
-    rows = torch.cat([torch.arange(a, a + n) for _, a, n in hits]).pin_memory().to(xs.device, non_blocking=True)
-    offs = torch.tensor(per_group, dtype=torch.int32).cumsum(0).to(torch.int32).pin_memory()
-    offs = offs.to(xs.device, non_blocking=True)
+    rows = _to(torch.cat([torch.arange(a, a + n) for _, a, n in hits]), xs.device)
+    offs = _to(torch.tensor(per_group, dtype=torch.int32).cumsum(0).to(torch.int32), xs.device)
     h = torch._grouped_mm(xs.index_select(0, rows), gu.transpose(-2, -1), offs=offs)
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(act(gate, up).contiguous(), dn.transpose(-2, -1), offs=offs)
@@ -204,7 +210,7 @@ class FastTier:
                                                 device=self.device)
                 for i, buf in enumerate(bufs):
                     self._staging[i].copy_(buf[:self.layout.expert_bytes], non_blocking=True)
-                idx = torch.tensor(slots, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+                idx = _to(torch.tensor(slots, dtype=torch.long), self.device)
                 for p in self.layout.params:
                     raw = self._staging[:n, p.offset:p.offset + p.nbytes].view(n, *p.shape)
                     dst = self.arena[p.name]
@@ -250,6 +256,25 @@ class FastTier:
             self.stage_free[s] = done
         return y, ev
 
+    def run_staged_many(self, items: list[tuple[torch.Tensor, int, int]], xs: torch.Tensor, ys: torch.Tensor,
+                        act: Callable):
+        """Prefill: up to len(self.stage) experts [(RAM buffer, row start, rows)] copied into the stage
+        slots as one batch and run together (rows of xs -> ys), as the hits are. -> the copy event
+        (CUDA: the buffers must stay untouched until it) or None."""
+        slots = self.stage[:len(items)]
+        hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
+        if not self.cuda:
+            for s, (buf, _, _) in zip(slots, items):
+                self._put(s, self.layout.unpack(buf))
+            self.run(hits, xs, ys, act)
+            return None
+        after = torch.cuda.Event()
+        after.record()              # earlier computes on the stage slots are queued before this point
+        ev = self.load_many(slots, [buf for buf, _, _ in items], after)
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)))
+        return ev
+
     # ------------------------------------------------------------------ hits
     def run(self, hits: list[tuple[int, int, int]], xs: torch.Tensor, ys: torch.Tensor, act: Callable,
             slot_range: tuple[int, int] | None = None) -> None:
@@ -289,7 +314,7 @@ class FastTier:
         (DEQUANT_GROUP at a time, which bounds the float32 temporary)."""
         spec = {p.name: p for p in self.layout.params}
         out = []
-        idx = torch.tensor(slots, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+        idx = _to(torch.tensor(slots, dtype=torch.long), self.device)
         for name in ("gate_up_proj", "down_proj"):
             w = torch.empty(len(slots), *spec[name].logical_shape, dtype=dtype, device=self.device)
             for a in range(0, len(slots), DEQUANT_GROUP):

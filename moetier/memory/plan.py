@@ -31,7 +31,7 @@ TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "vram": "gpu", "cpu": "cpu", "ram": "
               "disk": "disk", "ssd": "disk"}
 MIX_PIN_FRACTION = 0.75     # mix: share of the fast slots pinned from the profile; the rest is LRU
 SCRATCH_BUFFERS = 4         # RAM buffers for streamed reads (= read-ahead depth)
-STAGE_SLOTS = 2             # fast-tier buffers for prefill copies (double buffering)
+STAGE_SLOTS = (16, 2)       # fast-tier buffers for prefill copies: a batch of 16 when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
 
@@ -291,7 +291,8 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     copy_tokens = config.prefill_copy_tokens
     if copy_tokens is None and cuda:
         copy_tokens = prefill_copy_rule(layout, bw or {}, "bfloat16")["tokens"]
-    stage = STAGE_SLOTS if copy_tokens and gpu_left >= STAGE_SLOTS * fb else 0
+    big, small = STAGE_SLOTS      # the batch only where it leaves most of the budget to the cache
+    stage = (big if gpu_left >= 4 * big * fb else small if gpu_left >= small * fb else 0) if copy_tokens else 0
     gpu_left -= stage * fb
     if cuda and layout.qtype:   # fast.FastTier's device staging buffer + repack temporaries
         gpu_left -= eb + fb
