@@ -1,23 +1,69 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, then a synthetic Qwen3-30B-A3B-shaped checkpoint (BF16,
-# first $LAYERS layers) benched fully on the GPU and under smaller GPU budgets. Outputs under $OUT.
+# One call on the GPU machine (30 device-minutes a session: plan the steps). Each step is time-limited
+# and writes under $OUT as it goes, so a call cut short still returns what finished.
+#   STEPS="tests bench48 longctx uniform12 doorbell12"  (default: all but doorbell12, in that order)
+#   tests       GPU tests of the graphed tier step, GGUF tiers, packed GGUF experts, Triton DeltaNet
+#   bench48     synthetic Qwen3-30B-A3B Q4_0 GGUF, all 48 layers (17 GB): all on GPU / --gpu-mem 8GiB /
+#               --cpu-moe, prompts 512 and 8192
+#   longctx     synthetic Qwen3-Next-80B-A3B Q4_0 GGUF, 4 layers: prefill 4K/32K/128K, decode after, TTFT
+#               of a repeated prompt cold vs from the snapshot (bench/bench_long_context.py)
+#   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
+#   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
 set -u
-LAYERS=${LAYERS:-12}
 OUT=${OUT:-out}; mkdir -p "$OUT"
+STEPS=${STEPS:-tests bench48 longctx uniform12}
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
-python3 -m pytest -q -o addopts="" -m gpu tests/test_gpu.py tests/test_memory_gpu.py -p no:cacheprovider \
-  --timeout 200 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
-df -h . | tail -1
-python3 -m moetier synth qwen3-30b-a3b --quant BF16 --layers "$LAYERS" --skew 0.5 --out .data/q30-bf16 \
-  2>&1 | tail -8 | tee "$OUT/synth.txt"
-python3 -m moetier bench .data/q30-bf16 --prompt-len 512,4096 --gen 64 \
-  --compare "gpu6:--gpu-mem 6GiB" --compare "cpu-moe:--cpu-moe" --json > "$OUT/bench_tiers.json" 2> "$OUT/bench_tiers.err"
-tail -5 "$OUT/bench_tiers.err"
-python3 - "$OUT/bench_tiers.json" <<'PY'
+synth() {  # NAME QUANT LAYERS SKEW OUT SECONDS
+  timeout "$6" python3 -m moetier synth "$1" --quant "$2" --layers "$3" --skew "$4" --out "$5" 2>&1 | tail -1
+}
+bench() {  # LABEL SECONDS MODEL FLAGS...
+  local label=$1 secs=$2; shift 2
+  timeout "$secs" python3 -m moetier bench "$@" --json > "$OUT/$label.json" 2> "$OUT/$label.err"
+  tail -2 "$OUT/$label.err"
+  python3 - "$OUT/$label.json" <<'PY'
 import json, sys
-d = json.load(open(sys.argv[1]))
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("no json:", e); sys.exit()
 for c in d.get("configs", [d]):
-    print(c.get("label"), "decode", c.get("decode_tok_s"), "prefill", c.get("prefill_tok_s") or c.get("prefill"),
-          "bound", c.get("bound_tok_s"), "frac", c.get("fraction_of_bound"), "vram", c.get("peak_vram_bytes"))
+    m = c.get("memory") or {}
+    print(c.get("label"), "decode", c.get("decode_tok_s"), "prefill", c.get("prefill_tok_s"), "bound",
+          c.get("bound_tok_s"), "frac", c.get("fraction_of_bound"), "vram", c.get("peak_vram_bytes"),
+          "hit", m.get("hit_rate"), "graph", m.get("graph"), "split", c.get("time_split"))
+print("failed", d.get("failed"))
 PY
+}
+for step in $STEPS; do
+  echo "== $step"
+  case $step in
+  tests)
+    timeout 75 python3 -m pytest -q -o addopts="" tests/test_deltanet_triton.py tests/test_memory_gpu.py \
+      tests/test_quant_experts.py -k "graphed or gguf or cuda_module or deltanet or triton" -p no:cacheprovider \
+      2>&1 | tail -12 > "$OUT/gpu_tests.txt"; tail -4 "$OUT/gpu_tests.txt" ;;
+  bench48)
+    M=.data/q30-Q4_0-48.gguf
+    synth qwen3-30b-a3b Q4_0 48 0.5 $M 120
+    bench bench48 150 $M --prompt-len 512,8192 --gen 40 --compare "g8:--gpu-mem 8GiB" --compare "cpu-moe:--cpu-moe"
+    rm -f $M ;;
+  longctx)
+    Q=.data/qnext-4.gguf
+    synth qwen3-next-80b-a3b Q4_0 4 0.5 $Q 40
+    timeout 110 python3 bench/bench_long_context.py $Q --prompt-len 4096,32768,131072 --gen 32 --chunk 4096 \
+      --snapshot-every 16384 > "$OUT/long_ctx.json" 2> "$OUT/long_ctx.err"
+    tail -4 "$OUT/long_ctx.err"; head -c 2500 "$OUT/long_ctx.json"; echo
+    rm -f $Q ;;
+  uniform12)
+    for S in 0 0.5; do
+      synth qwen3-30b-a3b Q4_0 12 $S .data/q30-12-skew$S.gguf 40
+      bench uniform12_skew$S 45 .data/q30-12-skew$S.gguf --prompt-len 512 --gen 40 --gpu-mem 3GiB
+    done ;;
+  doorbell12)
+    for Q in Q4_0 BF16; do
+      M=.data/q30-$Q; [ $Q != BF16 ] && M=$M.gguf
+      synth qwen3-30b-a3b $Q 12 0.5 $M 150
+      bench doorbell12_$Q 180 $M --prompt-len 512 --gen 64 --gpu-mem 3GiB --compare "eager:--no-cuda-graph"
+    done ;;
+  esac
+done
