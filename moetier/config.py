@@ -137,8 +137,8 @@ class EngineConfig:
     seed: int | None = None
     progress: bool = True
     cuda_graphs: bool = True        # decode step as one CUDA graph (off: eager, for debugging)
-    cpu_compile: str = "auto"       # CPU decode step via torch.compile: on | off | auto (= off: compile
-                                    # time outweighs the gain for short runs, docs/perf-log.md)
+    cpu_compile: str = "auto"       # CPU decode step built by AOTInductor: on (build once, cached) | off |
+                                    # auto (use the cached build, never build: 15-25 s; docs/perf-log.md)
     kv_dtype: str = "auto"          # KV cache storage: auto (the model dtype) | bf16 | fp16 | fp32 | int8
     kv_offload: bool = False        # KV in (pinned) host memory, copied to the GPU each step (no-op on CPU)
     snapshot_every: int = 0         # recurrent models: also snapshot their state every N prompt tokens (0: off)

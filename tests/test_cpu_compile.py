@@ -33,7 +33,7 @@ def test_wanted_modes(tiny_model_dir):
     eng = Engine.load(tiny_model_dir, EngineConfig(device="cpu", progress=False, max_context=64))
     cache = eng.new_session().cache
     assert cpu_compile.wanted("on", "cpu", None, cache)
-    assert not cpu_compile.wanted("auto", "cpu", None, cache)   # off by default: see docs/perf-log.md
+    assert cpu_compile.wanted("auto", "cpu", None, cache)   # auto: used when already built (never builds)
     assert not cpu_compile.wanted("off", "cpu", None, cache)
     assert not cpu_compile.wanted("on", "cuda", None, cache)
     with pytest.raises(ValueError, match="auto, on or off"):
@@ -49,7 +49,7 @@ def _compare(path, prompt, n):
         toks[mode] = [e.token_id for e in eng.generate(**kw) if hasattr(e, "token_id") and e.token_id >= 0]
     assert toks["on"] == toks["off"] and len(toks["on"]) == n
     step = eng._cpu_decode                       # compiled already by the run above
-    assert not step.failed, "torch.compile failed and the step fell back to eager"
+    assert step, "the compiled step could not be built (see the warning) and the engine decoded eagerly"
     eager, fast = eng.new_session().cache, eng.new_session().cache
     with torch.inference_mode():
         eng.model(torch.tensor(prompt), eager)

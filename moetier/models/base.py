@@ -68,7 +68,10 @@ class CausalLM(nn.Module):
         if pos is None and start + t > cache.max_len:
             raise ValueError(f"{start + t} positions exceed the cache's {cache.max_len}")
         h = self.model.embed_tokens(tokens)
-        rope = self.rope_tables(start + torch.arange(t, device=tokens.device), h.dtype)
+        if pos is None and self.rope is not None:
+            rope = self.rope.span(start, t, h.dtype, h.device)   # cached tables: no per-step ops
+        else:
+            rope = self.rope_tables(start + torch.arange(t, device=tokens.device), h.dtype)
         for i, block in enumerate(self.model.layers):
             h = block(h, rope, cache[i], start)
         if pos is None:

@@ -1,35 +1,49 @@
-"""The CPU decode step compiled by torch.compile (inductor: generated C++), one per Engine.
+"""The CPU decode step compiled ahead of time by AOTInductor (generated C++), cached on disk.
 
 Eager decode of a small model on the CPU is dispatch-bound (~1,000 tiny ops per token; see
-docs/perf-log.md). The compiled step is `model(token [1], cache, pos=p)` — the static-shape
-path CUDA graphs use — over views of the KV cut to the next multiple of `BUCKET` positions past
-the token, so attention reads only what it needs; the view length is a dynamic dimension, so
-one compile serves every length and every session. Experts take `fused_gather_experts` (no
-host sync) inside the graph. The compile (~18 s cold, ~4 s with inductor's disk cache warm,
-on 2 cores) is paid lazily on the first decode.
+docs/perf-log.md). torch.compile removed the dispatch but kept Dynamo's guards and a Python
+wrapper (~0.2 ms a token) and recompiled in every process (4-18 s). Here the one-token step
+`model(token [1], cache, pos=p)` (the static-shape path CUDA graphs use) is exported once and
+built by AOTInductor into a package of a few MB: the weights are not in it, they are bound by name
+to the model's own tensors at load (no copy). The package is cached per model shape, dtype,
+thread count, torch version, CPU and moetier source, so only the first build pays (15-25 s on the
+2-core dev box); later processes load it in milliseconds. Attention reads KV views cut to the next
+multiple of `BUCKET` positions past the token (a dynamic dimension of the export); experts take
+`fused_gather_experts` (no host sync) inside the graph.
 
-    step = CpuDecode(model)            # per Engine
-    logits = step(cache, token_id)     # [1, V]; advances the cache
+    step = CpuDecode.get(model, build=True)   # None when not cached and build=False, or not compilable
+    logits = step(cache, token_id)            # [1, V]; advances the cache
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
+import logging
+import os
+import threading
+import time
 import types
 import warnings
+from pathlib import Path
 
 import torch
 
 from ..models.layers import DenseExperts
 from .kv_cache import Cache, KVCache
 
+log = logging.getLogger(__name__)
+
 BUCKET = 128  # attention view granularity (positions)
+CACHE_DIR = Path.home() / ".cache" / "moetier" / "cpu_decode"   # built packages (a few MB each)
 
 
 def wanted(mode: str, device: str, tiers, cache: Cache) -> bool:
-    """`mode` is EngineConfig.cpu_compile. auto = off: the compile (4-18 s on the 2-core dev box)
-    pays back only after ~5,000-20,000 tokens at the measured gain (perf-log 2026-11-30), so it is opt-in."""
+    """`mode` is EngineConfig.cpu_compile: on = load or build the compiled step; auto = use it when a
+    package for this model is cached already (built by an earlier `--cpu-compile on`), else eager;
+    off = eager. Only plain KV caches on the CPU without memory tiers qualify."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"cpu_compile must be auto, on or off (got {mode!r})")
-    if mode != "on" or device != "cpu" or tiers is not None:
+    if mode == "off" or device != "cpu" or tiers is not None:
         return False
     return all(type(layer) is KVCache for layer in cache.layers)  # recurrent/int8 caches: eager
 
@@ -42,8 +56,8 @@ class _KVView(KVCache):
 
 
 def _graph_friendly_experts(model: torch.nn.Module) -> None:
-    """Under torch.compile, DenseExperts take fused_gather_experts (no `.tolist()` host sync);
-    eager calls keep their own path. Installed once per model, per instance (model code untouched)."""
+    """While tracing, DenseExperts take fused_gather_experts (no `.tolist()` host sync); eager calls
+    keep their own path. Installed once per model, per instance (model code untouched)."""
     for m in model.modules():
         if isinstance(m, DenseExperts) and "forward" not in m.__dict__:
             eager = m.forward
@@ -71,38 +85,114 @@ def fused_gather_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex
     return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1)
 
 
-class CpuDecode:
-    """One compiled one-token decode step for a model; falls back to eager if compiling fails."""
+class _Step(torch.nn.Module):
+    """The exported function: (tokens [1], pos 0-d, per-layer k/v views) -> logits [1, V]."""
 
     def __init__(self, model: torch.nn.Module):
+        super().__init__()
         self.model = model
-        _graph_friendly_experts(model)
-        self.compiled = torch.compile(self._forward, fullgraph=True)
-        self.failed = False
 
-    def _forward(self, tokens, pos, ks, vs):
-        """ks/vs: every layer's KV views (lists, so guards stay cheap); the Cache is built in-graph."""
+    def forward(self, tokens, pos, ks, vs):
         cache = Cache([_KVView(k, v) for k, v in zip(ks, vs)], ks[0].shape[0])
         return self.model(tokens, cache, pos=pos)
+
+
+def package_key(model: torch.nn.Module) -> str:
+    """What the built code depends on: model config, tensor names/shapes/dtypes, module types,
+    thread count (baked into the OpenMP loops), torch, the CPU's vector ISA, and the source of the
+    model's modules, the KV cache and this file."""
+    h = hashlib.sha256()
+    h.update(repr(getattr(model, "args", None)).encode())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    h.update(" ".join(sorted({type(m).__qualname__ for m in model.modules()})).encode())
+    h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{torch.get_num_threads()}".encode())
+    sources = {inspect.getsourcefile(type(m)) for m in model.modules() if type(m).__module__.startswith("moetier.")}
+    sources |= {inspect.getsourcefile(KVCache), __file__}
+    for src in sorted(str(Path(f).resolve()) for f in sources):
+        h.update(Path(src).read_bytes())
+    return h.hexdigest()[:24]
+
+
+class CpuDecode:
+    """One AOT-compiled one-token decode step bound to a model's weights."""
+
+    def __init__(self, model: torch.nn.Module, runner, path: Path):
+        self.model, self.runner, self.path = model, runner, path
+        self.lock = threading.Lock()   # one runner: sessions on several threads take turns
+        self.token, self.pos = torch.zeros(1, dtype=torch.long), torch.zeros((), dtype=torch.long)
+        self.kv_dtype = next(model.parameters()).dtype   # the KV dtype _build exported with
+        # the loader's flat call (inputs in export order, outputs as a list) skips the wrapper's
+        # per-call pytree (de)serialisation: ~70 us a token on the dev box
+        loader = getattr(runner, "loader", None)
+        self.boxed_run = getattr(loader, "boxed_run", None) if loader is not None and \
+            torch.utils._pytree.treespec_loads(loader.get_call_spec()[1]).num_leaves == 1 else None
+
+    @classmethod
+    def get(cls, model: torch.nn.Module, build: bool) -> CpuDecode | None:
+        """Load the cached package for this model, or (build=True) export and build it first.
+        None when it is not cached and build is False, or when the model cannot be compiled (warned)."""
+        path = CACHE_DIR / f"{type(model).__module__.rsplit('.', 1)[-1]}-{package_key(model)}.pt2"
+        try:
+            if not path.exists():
+                if not build:
+                    return None
+                _build(model, path)
+            runner = torch._inductor.aoti_load_package(str(path))
+            names = dict(_Step(model).named_parameters())
+            names.update(_Step(model).named_buffers())
+            missing = [n for n in runner.get_constant_fqns() if n not in names]
+            if missing:
+                raise RuntimeError(f"the compiled step needs tensors the model does not name: {missing[:3]}")
+            runner.load_constants({n: names[n] for n in runner.get_constant_fqns()}, check_full_update=True,
+                                  user_managed=True)   # the model's own tensors: no copy
+        except Exception as e:  # a model or op the exporter cannot take whole: stay eager
+            warnings.warn(f"cpu_compile: the compiled CPU decode step is unavailable ({type(e).__name__}: "
+                          f"{str(e)[:300]}); decoding eagerly. Pass --cpu-compile off to skip the attempt.")
+            return None
+        return cls(model, runner, path)
 
     def __call__(self, cache: Cache, token: int) -> torch.Tensor:
         start = cache.length
         if start + 1 > cache.max_len:
             raise ValueError("the cache is full")
-        tokens = torch.tensor([token], dtype=torch.long)
-        if self.failed:
-            return self.model(tokens, cache)
         n = min(cache.max_len, (start // BUCKET + 1) * BUCKET)
-        ks = [kv.k[:n] for kv in cache.layers]
-        vs = [kv.v[:n] for kv in cache.layers]
-        for t in ks + vs:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        try:
-            logits = self.compiled(tokens, torch.tensor(start), ks, vs)
-        except torch._dynamo.exc.TorchDynamoException as e:  # a model the compiler cannot take whole
-            warnings.warn(f"cpu_compile: torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "decoding eagerly. Pass --cpu-compile off to skip the attempt.")
-            self.failed = True
-            return self.model(tokens, cache)
+        views = getattr(cache, "_decode_views", None)   # (n, k views, v views, layer 0's k buffer)
+        if views is None or views[0] != n or views[3] is not cache.layers[0].k:  # new once per BUCKET tokens
+            if n < 2 or cache.layers[0].k.dtype != self.kv_dtype:  # outside what was exported: eager
+                return self.model(torch.tensor([token], dtype=torch.long), cache)
+            views = cache._decode_views = (n, [kv.k[:n] for kv in cache.layers], [kv.v[:n] for kv in cache.layers],
+                                           cache.layers[0].k)
+        with self.lock:
+            self.token.fill_(token)
+            self.pos.fill_(start)
+            if self.boxed_run is not None:
+                logits = self.boxed_run([self.token, self.pos, *views[1], *views[2]])[0]
+            else:
+                logits = self.runner(self.token, self.pos, views[1], views[2])
         cache.advance(1)
         return logits
+
+
+def _build(model: torch.nn.Module, path: Path) -> None:
+    """Export the step with a dynamic KV length and build it with AOTInductor into `path`."""
+    _graph_friendly_experts(model)
+    p = next(model.parameters())
+    example = model.make_cache(2 * BUCKET, p.dtype, p.device)
+    ks, vs = [kv.k for kv in example.layers], [kv.v for kv in example.layers]
+    n = torch.export.Dim("kv_len", min=2, max=1 << 20)
+    t0 = time.perf_counter()
+    log.warning("cpu_compile: building the compiled CPU decode step once for this model (~15-25 s on 2 cores); "
+                "later runs load it from %s", path.parent)
+    with torch.inference_mode():
+        ep = torch.export.export(_Step(model), (torch.tensor([0]), torch.tensor(BUCKET), ks, vs),
+                                 dynamic_shapes=(None, None, [{0: n}] * len(ks), [{0: n}] * len(vs)), strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+        try:
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
+            os.replace(tmp, path)   # atomic: another process never sees half a package
+        finally:
+            tmp.unlink(missing_ok=True)
+    log.warning("cpu_compile: built in %.1f s", time.perf_counter() - t0)
