@@ -61,3 +61,13 @@ def test_qwen3_next_counts_recurrent_state(tmp_path, dtype, kv_dtype):
     # 2 attention layers: K + V of 1 x 24 per position
     assert pl.kv_bytes == pytest.approx(allocated(model, ctx, dtype, kv_dtype), rel=0.05)
     assert pl.summary()["state_bytes"] == pl.state_bytes
+
+
+def test_plan_text_shows_the_recurrent_state(tmp_path, capsys):
+    tiny_checkpoint(tmp_path, Qwen3NextForCausalLM, next_config(), scale=4.0)
+    from moetier.cli import main
+    assert main(["plan", str(tmp_path), "--ctx", "4096", "--ram-mem", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("recurrent state"))
+    pl = make_placement(tmp_path, EngineConfig(ram_mem=1 * GiB), "cpu", torch.float32, 4096)
+    assert pl.state_bytes > 0 and row.split()[-2] == f"{pl.state_bytes / 1024:.2f}" and row.split()[-1] == "KiB"

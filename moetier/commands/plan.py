@@ -92,6 +92,8 @@ def render(pl, ceiling: dict, rule: dict, bw: dict, notes: list[str]) -> str:
     dev = "gpu" if pl.fast_device == "cuda" else "ram"
     rows = [(g["group"], dev, str(g["tensors"]), fmt_bytes(g["bytes"])) for g in pl.groups]
     rows.append((f"KV cache ({pl.ctx} tokens)", "ram" if pl.kv_tier == "ram" else dev, "-", fmt_bytes(pl.kv_bytes)))
+    if pl.state_bytes:
+        rows.append(("recurrent state (linear-attention layers; any context)", dev, "-", fmt_bytes(pl.state_bytes)))
     rows.append((f"prefill workspace (chunk {min(pl.prefill_chunk, pl.ctx)}, estimate)", dev, "-",
                  fmt_bytes(pl.workspace_bytes)))
     rows.append((f"experts ({ex['layers']} x {ex['per_layer']} x {fmt_bytes(ex['bytes_per_expert'])}; "
