@@ -12,7 +12,7 @@ Two views, because the dev box is shared (other processes often keep both cores 
   wall       threads=N, wall clock, best round (contention only ever slows a round down).
              Yardstick: the best of the N-thread sums in the same rounds.
 
-    python bench/bench_cpu_kernels.py [--gib 1.0] [--rounds 3] [--threads 2]
+    python bench/bench_cpu_kernels.py [--gib 1.0] [--rounds 3] [--threads 2] [--types Q5_K,Q6_K]
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from moetier.kernels import cpu
 from moetier.quant.formats import get_format
 
 SHAPES = [(768, 2048), (2048, 768)]            # (N, K): a gate/up and a down projection
-TYPES = ["Q8_0", "Q4_0", "Q4_K"]
-FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2]}   # scale fields kept finite
+TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}   # scale fields kept finite
 
 
 def weight_bank(qtype: str, gib: float, rng) -> torch.Tensor:
@@ -73,13 +73,15 @@ def main():
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--types", default=",".join(TYPES), help="comma-separated GGML types")
     args = ap.parse_args()
+    types = args.types.split(",")
     nt = args.threads
     load0 = round(os.getloadavg()[0], 2)          # other processes sharing the cores skew wall numbers
     rng = np.random.default_rng(0)
     ref = torch.from_numpy(rng.standard_normal(2**28, dtype=np.float32))      # 1 GiB
-    banks = {t: weight_bank(t, args.gib, rng) for t in TYPES}
-    cases = [(t, s, th, b) for t in TYPES for s in SHAPES for th, b in ((1, 1), (nt, 1), (nt, 8))]
+    banks = {t: weight_bank(t, args.gib, rng) for t in types}
+    cases = [(t, s, th, b) for t in types for s in SHAPES for th, b in ((1, 1), (nt, 1), (nt, 8))]
     ram = {"c_stream_sum_1t_per_cpu_s": [], f"c_stream_sum_{nt}t": [], f"torch_sum_{nt}t": [], "numpy_sum": []}
     res = {c: [] for c in cases}
     gb = ref.nbytes / 1e9

@@ -20,7 +20,13 @@ L, E, D, I, K = 3, 6, 256, 256, 4      # Q4_K rows need multiples of 256
 
 
 def experts(qtype: str, seed: int = 0):
-    """[L][E] gate_up [2I, D] / down [D, I] in the storage format, and their float32 values."""
+    """[L][E] gate_up [2I, D] / down [D, I] in the storage format, and their float32 values.
+    qtype "A+B": gate_up in A, down in B (as llama.cpp's Q4_K_M: Q4_K+Q6_K); then tid is (A id, B id)."""
+    if "+" in qtype:
+        gq, dq = qtype.split("+")
+        s_gu, _, f_gu, _, gid = experts(gq, seed)
+        _, s_dn, _, f_dn, did = experts(dq, seed)
+        return s_gu, s_dn, f_gu, f_dn, (gid, did)
     g = torch.Generator().manual_seed(seed)
     gu = [[torch.randn(2 * I, D, generator=g) * 0.1 for _ in range(E)] for _ in range(L)]
     dn = [[torch.randn(D, I, generator=g) * 0.1 for _ in range(E)] for _ in range(L)]
@@ -50,7 +56,8 @@ def reference(x, ids, w, slots, gu, dn, act):
 
 
 @pytest.mark.parametrize("qtype,q8", [("F32", False), ("BF16", False), ("F16", False), ("Q8_0", False),
-                                      ("Q4_0", False), ("Q4_K", False), ("Q8_0", True), ("Q4_0", True)])
+                                      ("Q4_0", False), ("Q4_K", False), ("Q8_0", True), ("Q4_0", True),
+                                      ("Q5_K", False), ("Q6_K", False), ("Q4_K+Q6_K", False), ("Q4_0+Q6_K", True)])
 @pytest.mark.parametrize("act", [Act(), Act("clamped_swiglu", 1.702, 0.3)])
 def test_miss_server_answers_every_layer(qtype, q8, act):
     """Float activations: float32 rounding of the reference. int8 activations (q8, one scale per 32

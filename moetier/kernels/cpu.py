@@ -3,12 +3,13 @@
 Backend, chosen once at first use:
   "c"     cpu_kernels.c built with the system compiler (-O3 -march=native -fopenmp) into
           ~/.cache/moetier/kernels and called through ctypes (the GIL is released for the
-          whole call; OpenMP splits rows over threads). Q8_0, Q4_0, Q4_K.
-  "numba" the same loops in numba (parallel, nogil) when no compiler is found.
+          whole call; OpenMP splits rows over threads). Q8_0, Q4_0, Q4_K, Q5_K, Q6_K.
+  "numba" the same loops in numba (parallel, nogil) when no compiler is found (Q8_0, Q4_0, Q4_K).
   "torch" any other type, or neither of the above: the reference (dequantize, then matmul).
 The pure-torch twin is kernels.reference.expert_matvec; tests/test_quant_cpu_kernels.py
 compares the two on random inputs. `expert_ffn` runs one whole expert (gate_up matvecs, the
-activation in float32, down matvecs) for the memory tiers' CPU misses; its twin is
+activation in float32, down matvecs; gate_up and down may differ in format, as llama.cpp's
+Q4_K_M stores some layers' down in Q6_K) for the memory tiers' CPU misses; its twin is
 `expert_ffn_native` (tests/test_memory_gguf.py).
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ from .reference import expert_matvec
 
 log = logging.getLogger(__name__)
 
-FAST_TYPES = {"Q8_0", "Q4_0", "Q4_K"}
+FAST_TYPES = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"}
+NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib = None
@@ -143,7 +145,10 @@ def _kernel(fmt, lib) -> str:
     """Which implementation runs `fmt`: "c", "numba" or "torch"."""
     if fmt.name not in FAST_TYPES:
         return "torch"
-    return "c" if lib is not None else backend()
+    if lib is not None:
+        return "c"
+    kind = backend()
+    return "torch" if kind == "numba" and fmt.name not in NUMBA_TYPES else kind
 
 
 def matvec(qtype, w: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None,
@@ -191,15 +196,22 @@ def matvec_batch(qtype, ws: list[torch.Tensor], x: torch.Tensor, out: torch.Tens
     return y
 
 
+def _formats(qtype):
+    """qtype, or (gate_up qtype, down qtype) -> (gate_up format, down format)."""
+    gu, dn = qtype if isinstance(qtype, (tuple, list)) else (qtype, qtype)
+    return get_format(gu), get_format(dn)
+
+
 def expert_ffn(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, act,
                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
                threads: int | None = None) -> torch.Tensor:
     """One expert on rows x [n, D] -> [n, D] float32, straight from its GGML blocks: gate_up uint8
-    [2I, row_bytes(D)] (gate rows, then up rows), down uint8 [D, row_bytes(I)]. The weights are
-    never dequantized (n matvecs per projection; the activation runs in float32)."""
-    fmt = get_format(qtype)
-    if _kernel(fmt, None) == "torch":       # no C / numba kernel for this type: the twin
-        return expert_ffn_native(fmt, gate_up, down, x, act, gate_up_bias, down_bias)
+    [2I, row_bytes(D)] (gate rows, then up rows), down uint8 [D, row_bytes(I)]. qtype: one format,
+    or (gate_up format, down format). The weights are never dequantized (n matvecs per projection;
+    the activation runs in float32)."""
+    fmt, dfmt = _formats(qtype)
+    if _kernel(fmt, None) == "torch" or _kernel(dfmt, None) == "torch":   # no C / numba kernel: the twin
+        return expert_ffn_native((fmt, dfmt), gate_up, down, x, act, gate_up_bias, down_bias)
     x = _as_f32(x)
     n = x.shape[0]
     if n == 0:
@@ -208,7 +220,7 @@ def expert_ffn(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor
     if gate_up_bias is not None:
         h += gate_up_bias.float()
     gate, up = h.chunk(2, dim=-1)
-    y = matvec_batch(fmt, [down] * n, act(gate, up), threads=threads)  # [n, D]
+    y = matvec_batch(dfmt, [down] * n, act(gate, up), threads=threads)  # [n, D]
     if down_bias is not None:
         y += down_bias.float()
     return y
@@ -218,10 +230,10 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
                       gate_up_bias: torch.Tensor | None = None,
                       down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The pure-torch twin of expert_ffn: dequantize both weights to float32, then matmul."""
-    fmt = get_format(qtype)
+    fmt, dfmt = _formats(qtype)
     d, i2 = down.shape[0], gate_up.shape[0]
     wgu = dequantize(gate_up.contiguous(), fmt, (i2, d))                 # [2I, D]
-    wd = dequantize(down.contiguous(), fmt, (d, i2 // 2))                # [D, I]
+    wd = dequantize(down.contiguous(), dfmt, (d, i2 // 2))               # [D, I]
     h = x.float() @ wgu.T
     if gate_up_bias is not None:
         h = h + gate_up_bias.float()

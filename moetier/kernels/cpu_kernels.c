@@ -3,7 +3,7 @@
  * Built on first use with the system C compiler (-O3 -march=native -fopenmp) and called
  * through ctypes, which releases the GIL. Rows are split over OpenMP threads; each row is
  * one pass over its blocks, so weight bytes are read exactly once (streaming).
- * Offsets (-8 for Q4_0, -min for Q4_K) are folded out with per-block sums of x:
+ * Offsets (-8 for Q4_0, -min for Q4_K / Q5_K) are folded out with per-block sums of x:
  *   sum_j d (q_j - 8) x_j = d (sum_j q_j x_j - 8 sum_j x_j).
  * Accumulation is float32; results match dequantize-then-matmul to float32 rounding.
  */
@@ -15,7 +15,7 @@
 #endif
 
 /* SIMD vocabulary: VW float lanes; vbytes_*(p) widens VW bytes at p to int32 lanes;
- * vlo4f / vhi4f: the low / high nibble of each such lane as a float. */
+ * vlo4f / vhi4f: the low / high nibble of each such lane as a float; vq56f: K-quant 5/6-bit values. */
 #if defined(__AVX512F__) && defined(__F16C__)
 #define VW 16
 typedef __m512 vf;
@@ -36,6 +36,13 @@ static inline vf vnib(vi idx) {
 }
 static inline vf vlo4f(vi v) { return vnib(v); }
 static inline vf vhi4f(vi v) { return vnib(_mm512_srli_epi32(v, 4)); }
+/* K-quant 5/6-bit values: ((lo >> ls) & 15 | ((hi >> hs) & hm) << 4) - off as floats */
+static inline vf vq56f(vi lo, int ls, vi hi, int hs, int hm, int off) {
+    vi q = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(lo, _mm_cvtsi32_si128(ls)), _mm512_set1_epi32(15)),
+                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(hi, _mm_cvtsi32_si128(hs)),
+                                                              _mm512_set1_epi32(hm)), 4));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(off)));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VW 8
 typedef __m256 vf;
@@ -55,6 +62,12 @@ static inline vi vbytes_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_l
 static inline vi vbytes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline vf vlo4f(vi v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F))); }
 static inline vf vhi4f(vi v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+static inline vf vq56f(vi lo, int ls, vi hi, int hs, int hm, int off) {
+    vi q = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(lo, _mm_cvtsi32_si128(ls)), _mm256_set1_epi32(15)),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hi, _mm_cvtsi32_si128(hs)),
+                                                              _mm256_set1_epi32(hm)), 4));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(off)));
+}
 #endif
 
 static inline float fp16_to_f32(const uint8_t *p) {
@@ -214,11 +227,109 @@ static float row_q4_k(const uint8_t *w, const float *x, const float *xs, int64_t
 #endif
 }
 
-/* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N) ---- */
-enum { Q8_0 = 8, Q4_0 = 2, Q4_K = 12 };
+/* ---- Q5_K: 176-byte super-blocks {fp16 d, fp16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]}: Q4_K
+ * plus a 5th bit, for element 32 s + j bit s of qh[j] (value = d sc q - dmin mn, q in [0, 32)) ---- */
+static float row_q5_k(const uint8_t *w, const float *x, const float *xs, int64_t nsb) {
+    float acc_s = 0.f, off = 0.f;
+#ifdef VW
+    vf acc = vzero();
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 176, x += 256, xs += 8) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        PREFETCH(w + 128);
+        uint64_t sc64, mn64;
+        scale_min_k4(w + 4, &sc64, &mn64);
+        uint8_t sc[8], mn[8];
+        memcpy(sc, &sc64, 8);
+        memcpy(mn, &mn64, 8);
+        const float d = fp16_to_f32(w), dmin = fp16_to_f32(w + 2);
+        const uint8_t *qh = w + 16, *qs = w + 48;
+        for (int c = 0; c < 4; c++, qs += 32) {
+            const float *x0 = x + 64 * c, *x1 = x0 + 32;
+#ifdef VW
+            vf s0 = vzero(), s1 = vzero();
+            for (int j = 0; j < 32; j += VW) {
+                vi q = vbytes_u8(qs + j), h = vbytes_u8(qh + j);
+                s0 = vfma(vq56f(q, 0, h, 2 * c, 1, 0), vload(x0 + j), s0);
+                s1 = vfma(vq56f(q, 4, h, 2 * c + 1, 1, 0), vload(x1 + j), s1);
+            }
+            acc = vfma(vset1(d * sc[2 * c]), s0, acc);
+            acc = vfma(vset1(d * sc[2 * c + 1]), s1, acc);
+#else
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < 32; j++) {
+                s0 += ((qs[j] & 0x0F) | ((qh[j] >> (2 * c)) & 1) << 4) * x0[j];
+                s1 += ((qs[j] >> 4) | ((qh[j] >> (2 * c + 1)) & 1) << 4) * x1[j];
+            }
+            acc_s += d * sc[2 * c] * s0 + d * sc[2 * c + 1] * s1;
+#endif
+        }
+        for (int j = 0; j < 8; j++) off += dmin * mn[j] * xs[j];
+    }
+#ifdef VW
+    acc_s = vsum(acc);
+#endif
+    return acc_s - off;
+}
 
-static int64_t block_elems(int qtype) { return qtype == Q4_K ? 256 : 32; }
-static int64_t block_bytes(int qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : 144; }
+/* ---- Q6_K: 210-byte super-blocks {u8 ql[128], u8 qh[64], i8 scales[16], fp16 d}; per half h (128
+ * elements, ql + 64 h, qh + 32 h) element 32 g + l (g < 4, l < 32) is (ql[l + 32 (g & 1)] nibble g >> 1
+ * | bits 2g..2g+1 of qh[l] << 4) - 32, scaled by d * scales[8 h + 2 g + l / 16] ---- */
+static float row_q6_k(const uint8_t *w, const float *x, int64_t nsb) {
+    float acc_s = 0.f;
+#ifdef VW
+    vf acc = vzero();
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 210, x += 256) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        PREFETCH(w + 128);
+        PREFETCH(w + 192);
+        const float d = fp16_to_f32(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const float *xh = x + 128 * h;
+            for (int g = 0; g < 4; g++) {
+                const uint8_t *qg = ql + 32 * (g & 1);
+                const int ls = 4 * (g >> 1);
+                for (int l0 = 0; l0 < 32; l0 += 16) {
+                    const float *xg = xh + 32 * g + l0;
+#ifdef VW
+                    vf s = vzero();
+                    for (int j = 0; j < 16; j += VW)
+                        s = vfma(vq56f(vbytes_u8(qg + l0 + j), ls, vbytes_u8(qh + l0 + j), 2 * g, 3, 32), vload(xg + j), s);
+                    acc = vfma(vset1(d * sc[8 * h + 2 * g + l0 / 16]), s, acc);
+#else
+                    float s = 0.f;
+                    for (int j = 0; j < 16; j++)
+                        s += ((((qg[l0 + j] >> ls) & 0x0F) | ((qh[l0 + j] >> (2 * g)) & 3) << 4) - 32) * xg[j];
+                    acc_s += d * sc[8 * h + 2 * g + l0 / 16] * s;
+#endif
+                }
+            }
+        }
+    }
+#ifdef VW
+    acc_s = vsum(acc);
+#endif
+    return acc_s;
+}
+
+/* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N) ---- */
+enum { Q8_0 = 8, Q4_0 = 2, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static int64_t block_elems(int qtype) { return qtype == Q8_0 || qtype == Q4_0 ? 32 : 256; }
+static int64_t block_bytes(int qtype) {
+    switch (qtype) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    default: return 210;
+    }
+}
 
 /* Each thread gets at least this many weight bytes (~10 us of streaming): below it a fork /
  * join costs more than it saves, and on a busy machine the join waits for a descheduled
@@ -229,11 +340,15 @@ static float row_dot(int qtype, const uint8_t *w, const float *x, const float *x
     switch (qtype) {
     case Q8_0: return row_q8_0(w, x, K / 32);
     case Q4_0: return row_q4_0(w, x, xs, K / 32);
-    default: return row_q4_k(w, x, xs, K / 256);
+    case Q4_K: return row_q4_k(w, x, xs, K / 256);
+    case Q5_K: return row_q5_k(w, x, xs, K / 256);
+    default: return row_q6_k(w, x, K / 256);
     }
 }
 
-int moetier_supported(int qtype) { return qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_K; }
+int moetier_supported(int qtype) {
+    return qtype == Q8_0 || qtype == Q4_0 || qtype == Q4_K || qtype == Q5_K || qtype == Q6_K;
+}
 
 /* M independent matvecs of one type and shape in one parallel region (e.g. the missed
  * experts of a layer): W_m at ws[m], x_m at x + m K, y_m at y + m N.

@@ -9,7 +9,8 @@
  * thread 0 polls the bell, all threads compute the layer's misses (rows of gate_up, the gated
  * activation, rows of down, summed over the missed experts with their routing weights), thread 0
  * raises done. No Python, no GIL (ctypes releases it) between the replay and the logits.
- * Expert weights are read where they live in the RAM bank: pointer tables [L * E].
+ * Expert weights are read where they live in the RAM bank: pointer tables [L * E]. gate_up is of
+ * type `qtype`, down of `dn_qtype` (they differ in llama.cpp's Q4_K_M: Q4_K and Q6_K).
  */
 #include "cpu_kernels.c"
 #include <math.h>
@@ -109,6 +110,7 @@ typedef struct {
     float *scratch;                       /* >= k * 2I + k * I + (D + k * I) / 32 + 64 floats */
     double *timing;                       /* out: [0] compute s, [1] wait-for-bell s, [2] misses */
     int32_t q8_act;                       /* Q4_0 / Q8_0: int8 activations, integer dot products */
+    int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
 } serve_ctx;
 
 static double now_s(void) {
@@ -226,14 +228,15 @@ static int wait_bell(const serve_ctx *c, int li, int64_t seq, double t_start) {
  * (timeout), -100 - li if a missed expert has no RAM pointer, -200 on bad arguments. */
 int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     const int L = c->L, D = c->D, I = c->I, k = c->k;
-    if (k > MAX_K || k < 1 || !moetier_serve_supported(c->qtype)) return -200;
-    const int quant = c->qtype != F32 && c->qtype != BF16 && c->qtype != F16;
-    if (quant && (D % block_elems(c->qtype) || I % block_elems(c->qtype))) return -200;
+    const int gq = c->qtype, dq = c->dn_qtype;
+    if (k > MAX_K || k < 1 || !moetier_serve_supported(gq) || !moetier_serve_supported(dq)) return -200;
+    const int gquant = gq != F32 && gq != BF16 && gq != F16, dquant = dq != F32 && dq != BF16 && dq != F16;
+    if ((gquant && D % block_elems(gq)) || (dquant && I % block_elems(dq))) return -200;
     float *hpre = c->scratch;                       /* [k, 2I] */
     float *h = hpre + (int64_t)k * 2 * I;           /* [k, I] */
     float *xs = h + (int64_t)k * I;                 /* [D / 32] */
     float *hs = xs + D / 32 + 16;                   /* [k, I / 32] */
-    const int q8 = c->q8_act && q8_ok(c->qtype);
+    const int q8g = c->q8_act && q8_ok(gq), q8d = c->q8_act && q8_ok(dq);   /* per projection */
     float *dx = hs + (int64_t)k * (I / 32) + 16;    /* q8: x scales [D / 32], h scales [k, I / 32] */
     float *dh = dx + D / 32;
     int32_t *sxv = (int32_t *)(dh + (int64_t)k * (I / 32));   /* sums [D / 32], [k, I / 32] */
@@ -266,9 +269,9 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     }
                     n_miss[li] = m;
                     total += m;
-                    if (m && quant) block_sums(c->x + (int64_t)li * D, D, xs);
+                    if (m && gquant) block_sums(c->x + (int64_t)li * D, D, xs);
 #ifdef HAVE_Q8_ACT
-                    if (m && q8) quantize_q8(c->x + (int64_t)li * D, D, qxv, dx, sxv);
+                    if (m && q8g) quantize_q8(c->x + (int64_t)li * D, D, qxv, dx, sxv);
 #endif
                 }
                 t_wait += now_s() - tw;
@@ -284,15 +287,15 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             #pragma omp for schedule(dynamic, 16)
             for (int64_t r = 0; r < (int64_t)m * 2 * I; r++) {
                 int64_t j = r / (2 * I), row = r % (2 * I);
-                hpre[r] = act_row(c->qtype, q8, gu[miss_e[li][j]] + row * c->gu_row_bytes, ax, D);
+                hpre[r] = act_row(gq, q8g, gu[miss_e[li][j]] + row * c->gu_row_bytes, ax, D);
             }
             #pragma omp for schedule(static)
             for (int j = 0; j < m; j++) {
                 for (int i = 0; i < I; i++)
                     h[(int64_t)j * I + i] = act_one(c, hpre[(int64_t)j * 2 * I + i], hpre[(int64_t)j * 2 * I + I + i]);
-                if (quant) block_sums(h + (int64_t)j * I, I, hs + (int64_t)j * (I / 32));
+                if (dquant) block_sums(h + (int64_t)j * I, I, hs + (int64_t)j * (I / 32));
 #ifdef HAVE_Q8_ACT
-                if (q8) quantize_q8(h + (int64_t)j * I, I, qhv + (int64_t)j * I, dh + (int64_t)j * (I / 32),
+                if (q8d) quantize_q8(h + (int64_t)j * I, I, qhv + (int64_t)j * I, dh + (int64_t)j * (I / 32),
                                     shv + (int64_t)j * (I / 32));
 #endif
             }
@@ -303,7 +306,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 for (int j = 0; j < m; j++) {
                     const act_vec ah = {h + (int64_t)j * I, hs + (int64_t)j * (I / 32), qhv + (int64_t)j * I,
                                         dh + (int64_t)j * (I / 32), shv + (int64_t)j * (I / 32)};
-                    s += miss_w[li][j] * act_row(c->qtype, q8, dn[miss_e[li][j]] + d * c->dn_row_bytes, ah, I);
+                    s += miss_w[li][j] * act_row(dq, q8d, dn[miss_e[li][j]] + d * c->dn_row_bytes, ah, I);
                 }
                 y[d] = s;
             }

@@ -153,7 +153,8 @@ class _Ctx(ctypes.Structure):
         ("gu_row_bytes", ctypes.c_int64), ("dn_row_bytes", ctypes.c_int64), ("timeout_ns", ctypes.c_int64),
         ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bell", ctypes.c_void_p), ("done", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("w", ctypes.c_void_p),
-        ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32)]
+        ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32),
+        ("dn_qtype", ctypes.c_int32)]
 
 
 def library() -> ctypes.CDLL:
@@ -175,8 +176,8 @@ class MissServer:
     """Answers the doorbells of one decode step from expert weights in RAM.
 
     gate_up / down: [L][E] CPU tensors (rows contiguous) or None where an expert is not in RAM;
-    qtype_id: GGML type id of the weights (0 f32, 1 f16, 30 bf16, 8 Q8_0, 2 Q4_0, 12 Q4_K);
-    act: ops.Act. q8_act: Q4_0 / Q8_0 weights meet int8 activations (one scale per 32 values, as
+    qtype_id: GGML type id of the weights (0 f32, 1 f16, 30 bf16, 8 Q8_0, 2 Q4_0, 12 Q4_K, 13 Q5_K,
+    14 Q6_K), or (gate_up id, down id) when they differ (Q4_K_M: (12, 14)); act: ops.Act. q8_act: Q4_0 / Q8_0 weights meet int8 activations (one scale per 32 values, as
     llama.cpp does) in integer dot products; otherwise float32 activations."""
 
     def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,
@@ -184,8 +185,10 @@ class MissServer:
         n_layers, n_exp = len(gate_up), len(gate_up[0])
         k = req.ids.shape[1]
         self.req, self.lib = req, library()
-        if not self.lib.moetier_serve_supported(qtype_id):
-            raise ValueError(f"no CPU kernel for GGML type {qtype_id}")
+        gu_id, dn_id = qtype_id if isinstance(qtype_id, (tuple, list)) else (qtype_id, qtype_id)
+        for tid in (gu_id, dn_id):
+            if not self.lib.moetier_serve_supported(tid):
+                raise ValueError(f"no CPU kernel for GGML type {tid}")
         self._gu = (ctypes.c_void_p * (n_layers * n_exp))(
             *[0 if t is None else t.data_ptr() for row in gate_up for t in row])
         self._dn = (ctypes.c_void_p * (n_layers * n_exp))(
@@ -196,13 +199,13 @@ class MissServer:
         self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + 256,
                                    dtype=torch.float32)
         self.timing = torch.zeros(3, dtype=torch.float64)
-        self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, qtype_id, 0 if act.kind == "swiglu" else 1, threads,
+        self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, gu_id, 0 if act.kind == "swiglu" else 1, threads,
                         act.alpha, act.limit, some.stride(0) * some.element_size(),
                         some_dn.stride(0) * some_dn.element_size(), int(timeout_s * 1e9),
                         ctypes.cast(self._gu, ctypes.c_void_p), ctypes.cast(self._dn, ctypes.c_void_p),
                         req.bell.data_ptr(), req.done.data_ptr(), req.x.data_ptr(), req.ids.data_ptr(),
                         req.slots.data_ptr(), req.w.data_ptr(), req.y.data_ptr(), self.scratch.data_ptr(),
-                        self.timing.data_ptr(), int(q8_act))
+                        self.timing.data_ptr(), int(q8_act), dn_id)
 
     def serve(self, seq: int) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed)."""

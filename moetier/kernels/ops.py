@@ -11,6 +11,8 @@ the dict of planes `quant.repack(fmt, raw [S, N, row_bytes])` gives. A slot id <
 callable (layers.swiglu / partial(clamped_swiglu, alpha=, limit=) are recognised; any other runs
 on the torch twin). biases: None or (gate_up_bias [S, 2I] | None, down_bias [S, D] | None).
 The intermediate h is rounded to x's dtype between the projections (as the kernels keep it).
+Down may be stored in another format than gate_up (llama.cpp's Q4_K_M keeps gate/up in Q4_K and
+some layers' down in Q6_K): pass fmt=(gate_up format, down format), or down_fmt=.
 """
 from __future__ import annotations
 
@@ -66,6 +68,15 @@ def normalize_fmt(fmt) -> str:
     return get_format(fmt).name
 
 
+def split_fmt(fmt, down_fmt=None) -> tuple[str, str]:
+    """fmt (one format, or (gate_up format, down format)) and down_fmt (None: as gate_up) ->
+    normalized (gate_up format, down format)."""
+    if isinstance(fmt, (tuple, list)):
+        fmt, down_fmt = fmt
+    fmt = normalize_fmt(fmt)
+    return fmt, fmt if down_fmt is None else normalize_fmt(down_fmt)
+
+
 # ------------------------------------------------------------------ backend (chosen once)
 _backend: str | None = None
 _interpret = False
@@ -102,15 +113,16 @@ def _triton_importable() -> bool:
         return False
 
 
-def _use_triton(x: torch.Tensor, fmt: str, act: Act | None) -> bool:
+def _use_triton(x: torch.Tensor, fmt: str, act: Act | None, down_fmt: str | None = None) -> bool:
     return (backend() == "triton" and (x.is_cuda or _interpret) and fmt in KERNEL_FORMATS
-            and act is not None and x.numel() > 0)
+            and (down_fmt or fmt) in KERNEL_FORMATS and act is not None and x.numel() > 0)
 
 
-def kernel_available(x: torch.Tensor, act="swiglu", fmt="bf16") -> bool:
+def kernel_available(x: torch.Tensor, act="swiglu", fmt="bf16", down_fmt=None) -> bool:
     """Whether moe/moe_decode/moe_grouped run the fused kernels for these inputs (no host sync,
     CUDA-graph capturable); otherwise they run the torch twin, which syncs."""
-    return _use_triton(x, normalize_fmt(fmt), as_act(act))
+    fmt, down_fmt = split_fmt(fmt, down_fmt)
+    return _use_triton(x, fmt, as_act(act), down_fmt)
 
 
 def _on_device(x):
@@ -118,9 +130,9 @@ def _on_device(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _kernel_args(x, gate_up, down, fmt, act, biases):
+def _kernel_args(x, gate_up, down, fmt, act, biases, down_fmt):
     from .triton_moe import ACT_CODES, Weights
-    gu, dn = Weights(gate_up, fmt), Weights(down, fmt)
+    gu, dn = Weights(gate_up, fmt), Weights(down, down_fmt)
     d = x.shape[1]
     if gu.k != d or dn.n != d or gu.n != 2 * dn.k or gu.slots != dn.slots:
         raise ValueError(f"expert shapes disagree: x [T, {d}], gate_up [{gu.slots}, {gu.n}, {gu.k}], "
@@ -136,34 +148,34 @@ def _check_out(out, x):
 
 
 # ------------------------------------------------------------------ public ops
-def moe_decode(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+def moe_decode(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
     """Few tokens (T <= 8): fused GEMV kernels, two launches, no host sync (CUDA-graph capturable)."""
-    fmt, a = normalize_fmt(fmt), as_act(act)
-    if not _use_triton(x, fmt, a):
-        return moe_decode_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out)
+    (fmt, down_fmt), a = split_fmt(fmt, down_fmt), as_act(act)
+    if not _use_triton(x, fmt, a, down_fmt):
+        return moe_decode_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
     from .triton_moe import moe_decode as kernel
-    x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases)
+    x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases, down_fmt)
     _check_out(out, x)
     with _on_device(x):
         return kernel(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
 
 
-def moe_grouped(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+def moe_grouped(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
     """Many tokens (prefill): pairs sorted by slot, grouped GEMMs on tensor cores, no host sync."""
-    fmt, a = normalize_fmt(fmt), as_act(act)
-    if not _use_triton(x, fmt, a):
-        return moe_grouped_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out)
+    (fmt, down_fmt), a = split_fmt(fmt, down_fmt), as_act(act)
+    if not _use_triton(x, fmt, a, down_fmt):
+        return moe_grouped_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
     from .triton_moe import moe_grouped as kernel
-    x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases)
+    x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases, down_fmt)
     _check_out(out, x)
     with _on_device(x):
         return kernel(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
 
 
-def moe(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+def moe(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
     """The experts of one MoE layer: decode kernels up to MAX_DECODE_TOKENS tokens, grouped above."""
     op = moe_decode if x.shape[0] <= MAX_DECODE_TOKENS else moe_grouped
-    return op(x, slot_ids, w, gate_up, down, act, biases, fmt, out)
+    return op(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
 
 
 # ------------------------------------------------------------------ the pure-torch twin
@@ -175,11 +187,11 @@ def _dense_weight(weight, fmt: str, s: int) -> torch.Tensor:
     return dequantize_repacked(fmt, {name: plane[s] for name, plane in weight.items()})
 
 
-def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None):
+def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
     """forward_native of moe_decode / moe_grouped: same signature and result, in float32 (h rounded
     to x's dtype between the projections). Syncs with the host (one loop step per used slot):
     for tests, CPU runs and machines without Triton."""
-    fmt = normalize_fmt(fmt)
+    fmt, down_fmt = split_fmt(fmt, down_fmt)
     fn = as_act(act) or act
     t, k = slot_ids.shape
     flat = slot_ids.reshape(-1).long()
@@ -195,7 +207,7 @@ def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf
         if gb is not None:
             h = h + gb[s].float()
         gate, up = h.chunk(2, dim=-1)
-        ys = fn(gate, up).to(x.dtype).float() @ _dense_weight(down, fmt, s).T
+        ys = fn(gate, up).to(x.dtype).float() @ _dense_weight(down, down_fmt, s).T
         if db is not None:
             ys = ys + db[s].float()
         y[sel] = ys * wf[sel, None]

@@ -54,15 +54,18 @@ def unavailable(tiers, act) -> str | None:
     return None
 
 
-def _qtype_id(layout) -> int | None:
+def _qtype_id(layout) -> tuple[int, int] | None:
+    """(gate_up, down) GGML type ids for the C server, None when it has no kernel for one of them."""
     from ..kernels import doorbell
-    q = layout.qtype
-    if q is None:
-        tid = doorbell.GGML_IDS.get(layout.params[0].dtype)
-    else:
-        from ..quant.formats import get_format
-        tid = get_format(q).type_id
-    return tid if tid is not None and doorbell.serve_supported(tid) else None
+    spec = {p.name: p for p in layout.params}
+    ids = []
+    for name in ("gate_up_proj", "down_proj"):
+        if spec[name].qtype is None:
+            ids.append(doorbell.GGML_IDS.get(spec[name].dtype))
+        else:
+            from ..quant.formats import get_format
+            ids.append(get_format(spec[name].qtype).type_id)
+    return tuple(ids) if all(t is not None and doorbell.serve_supported(t) for t in ids) else None
 
 
 class GraphTiers:

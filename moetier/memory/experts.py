@@ -178,7 +178,7 @@ class Tiers:
                 self.stats.staged[self.stats.phase] += 1
             else:
                 t0 = time.perf_counter()
-                wts, q = self._cpu_weights(buf), self.layout.qtype     # q: GGML blocks -> CPU kernels
+                wts, q = self._cpu_weights(buf), self.layout.qtypes    # q: GGML blocks -> CPU kernels
                 if host is None:
                     ys[a:a + n] = expert_math(wts, xs[a:a + n], act, q)
                 else:

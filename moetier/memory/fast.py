@@ -9,7 +9,8 @@ still read its slot, and a layer's next call waits for the copies into its slots
 GGML experts (layout.qtype "Q4_0" ...) stay quantized: a param's arena is the dict of planes
 quant.repack makes ([slots + stage, rows, ...] each); `load` copies the raw blocks to the device
 and repacks them there, and hits run through kernels.ops.moe (Triton on CUDA, the torch twin
-elsewhere). `kernel_weights()` hands the whole arena to kernels in that form.
+elsewhere). `kernel_weights()` hands the whole arena to kernels in that form. gate_up and down
+may be in different formats (layout.qtypes): each param's planes are its own format's.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from .layout import ExpertLayout, ParamSpec
 def expert_math(wts: dict[str, torch.Tensor], x: torch.Tensor, act: Callable, qtype: str | None = None) -> torch.Tensor:
     """One expert on rows x [n, D] -> [n, D]; the same ops as DenseExperts.expert (bit-identical on CPU).
     qtype: the weights are raw GGML blocks (layout.unpack), run by the CPU kernels in float32 on
-    torch's current thread count (--cpu-threads)."""
+    torch's current thread count (--cpu-threads); a format or (gate_up format, down format)."""
     if qtype is not None:
         return expert_ffn(qtype, wts["gate_up_proj"], wts["down_proj"], x, act, wts.get("gate_up_bias"),
                           wts.get("down_bias"), threads=torch.get_num_threads()).to(x.dtype)
@@ -136,9 +137,13 @@ class FastTier:
     def kernel_weights(self) -> tuple[str, object, object]:
         """(fmt, gate_up, down) of every slot (stage slots last) as kernels.ops.moe / moe_decode take
         them, with slot ids from cache.table: float experts fmt "dense" and the arena tensors
-        [S, 2I, D] / [S, D, I]; GGML experts the format name ("Q4_0") and the dicts of repack planes
-        [S, rows, ...]. No copies: the kernels read the live arena (biases: kernel_biases())."""
-        return self.qtype or "dense", self.arena["gate_up_proj"], self.arena["down_proj"]
+        [S, 2I, D] / [S, D, I]; GGML experts the format name ("Q4_0"), or (gate_up format, down
+        format) when they differ (Q4_K_M: ("Q4_K", "Q6_K"); kernels.ops takes either), and the dicts
+        of repack planes [S, rows, ...]. No copies: the kernels read the live arena (biases:
+        kernel_biases())."""
+        q = self.layout.qtypes
+        fmt = "dense" if q is None else q[0] if q[0] == q[1] else q
+        return fmt, self.arena["gate_up_proj"], self.arena["down_proj"]
 
     def kernel_biases(self) -> tuple | None:
         """None, or (gate_up_bias [S, 2I] | None, down_bias [S, D] | None) for kernels.ops."""
@@ -319,7 +324,8 @@ class FastTier:
             w = torch.empty(len(slots), *spec[name].logical_shape, dtype=dtype, device=self.device)
             for a in range(0, len(slots), DEQUANT_GROUP):
                 part = idx[a:a + DEQUANT_GROUP]
-                w[a:a + DEQUANT_GROUP] = dequantize_repacked(self.qtype, {k: v[part] for k, v in self.arena[name].items()})
+                w[a:a + DEQUANT_GROUP] = dequantize_repacked(spec[name].qtype,
+                                                             {k: v[part] for k, v in self.arena[name].items()})
             out.append(w)
         return out[0], out[1]
 

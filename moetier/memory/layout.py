@@ -8,7 +8,8 @@ Reads go straight to file offsets (os.preadv), never through the checkpoint's mm
 GGUF files (`build_gguf_layout`): llama.cpp's blk.N.ffn_{gate,up,down}_exps [E, rows, cols] keep
 each expert's rows contiguous, so an expert is 3 pieces (gate rows, up rows, down rows). Block
 formats stay as stored: gate_up_proj is the raw GGML rows uint8 [2I, row_bytes(D)] (gate then up),
-down_proj [D, row_bytes(I)], and the ParamSpec carries the GGML type (`qtype`).
+down_proj [D, row_bytes(I)], and the ParamSpec carries the GGML type (`qtype`), per param: gate_up
+and down may differ (llama.cpp's Q4_K_M: Q4_K gate/up, Q6_K down) as long as every layer agrees.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..weights.loader import NamedCheckpoint
 ALIGN = 64          # param offsets inside an expert buffer (SIMD loads, dtype views)
 EXPERT_ALIGN = 4096  # expert buffer size (O_DIRECT reads land on page boundaries)
 EXPERT_PARAM = re.compile(r"\.experts\.[A-Za-z_]+$")
-GGUF_EXPERT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K")   # experts the tiers keep as stored
+GGUF_EXPERT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")   # kept as stored
 
 
 def round_up(n: int, a: int) -> int:
@@ -89,8 +90,15 @@ class ExpertLayout:
 
     @property
     def qtype(self) -> str | None:
-        """The GGML format of the expert weights (one for all of them), None for float experts."""
+        """The GGML format of the expert weights (gate_up's when down differs: see qtypes), None for
+        float experts."""
         return next((p.qtype for p in self.params if p.qtype), None)
+
+    @property
+    def qtypes(self) -> tuple[str, str] | None:
+        """(gate_up format, down format) of GGML experts, None for float experts."""
+        spec = {p.name: p.qtype for p in self.params}
+        return None if self.qtype is None else (spec["gate_up_proj"], spec["down_proj"])
 
     def fast_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one expert in the fast tier: float params in the compute dtype, block formats as
@@ -216,11 +224,12 @@ def build_gguf_layout(model, ckpt) -> ExpertLayout:
         spec = _gguf_spec(g, n, tensors[0][j], tuple(getattr(first, n).shape[1:]), E, off)
         specs.append(spec)
         off = round_up(off + spec.nbytes, ALIGN)
-    weights = {s.qtype or str(s.dtype) for s in specs if not s.name.endswith("_bias")}
-    if len(weights) > 1 and any(s.qtype for s in specs):    # one kernel format per layer call
-        raise UserError(f"{g.path}: the experts' gate/up and down tensors are stored as different types "
-                        f"({', '.join(sorted(weights))}); memory tiers need one type for all of them: "
-                        "re-quantize (moetier quantize FILE --type Q8_0|Q4_0|Q4_K_S) or run without tier flags")
+    weights = [s for s in specs if not s.name.endswith("_bias")]
+    if any(s.qtype for s in weights) and not all(s.qtype for s in weights):   # GGML and float: no kernel
+        raise UserError(f"{g.path}: the experts' gate/up and down tensors are stored as "
+                        f"{' and '.join(s.qtype or str(s.dtype) for s in weights)}; memory tiers need both "
+                        "quantized or both float: re-quantize (moetier quantize FILE --type Q8_0|Q4_0|Q4_K_S) "
+                        "or run without tier flags")
     layout = ExpertLayout([layer_index(p) for p, _ in mods], [p for p, _ in mods], E, specs,
                           round_up(off, EXPERT_ALIGN), sum(s.nbytes for s in specs))
     for li, row in enumerate(tensors):

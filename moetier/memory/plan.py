@@ -173,7 +173,8 @@ class Placement:
         return {
             "model": self.model, "model_type": self.model_type, "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "storage_dtype": self.layout.qtype or str(self.storage_dtype).removeprefix("torch."),
+            "storage_dtype": "/".join(dict.fromkeys(self.layout.qtypes)) if self.layout.qtype   # Q4_K/Q6_K: gate_up/down
+                             else str(self.storage_dtype).removeprefix("torch."),
             "ctx": self.ctx, "groups": self.groups, "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
             "kv_tier": self.kv_tier, "workspace_bytes": self.workspace_bytes,
             "experts": {"layers": self.num_layers, "per_layer": self.num_experts, "top_k": self.top_k,

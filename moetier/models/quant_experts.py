@@ -1,5 +1,6 @@
-"""QuantExperts: a layer's experts kept in their GGML storage format (Q8_0, Q4_0, Q4_K) and computed
-on it, instead of being dequantized to bf16/fp32 at load (3.5-7x the bytes).
+"""QuantExperts: a layer's experts kept in their GGML storage format (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) and
+computed on it, instead of being dequantized to bf16/fp32 at load (3.5-7x the bytes). gate/up and down
+may differ in format (llama.cpp's Q4_K_M: gate/up Q4_K, down Q6_K in some layers).
 
 Same call as DenseExperts: forward(x [T, D], ids [T, k], w [T, k]) -> [T, D]. Two layouts:
   "planes" (CUDA): `quant.repack(fmt, raw)` planes on the device, run by kernels.ops (fused Triton
@@ -23,8 +24,8 @@ from .layers import DenseExperts, grouped_experts, grouped_mm_experts, swiglu
 # expert (each pair re-reads its expert's blocks); above, each used expert is dequantized once and
 # multiplied. Measured on the 2-core box, 1 thread, default model's experts (8 used, D 384, I 256),
 # matvec vs dequantize+linear per layer call: Q8_0 4 pairs/expert 3.1 vs 5.2 ms, 16: 6.7 vs 6.7 ms;
-# Q4_0 (slower torch dequantizer) 16: 6.0 vs 12.6 ms, 32: 10.5 vs 8.8 ms. Q4_K: not measured, as Q4_0.
-CPU_MATVEC_PAIRS_PER_EXPERT = {"Q8_0": 12, "Q4_0": 24, "Q4_K": 24}
+# Q4_0 (slower torch dequantizer) 16: 6.0 vs 12.6 ms, 32: 10.5 vs 8.8 ms. K-quants: not measured, as Q4_0.
+CPU_MATVEC_PAIRS_PER_EXPERT = {"Q8_0": 12, "Q4_0": 24, "Q4_K": 24, "Q5_K": 24, "Q6_K": 24}
 
 
 def cpu_formats() -> set[str]:
@@ -49,20 +50,20 @@ class _Stacked:
 
 
 class QuantExperts(DenseExperts):
-    """All experts of one layer in one GGML format. gate/up/down: uint8 [E, rows, row_bytes] storage
-    blocks (gate [E, I, .], up [E, I, .], down [E, D, .]); biases float [E, 2I] / [E, D] or None.
+    """All experts of one layer in GGML formats: qtype one format, or (gate/up format, down format).
+    gate/up/down: uint8 [E, rows, row_bytes] storage blocks (gate [E, I, .], up [E, I, .], down [E, D, .]); biases float [E, 2I] / [E, D] or None.
     A DenseExperts subclass so code that finds expert modules by type (profiles) sees it; it has no
     float weights, and memory tiers (which need `type(m) is DenseExperts`) never get one."""
 
     def __init__(self, qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  biases: tuple | None = None, act=swiglu, layout: str = "raw", device="cpu"):
         torch.nn.Module.__init__(self)
-        fmt = get_format(qtype)
-        self.fmt = fmt.name
+        fmt, dfmt = (get_format(q) for q in (qtype if isinstance(qtype, (tuple, list)) else (qtype, qtype)))
+        self.fmt, self.down_fmt = fmt.name, dfmt.name      # gate_up's, down's
         self.num_experts, self.hidden, self.dim = gate.shape[0], gate.shape[1], down.shape[1]
         self.act, self.layout = act, layout
         if layout == "planes":
-            planes = {"gate_up": repack(fmt, torch.cat([gate, up], dim=1)), "down": repack(fmt, down)}
+            planes = {"gate_up": repack(fmt, torch.cat([gate, up], dim=1)), "down": repack(dfmt, down)}
             for proj, ps in planes.items():
                 for name, t in ps.items():
                     self.register_buffer(f"{proj}_{name}", t.to(device), persistent=False)
@@ -70,7 +71,8 @@ class QuantExperts(DenseExperts):
         elif layout == "raw":
             for name, t in (("gate_raw", gate), ("up_raw", up), ("down_raw", down)):
                 self.register_buffer(name, t, persistent=False)
-            self.matvec_pairs = CPU_MATVEC_PAIRS_PER_EXPERT.get(self.fmt, 0) if self.fmt in cpu_formats() else 0
+            ok = {self.fmt, self.down_fmt} <= cpu_formats()
+            self.matvec_pairs = min(CPU_MATVEC_PAIRS_PER_EXPERT.get(f, 0) for f in (self.fmt, self.down_fmt)) if ok else 0
         else:
             raise ValueError(f"QuantExperts layout must be 'planes' or 'raw', got {layout!r}")
         gb, db = biases or (None, None)
@@ -78,7 +80,8 @@ class QuantExperts(DenseExperts):
         self.down_bias = None if db is None else torch.nn.Parameter(db, requires_grad=False)
 
     def extra_repr(self) -> str:
-        return f"{self.fmt}, experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, layout={self.layout}"
+        fmt = self.fmt if self.down_fmt == self.fmt else f"{self.fmt}/{self.down_fmt}"
+        return f"{fmt}, experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, layout={self.layout}"
 
     # -- weights
     def planes(self, proj: str) -> dict[str, torch.Tensor]:
@@ -87,10 +90,11 @@ class QuantExperts(DenseExperts):
     def weight(self, proj: str, e) -> torch.Tensor:
         """Expert(s) e's float32 weight: proj "gate_up" [2I, D] or "down" [D, I] (e an int or an
         index tensor: then [n, rows, cols])."""
+        name = self.fmt if proj == "gate_up" else self.down_fmt
         if self.layout == "planes":
-            return dequantize_repacked(self.fmt, {n: p[e] for n, p in self.planes(proj).items()})
+            return dequantize_repacked(name, {n: p[e] for n, p in self.planes(proj).items()})
         raws = [self.gate_raw[e], self.up_raw[e]] if proj == "gate_up" else [self.down_raw[e]]
-        fmt = get_format(self.fmt)
+        fmt = get_format(name)
         ws = [dequantize(r, fmt, (*r.shape[:-1], r.shape[-1] // fmt.type_size * fmt.block_size)) for r in raws]
         return ws[0] if len(ws) == 1 else torch.cat(ws, dim=-2)
 
@@ -122,9 +126,9 @@ class QuantExperts(DenseExperts):
         if (x.is_cuda and x.shape[0] > ops.MAX_DECODE_TOKENS and x.dtype == torch.bfloat16 and self._biases() is None
                 and hasattr(torch, "_grouped_mm") and not torch.cuda.is_current_stream_capturing()):
             return self._forward_dequant_grouped(x, ids, w)
-        if ops.kernel_available(x, self.act, self.fmt):     # Triton: decode GEMVs or grouped GEMMs
+        if ops.kernel_available(x, self.act, self.fmt, self.down_fmt):   # Triton: decode GEMVs or grouped GEMMs
             return ops.moe(x, ids, w, self.planes("gate_up"), self.planes("down"), self.act,
-                           self._biases(), fmt=self.fmt)
+                           self._biases(), fmt=self.fmt, down_fmt=self.down_fmt)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():   # no host sync under capture
             return self._forward_gathered(x, ids, w)
         return grouped_experts(x, ids, w, self.num_experts, self.expert)
@@ -160,7 +164,7 @@ class QuantExperts(DenseExperts):
             b = self.gate_up_bias[flat].float()
             gate, up = gate + b[:, :self.hidden], up + b[:, self.hidden:]
         a = self.act(gate, up).to(x.dtype).float()                                 # [P, I], rounded as h is
-        y = cpu.matvec_batch(self.fmt, [self.down_raw[e] for e in flat], a, threads=threads)  # [P, D]
+        y = cpu.matvec_batch(self.down_fmt, [self.down_raw[e] for e in flat], a, threads=threads)  # [P, D]
         if self.down_bias is not None:
             y = y + self.down_bias[flat].float()
         return (y * w.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)

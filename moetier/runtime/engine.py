@@ -206,11 +206,11 @@ class Engine:
             tid = tokenizer.token_to_id(tokenizer.special["eos_token"])
             if tid is not None:
                 eos.add(tid)
-        if device == "cpu":  # one q/k/v GEMM per layer instead of three (weights become views: no copy)
-            from ..models.layers import Attention
-            for m in net.modules():
-                if isinstance(m, Attention):
-                    m.fuse_qkv()
+        # one q/k/v GEMM per layer instead of three (weights become views of one stacked tensor)
+        from ..models.layers import Attention
+        for m in net.modules():
+            if isinstance(m, Attention):
+                m.fuse_qkv()
         engine = cls(net, args, tokenizer, config, device, dtype, path, eos, gen)
         if placement is not None:
             engine.tiers = memory.install(net, placement, config)

@@ -230,7 +230,8 @@ class GGUFCheckpoint:
 
 def pack_experts(model, ckpt: GGUFCheckpoint, device: str, dtype) -> dict[str, int]:
     """Fill every DenseExperts whose params are still on meta (load_model skipped them): a layer
-    whose gate/up/down share a format with a kernel on `device` becomes a QuantExperts holding the
+    whose gate/up share a format and gate/up and down (that one may differ: Q4_K_M's Q6_K down) have
+    kernels on `device` becomes a QuantExperts holding the
     stored blocks (CPU: zero-copy views of the mmap; CUDA: repacked planes on the device); any other
     layer is dequantized as before. -> {"packed": layers, "dequantized": layers}."""
     from ..kernels import ops
@@ -245,9 +246,9 @@ def pack_experts(model, ckpt: GGUFCheckpoint, device: str, dtype) -> dict[str, i
             continue
         prefix, _, attr = name.rpartition(".")
         names = (ckpt._expert_names(prefix, "gate_up_proj") or []) + (ckpt._expert_names(prefix, "down_proj") or [])
-        kinds = sorted({qtype_name(ckpt.ckpt.qtype(n)) for n in names})
-        fmt = kinds[0] if len(names) == 3 and len(kinds) == 1 else None
-        if fmt in formats and not (cuda and ops.as_act(mod.act) is None):
+        kinds = [qtype_name(ckpt.ckpt.qtype(n)) for n in names]      # gate, up, down
+        fmt = (kinds[0], kinds[2]) if len(names) == 3 and kinds[0] == kinds[1] else None
+        if fmt and set(fmt) <= formats and not (cuda and ops.as_act(mod.act) is None):
             gate, up, down = (ckpt.ckpt.raw(n) for n in names)
             biases = None
             if mod.gate_up_bias is not None:
@@ -257,7 +258,7 @@ def pack_experts(model, ckpt: GGUFCheckpoint, device: str, dtype) -> dict[str, i
             setattr(model.get_submodule(prefix), attr, packed)
             counts["packed"] += 1
             continue
-        why.add("/".join(kinds) or "no fused GGUF expert tensors")
+        why.add("/".join(sorted(set(kinds))) or "no fused GGUF expert tensors")
         for pname, p in list(mod.named_parameters()):
             full = f"{name}.{pname}"
             t = _fetch(ckpt, ckpt.args, full)
