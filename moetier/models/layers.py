@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
-from ..kernels import ops
+from ..kernels import ops, small_ops
 from ..runtime.kv_cache import KVCache
 
 
@@ -24,6 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_ops.rms_norm(x, self.weight, self.eps, self.native)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one op (same math)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * rms_normalize(x, self.eps)
@@ -224,7 +227,8 @@ class Attention(nn.Module):
         qk = qkv[:, :nq + nk].view(t, self.h + self.hkv, self.dh)
         if self.qk_norm:   # per-head RMSNorm: q heads take q_norm's weight, k heads k_norm's
             w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.hkv, -1)])
-            qk = rms_normalize(qk, self.q_norm.eps) * w
+            eps = self.q_norm.eps
+            qk = small_ops.rms_norm(qk, w, eps, lambda y: rms_normalize(y, eps) * w)
         qk = apply_rope(qk, *rope)
         return qk[:, :self.h], qk[:, self.h:], qkv[:, nq + nk:].view(t, self.hkv, self.dh)
 
@@ -388,7 +392,7 @@ class SoftmaxRouter(nn.Module):
         self.k, self.normalize = k, normalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(F.linear(x, self.weight), self.k, self.normalize)
+        return small_ops.softmax_topk(F.linear(x, self.weight), self.k, self.normalize, softmax_topk)
 
 
 class GroupedSigmoidRouter(nn.Module):
