@@ -12,6 +12,7 @@
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests bench48 longctx uniform12}
+FLAGS=${FLAGS:-}
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 synth() {  # NAME QUANT LAYERS SKEW OUT SECONDS
@@ -19,7 +20,7 @@ synth() {  # NAME QUANT LAYERS SKEW OUT SECONDS
 }
 bench() {  # LABEL SECONDS MODEL FLAGS...
   local label=$1 secs=$2; shift 2
-  timeout "$secs" python3 -m moetier bench "$@" --json > "$OUT/$label.json" 2> "$OUT/$label.err"
+  timeout "$secs" python3 -m moetier bench "$@" $FLAGS --json > "$OUT/$label.json" 2> "$OUT/$label.err"
   tail -2 "$OUT/$label.err"
   python3 - "$OUT/$label.json" <<'PY'
 import json, sys
@@ -39,9 +40,12 @@ for step in $STEPS; do
   echo "== $step"
   case $step in
   tests)
-    timeout 75 python3 -m pytest -q -o addopts="" tests/test_deltanet_triton.py tests/test_memory_gpu.py \
-      tests/test_quant_experts.py -k "graphed or gguf or cuda_module or deltanet or triton" -p no:cacheprovider \
-      2>&1 | tail -12 > "$OUT/gpu_tests.txt"; tail -4 "$OUT/gpu_tests.txt" ;;
+    timeout 100 python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
+      tests/test_memory_gpu.py tests/test_quant_experts.py -k "graphed or gguf or cuda_module or deltanet or triton \
+      or small or fused or rms or softmax or cuda_graph" -p no:cacheprovider -rf 2>&1 | tail -15 > "$OUT/gpu_tests.txt"
+    tail -6 "$OUT/gpu_tests.txt"
+    # a broken fused decode kernel must not spoil the measurements: bench without it then
+    grep -q "FAILED tests/test_small_ops\|FAILED tests/test_gpu" "$OUT/gpu_tests.txt" && FLAGS="--no-fused-decode" ;;
   bench48)
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 0.5 $M 120

@@ -137,6 +137,7 @@ class EngineConfig:
     seed: int | None = None
     progress: bool = True
     cuda_graphs: bool = True        # decode step as one CUDA graph (off: eager, for debugging)
+    fused_decode: bool = True       # CUDA decode step: fused Triton norm / router / attention (kernels/small_ops.py)
     cpu_compile: str = "auto"       # CPU decode step built by AOTInductor: on (build once, cached) | off |
                                     # auto (use the cached build, never build: 15-25 s; docs/perf-log.md)
     kv_dtype: str = "auto"          # KV cache storage: auto (the model dtype) | bf16 | fp16 | fp32 | int8

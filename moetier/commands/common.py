@@ -33,6 +33,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for torch (default: half the CPUs, at least 1)")
     g.add_argument("--no-cuda-graph", dest="cuda_graphs", action="store_false",
                    help="decode eagerly instead of replaying one CUDA graph per token (debugging)")
+    g.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
+                   help="CUDA decode without the fused Triton RMSNorm / router / attention kernels (debugging)")
     g.add_argument("--cpu-compile", default="auto", choices=("auto", "on", "off"),
                    help="CPU decode step compiled ahead of time (AOTInductor): on = build it once "
                         "(15-25 s, cached in ~/.cache/moetier/cpu_decode) and use it; auto (default) = use "
@@ -77,6 +79,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args) -> EngineConfig:
     return EngineConfig(device=args.device, dtype=args.dtype, max_context=args.ctx, threads=args.threads,
                         cuda_graphs=getattr(args, "cuda_graphs", True),
+                        fused_decode=getattr(args, "fused_decode", True),
                         cpu_compile=getattr(args, "cpu_compile", "auto"),
                         kv_dtype=getattr(args, "kv_dtype", "auto"), kv_offload=getattr(args, "kv_offload", False),
                         snapshot_every=getattr(args, "snapshot_every", 0),

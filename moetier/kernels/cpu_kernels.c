@@ -291,23 +291,31 @@ static float row_q6_k(const uint8_t *w, const float *x, int64_t nsb) {
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
             const float *xh = x + 128 * h;
-            for (int g = 0; g < 4; g++) {
-                const uint8_t *qg = ql + 32 * (g & 1);
-                const int ls = 4 * (g >> 1);
-                for (int l0 = 0; l0 < 32; l0 += 16) {
-                    const float *xg = xh + 32 * g + l0;
+            for (int l0 = 0; l0 < 32; l0 += 16) {      /* each byte of ql / qh widened once for its 2 / 4 values */
 #ifdef VW
-                    vf s = vzero();
-                    for (int j = 0; j < 16; j += VW)
-                        s = vfma(vq56f(vbytes_u8(qg + l0 + j), ls, vbytes_u8(qh + l0 + j), 2 * g, 3, 32), vload(xg + j), s);
-                    acc = vfma(vset1(d * sc[8 * h + 2 * g + l0 / 16]), s, acc);
-#else
-                    float s = 0.f;
-                    for (int j = 0; j < 16; j++)
-                        s += ((((qg[l0 + j] >> ls) & 0x0F) | ((qh[l0 + j] >> (2 * g)) & 3) << 4) - 32) * xg[j];
-                    acc_s += d * sc[8 * h + 2 * g + l0 / 16] * s;
-#endif
+                vf s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
+                for (int l = l0; l < l0 + 16; l += VW) {
+                    vi a = vbytes_u8(ql + l), b2 = vbytes_u8(ql + 32 + l), hb = vbytes_u8(qh + l);
+                    s0 = vfma(vq56f(a, 0, hb, 0, 3, 32), vload(xh + l), s0);
+                    s1 = vfma(vq56f(b2, 0, hb, 2, 3, 32), vload(xh + 32 + l), s1);
+                    s2 = vfma(vq56f(a, 4, hb, 4, 3, 32), vload(xh + 64 + l), s2);
+                    s3 = vfma(vq56f(b2, 4, hb, 6, 3, 32), vload(xh + 96 + l), s3);
                 }
+                const int8_t *sg = sc + 8 * h + l0 / 16;  /* group g's scale: sg[2 g] */
+                acc = vfma(vset1(d * sg[0]), s0, acc);
+                acc = vfma(vset1(d * sg[2]), s1, acc);
+                acc = vfma(vset1(d * sg[4]), s2, acc);
+                acc = vfma(vset1(d * sg[6]), s3, acc);
+#else
+                for (int g = 0; g < 4; g++) {
+                    const uint8_t *qg = ql + 32 * (g & 1);
+                    const int ls = 4 * (g >> 1);
+                    float s = 0.f;
+                    for (int l = l0; l < l0 + 16; l++)
+                        s += ((((qg[l] >> ls) & 0x0F) | ((qh[l] >> (2 * g)) & 3) << 4) - 32) * xh[32 * g + l];
+                    acc_s += d * sc[8 * h + 2 * g + l0 / 16] * s;
+                }
+#endif
             }
         }
     }

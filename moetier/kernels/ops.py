@@ -130,9 +130,9 @@ def _on_device(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _kernel_args(x, gate_up, down, fmt, act, biases, down_fmt):
+def _kernel_args(x, gate_up, down, fmt, act, biases, down_fmt=None):
     from .triton_moe import ACT_CODES, Weights
-    gu, dn = Weights(gate_up, fmt), Weights(down, down_fmt)
+    gu, dn = Weights(gate_up, fmt), Weights(down, down_fmt or fmt)
     d = x.shape[1]
     if gu.k != d or dn.n != d or gu.n != 2 * dn.k or gu.slots != dn.slots:
         raise ValueError(f"expert shapes disagree: x [T, {d}], gate_up [{gu.slots}, {gu.n}, {gu.k}], "

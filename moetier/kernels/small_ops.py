@@ -15,6 +15,13 @@ from . import ops
 
 MAX_TOKENS = 64        # above this the step is a prefill chunk: the twins' big kernels are fine
 _backend: str | None = None
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """EngineConfig.fused_decode (--no-fused-decode): off = always the twins."""
+    global _enabled
+    _enabled = bool(on)
 
 
 @contextlib.contextmanager
@@ -31,6 +38,8 @@ def use(name: str):
 
 def _triton(x, tokens: int) -> bool:
     if tokens > MAX_TOKENS or not x.is_contiguous():
+        return False
+    if not _enabled and _backend is None:
         return False
     name = _backend or ops.backend()
     return name == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
@@ -50,3 +59,17 @@ def softmax_topk(logits, k: int, normalize: bool, twin):
         return twin(logits, k, normalize)
     from .triton_small import softmax_topk as kernel
     return kernel(logits, k, normalize)
+
+
+def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:
+    """The fused decode attention serves this call (one token of a CUDA-graph step, plain KV cache)."""
+    from ..runtime.kv_cache import KVCache
+    return (_triton(x, 1) and x.shape[0] == 1 and window is None and sinks is None and not interleaved
+            and type(kv) is KVCache and kv.k.dtype == x.dtype)
+
+
+def decode_attention(qkv, q_w, k_w, eps, cos, sin, pos, kv, h: int, hkv: int, scale: float):
+    """qkv [1, (H + 2 Hkv) Dh] of one token at device position `pos`: q/k RMSNorm and RoPE, k/v into
+    the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_small.decode_attention)."""
+    from .triton_small import decode_attention as kernel
+    return kernel(qkv, q_w, k_w, eps, cos, sin, pos, kv.k, kv.v, h, hkv, scale)

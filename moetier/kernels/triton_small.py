@@ -76,3 +76,130 @@ def softmax_topk(logits, k: int, normalize: bool):
     _softmax_topk_kernel[(t,)](logits, ids, w, e, K=k, NORM=normalize, BE=triton.next_power_of_2(e),
                                BK=triton.next_power_of_2(k), num_warps=1 if e <= 256 else 4)
     return ids, w
+
+
+# ---------------------------------------------------------------- decode attention (T = 1, graph)
+@triton.jit
+def _qkv_prep_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, eps,
+                     H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
+                     QK_NORM: tl.constexpr, BD: tl.constexpr):
+    """grid (H + 2 HKV,): q heads -> q_ptr, k heads -> k cache row `pos`, v heads -> v cache row."""
+    i = tl.program_id(0)
+    d = tl.arange(0, BD)
+    dm = d < DH
+    pos = tl.load(pos_ptr).to(tl.int64)
+    if i < H + HKV:
+        half: tl.constexpr = R // 2
+        partner = tl.where(d < half, d + half, tl.where(d < R, d - half, d))
+        x = tl.load(qkv_ptr + i * DH + d, mask=dm, other=0.0)
+        xp = tl.load(qkv_ptr + i * DH + partner, mask=dm, other=0.0)
+        y = x.to(tl.float32)
+        yp = xp.to(tl.float32)
+        if QK_NORM:
+            r = tl.rsqrt(tl.sum(y * y, axis=0) / DH + eps)
+            wq = tl.load(qw_ptr + d, mask=dm, other=0.0)
+            wk = tl.load(kw_ptr + d, mask=dm, other=0.0)
+            wqp = tl.load(qw_ptr + partner, mask=dm, other=0.0)
+            wkp = tl.load(kw_ptr + partner, mask=dm, other=0.0)
+            w = tl.where(i < H, wq, wk)
+            wp = tl.where(i < H, wqp, wkp)
+            y = (w * (y * r).to(x.dtype)).to(x.dtype).to(tl.float32)      # the twin's two roundings
+            yp = (wp * (yp * r).to(x.dtype)).to(x.dtype).to(tl.float32)
+        c = tl.load(cos_ptr + d, mask=d < R, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + d, mask=d < R, other=0.0).to(tl.float32)
+        sign = tl.where(d < half, -1.0, 1.0)
+        out = tl.where(d < R, y * c + sign * yp * s, y)
+        if i < H:
+            tl.store(q_ptr + i * DH + d, out.to(x.dtype), mask=dm)
+        else:
+            tl.store(kc_ptr + (pos * HKV + (i - H)) * DH + d, out.to(kc_ptr.dtype.element_ty), mask=dm)
+    else:
+        j = i - H - HKV
+        v = tl.load(qkv_ptr + (H + HKV + j) * DH + d, mask=dm, other=0.0)
+        tl.store(vc_ptr + (pos * HKV + j) * DH + d, v.to(vc_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr, scale,
+                       HKV: tl.constexpr, REP: tl.constexpr, DH: tl.constexpr, NSPLIT: tl.constexpr,
+                       BR: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """grid (HKV, NSPLIT): the REP q heads of kv head g over keys [lo, hi) of [0, pos]; partial softmax
+    statistics (max, sum) and the unnormalised output per (g, split, head)."""
+    g = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = tl.load(pos_ptr).to(tl.int32) + 1
+    per = (n + NSPLIT - 1) // NSPLIT
+    lo = sp * per
+    hi = tl.minimum(lo + per, n)
+    r = tl.arange(0, BR)
+    d = tl.arange(0, BD)
+    rm = r < REP
+    dm = d < DH
+    q = tl.load(q_ptr + (g * REP + r)[:, None] * DH + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    q = (q.to(tl.float32) * scale).to(kc_ptr.dtype.element_ty)
+    m = tl.full((BR,), float("-inf"), tl.float32)
+    l = tl.zeros((BR,), tl.float32)
+    acc = tl.zeros((BR, BD), tl.float32)
+    s0 = lo
+    while s0 < hi:
+        s = s0 + tl.arange(0, BS)
+        sm = s < hi
+        off = (s.to(tl.int64) * HKV + g)[:, None] * DH + d[None, :]
+        k = tl.load(kc_ptr + off, mask=sm[:, None] & dm[None, :], other=0.0)
+        v = tl.load(vc_ptr + off, mask=sm[:, None] & dm[None, :], other=0.0)
+        sc = tl.dot(q, tl.trans(k), input_precision=PREC)                   # [BR, BS] fp32
+        sc = tl.where(sm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+        s0 += BS
+    base = (g * NSPLIT + sp) * BR + r
+    tl.store(pm_ptr + base, m)
+    tl.store(pl_ptr + base, l)
+    tl.store(pacc_ptr + base[:, None] * BD + d[None, :], acc)
+
+
+@triton.jit
+def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, REP: tl.constexpr, DH: tl.constexpr,
+                         NSPLIT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """grid (H,): head h = g * REP + j combines its NSPLIT partials."""
+    h = tl.program_id(0)
+    g = h // REP
+    j = h % REP
+    sp = tl.arange(0, NSPLIT)
+    d = tl.arange(0, BD)
+    base = (g * NSPLIT + sp) * BR + j
+    m = tl.load(pm_ptr + base)
+    l = tl.load(pl_ptr + base)
+    top = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+    acc = tl.load(pacc_ptr + base[:, None] * BD + d[None, :])
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    tl.store(out_ptr + h * DH + d, out.to(out_ptr.dtype.element_ty), mask=d < DH)
+
+
+def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos, k_cache, v_cache, h: int, hkv: int, scale: float,
+                     nsplit: int = 16):
+    """One token: qkv [1, (H + 2 Hkv) Dh] -> per-head RMSNorm (q_w / k_w [Dh] or None) and RoPE
+    (cos / sin [1, R], first R features, halves) of q and k, k and v written to the caches [S, Hkv, Dh]
+    at the device position `pos`, attention of q over keys [0, pos] -> [1, H Dh]. Three launches."""
+    dh = k_cache.shape[-1]
+    rep, rot = h // hkv, cos.shape[-1]
+    bd = triton.next_power_of_2(dh)
+    q = qkv.new_empty((h, dh))
+    _qkv_prep_kernel[(h + 2 * hkv,)](qkv, q_w if q_w is not None else qkv, k_w if k_w is not None else qkv,
+                                    cos, sin, pos, q, k_cache, v_cache, eps, H=h, HKV=hkv, DH=dh, R=rot,
+                                    QK_NORM=q_w is not None, BD=bd, num_warps=1 if bd <= 128 else 2)
+    br = max(16, triton.next_power_of_2(rep))
+    pm = torch.empty(hkv * nsplit * br, dtype=torch.float32, device=qkv.device)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(hkv * nsplit * br * bd, dtype=torch.float32, device=qkv.device)
+    _attn_split_kernel[(hkv, nsplit)](q, k_cache, v_cache, pos, pm, pl, pacc, scale, HKV=hkv, REP=rep, DH=dh,
+                                      NSPLIT=nsplit, BR=br, BS=32, BD=bd, num_warps=4,
+                                      PREC="ieee" if k_cache.dtype == torch.float32 else "tf32")
+    out = qkv.new_empty((1, h * dh))
+    _attn_combine_kernel[(h,)](pm, pl, pacc, out, REP=rep, DH=dh, NSPLIT=nsplit, BR=br, BD=bd, num_warps=1)
+    return out

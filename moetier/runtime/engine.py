@@ -206,6 +206,8 @@ class Engine:
             tid = tokenizer.token_to_id(tokenizer.special["eos_token"])
             if tid is not None:
                 eos.add(tid)
+        from ..kernels import small_ops
+        small_ops.set_enabled(config.fused_decode)
         # one q/k/v GEMM per layer instead of three (weights become views of one stacked tensor)
         from ..models.layers import Attention
         for m in net.modules():
