@@ -82,6 +82,7 @@ class GraphTiers:
         self.host_seq = 0
         self.capturing = False
         self.counting = True
+        self._accounting = None     # the thread doing the last step's bookkeeping
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
                        "admitted": 0}
@@ -138,24 +139,35 @@ class GraphTiers:
             self.req.err[0] = 0
             raise RuntimeError(f"decode step {bad}: the GPU stopped waiting for the CPU's expert results")
         if self.counting:
-            self._account(busy)
+            self.drain()
             tm = self.timing
             tm["steps"] += 1
             tm["serve_s"] += t1 - t0
             tm["cpu_busy_s"] += busy
             tm["bell_wait_s"] += wait
-            tm["account_s"] += time.perf_counter() - t1
+            # the bookkeeping runs on a thread while the next step is served (the server holds no GIL):
+            # off the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md)
+            step = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(), busy)
+            self._accounting = _Server(lambda: self._account(*step))
+
+    def drain(self) -> None:
+        """Wait for the last step's bookkeeping (before anything else reads or changes the tiers)."""
+        th, self._accounting = self._accounting, None
+        if th is not None:
+            t0 = time.perf_counter()
+            th.join()
+            self.timing["account_s"] += time.perf_counter() - t0
 
     def report(self) -> dict:
         """Mean host milliseconds per graphed decode step."""
         tm, n = self.timing, max(1, self.timing["steps"])
         return {"steps": tm["steps"], "admitted": tm["admitted"], "threads": self.threads,
+                # account_ms: time the next step waited for the bookkeeping thread (0 when hidden)
                 **{k.removesuffix("_s") + "_ms": round(tm[k] / n * 1e3, 4)
                    for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s")}}
 
-    def _account(self, busy: float) -> None:
+    def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
         t = self.tiers
-        ids, slots, w = self.req.ids.numpy(), self.req.slots.numpy(), self.req.w.numpy()
         hit = slots >= 0
         st, c = t.stats, t.cache
         st.tokens["decode"] += 1

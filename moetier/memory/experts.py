@@ -104,8 +104,11 @@ class Tiers:
     # ------------------------------------------------------------------ the call
     def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act) -> torch.Tensor:
         t, k = ids.shape
-        if self.graphed is not None and self.graphed.capturing and t == 1:
-            return self.graphed.forward(li, x, ids, w)
+        if self.graphed is not None:
+            if self.graphed.capturing and t == 1:
+                return self.graphed.forward(li, x, ids, w)
+            if li == 0:
+                self.graphed.drain()    # the graphed steps' bookkeeping is done before the eager path
         decode = t <= DECODE_MAX
         self.stats.phase = self.fast.phase = "decode" if decode else "prefill"
         if li == 0:
@@ -232,6 +235,8 @@ class Tiers:
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> dict:
+        if self.graphed is not None:
+            self.graphed.drain()
         return snapshot(self)
 
     def request_stats(self, before: dict) -> dict:
@@ -273,6 +278,8 @@ class Tiers:
 
     # ------------------------------------------------------------------ exit
     def save_profile(self, path: str | Path | None = None) -> None:
+        if self.graphed is not None:
+            self.graphed.drain()
         path = path or self.save_profile_path
         if path:
             self.profile.save(path)
