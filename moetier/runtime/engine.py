@@ -216,6 +216,7 @@ class Engine:
         engine = cls(net, args, tokenizer, config, device, dtype, path, eos, gen)
         if placement is not None:
             engine.tiers = memory.install(net, placement, config)
+            engine.prefill_chunk = placement.prefill_chunk
         return engine
 
     def new_session(self, max_context: int | None = None) -> Session:
