@@ -15,8 +15,8 @@ from ..config import EngineConfig
 from ..errors import UserError
 from ..memory.bandwidth import bandwidths
 from ..memory.budget import fmt_bytes
-from ..memory import TIERED_PREFILL_CHUNK
-from ..memory.plan import decode_ceiling, inspect, make_placement, prefill_copy_rule
+from ..memory import placement_with_chunk
+from ..memory.plan import decode_ceiling, inspect, prefill_copy_rule
 from ..runtime.engine import DEFAULT_CONTEXT, resolve_model_path
 from .common import add_model_args, engine_config
 
@@ -58,8 +58,7 @@ def main(args) -> int:
     flags = {"hbm_gbs": args.hbm_bw, "ram_gbs": args.ram_bw, "ssd_gbs": args.ssd_bw, "pcie_gbs": args.pcie_bw}
     first_file = Path(layout.parts(0, 0)[0].path)     # a checkpoint file (safetensors or GGUF) to time reads on
     bw = bandwidths(device, first_file, flags)
-    chunk = TIERED_PREFILL_CHUNK if device.startswith("cuda") else 2048     # as Engine.load plans it
-    pl = make_placement(Path(path), config, device, dtype, ctx, chunk, bw, inspected)
+    pl = placement_with_chunk(Path(path), config, device, dtype, ctx, bw, inspected)    # as Engine.load plans it
     ceiling = decode_ceiling(pl, bw)
     rule = prefill_copy_rule(layout, bw, "bfloat16")
     summary = pl.summary()

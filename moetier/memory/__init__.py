@@ -31,21 +31,33 @@ def plan_for_load(path: Path, config: EngineConfig, device: str, dtype, default_
     """The placement Engine.load will use; raises UserError (before any weight is read) when the
     budgets cannot hold the dense weights and KV cache. The prefill chunk is 8192 on CUDA (each
     chunk copies the experts it uses once: 8K chunks cut expert copies 3.3x against 2K in LESSONS §5),
-    2048 on the CPU (the workspace is RAM the bank could use)."""
-    if prefill_chunk is None:
-        prefill_chunk = TIERED_PREFILL_CHUNK if device.startswith("cuda") else 2048
+    2048 on the CPU (the workspace is RAM the bank could use) or when 8K would take over a tenth of
+    the GPU budget (the expert cache matters more to decode)."""
+    chunks = [prefill_chunk] if prefill_chunk else None
     from .bandwidth import bandwidths
-    from .plan import inspect, make_placement
+    from .plan import inspect
     inspected = inspect(Path(path))
     args = inspected[0]
     ctx = config.max_context or min(args.max_position_embeddings, default_ctx)
     bw = None
     if device.startswith("cuda") and config.prefill_copy_tokens is None:
         bw = bandwidths(device, None)
-    pl = make_placement(Path(path), config, device, dtype, ctx, prefill_chunk, bw, inspected)
+    pl = placement_with_chunk(Path(path), config, device, dtype, ctx, bw, inspected, chunks)
     if pl.problems:
         raise UserError("the memory budgets do not fit this model: " + "; ".join(pl.problems)
                         + f". See `moetier plan {path}` with the same flags")
+    return pl
+
+
+def placement_with_chunk(path: Path, config, device: str, dtype, ctx: int, bw, inspected, chunks=None):
+    """make_placement with the largest prefill chunk of `chunks` whose workspace stays under a tenth
+    of the GPU budget (default: 8192 then 2048 on CUDA, 2048 on the CPU)."""
+    from .plan import make_placement
+    chunks = chunks or ([TIERED_PREFILL_CHUNK, 2048] if device.startswith("cuda") else [2048])
+    for chunk in chunks:
+        pl = make_placement(path, config, device, dtype, ctx, chunk, bw, inspected)
+        if not pl.gpu_budget or pl.workspace_bytes <= pl.gpu_budget / 10:
+            break
     return pl
 
 

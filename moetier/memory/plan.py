@@ -90,6 +90,11 @@ def check_dense_overrides(names: list[str], config: EngineConfig, device: str) -
                             r"to expert tensors, e.g. 'experts' or 'ffn_.*_exps'")
 
 
+def _formats(layout) -> str:
+    """The experts' GGML formats over params and layers: "Q4_K", or "Q4_K/Q6_K" (Q4_K_M)."""
+    return "/".join(dict.fromkeys(v.qtype for p in layout.params for v in layout.param_variants(p.name)))
+
+
 @dataclass
 class Placement:
     model: str
@@ -173,8 +178,7 @@ class Placement:
         return {
             "model": self.model, "model_type": self.model_type, "device": self.device,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "storage_dtype": "/".join(dict.fromkeys(self.layout.qtypes)) if self.layout.qtype   # Q4_K/Q6_K: gate_up/down
-                             else str(self.storage_dtype).removeprefix("torch."),
+            "storage_dtype": _formats(self.layout) if self.layout.qtype else str(self.storage_dtype).removeprefix("torch."),
             "ctx": self.ctx, "groups": self.groups, "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
             "kv_tier": self.kv_tier, "workspace_bytes": self.workspace_bytes,
             "experts": {"layers": self.num_layers, "per_layer": self.num_experts, "top_k": self.top_k,
@@ -230,8 +234,11 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     chunk = min(prefill_chunk, ctx)
     inter = layout.params[0].shape[0] // 2 if layout.params else 0
     heads = args.num_attention_heads
+    # attention: CUDA SDPA runs a memory-efficient kernel (the bool mask is materialised, not the
+    # scores); on the CPU count the fp32 scores
+    scores = chunk * ctx if cuda else heads * chunk * min(chunk, ctx) * 4
     workspace = chunk * (args.num_experts_per_tok * 4 * inter + 12 * args.hidden_size) * dtype.itemsize \
-        + heads * chunk * min(chunk, ctx) * 4 + (CUDA_WORKSPACE if cuda else 0)
+        + scores + (CUDA_WORKSPACE if cuda else 0)
     eb, fb = layout.expert_bytes, layout.fast_bytes(dtype)
     tiers = layer_tiers(layout, config)
     policy = config.cache_policy or ("mix" if config.expert_profile else "lru")
