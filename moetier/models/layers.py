@@ -234,9 +234,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple, kv: KVCache, start: int) -> torch.Tensor:
         t = x.shape[0]
-        if (isinstance(start, torch.Tensor) and self.qkv_rows is not None and rope is not None
+        if (t == 1 and self.qkv_rows is not None and rope is not None
                 and small_ops.decode_attention_ok(x, kv, self.window, self.sinks, False)):
-            # CUDA-graph decode: norm + rope + cache write, split-K attention over [0, start]: 3 launches
+            # CUDA decode: norm + rope + cache write, split-K attention over [0, start]: 3 launches
+            # (eager steps too, so a graph replay and an eager step compute the same numbers)
+            if not isinstance(start, torch.Tensor):
+                start = torch.tensor(start, device=x.device)
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
