@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (30 device-minutes a session: plan the steps). Each step is time-limited
 # and writes under $OUT as it goes, so a call cut short still returns what finished.
-#   STEPS="tests bench48 longctx uniform12 doorbell12"  (default: all but doorbell12, in that order)
+#   STEPS="tests bench48 uniform12 longctx doorbell12"  (default: all but doorbell12, in that order)
 #   tests       GPU tests of the graphed tier step, GGUF tiers, packed GGUF experts, Triton DeltaNet
 #   bench48     synthetic Qwen3-30B-A3B Q4_0 GGUF, all 48 layers (17 GB): all on GPU / --gpu-mem 8GiB /
 #               --cpu-moe, prompts 512 and 8192
@@ -11,7 +11,7 @@
 #   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-STEPS=${STEPS:-tests bench48 longctx uniform12}
+STEPS=${STEPS:-tests bench48 uniform12 longctx}
 FLAGS=${FLAGS:-}
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -54,9 +54,12 @@ for step in $STEPS; do
   longctx)
     Q=.data/qnext-4.gguf
     synth qwen3-next-80b-a3b Q4_0 4 0.5 $Q 40
-    timeout 110 python3 bench/bench_long_context.py $Q --prompt-len 4096,32768,131072 --gen 32 --chunk 4096 \
+    timeout 80 python3 bench/bench_long_context.py $Q --prompt-len 4096,32768 --gen 32 --chunk 4096 \
       --snapshot-every 16384 > "$OUT/long_ctx.json" 2> "$OUT/long_ctx.err"
     tail -4 "$OUT/long_ctx.err"; head -c 2500 "$OUT/long_ctx.json"; echo
+    timeout 70 python3 bench/bench_long_context.py $Q --prompt-len 131072 --gen 16 --chunk 8192 --warmup 256 \
+      > "$OUT/long_ctx_128k.json" 2> "$OUT/long_ctx_128k.err"
+    tail -3 "$OUT/long_ctx_128k.err"; head -c 1500 "$OUT/long_ctx_128k.json"; echo
     rm -f $Q ;;
   uniform12)
     for S in 0 0.5; do
