@@ -88,6 +88,27 @@ def test_miss_server_answers_every_layer(qtype, q8, act):
         assert int(req.done[1 * db.BELL_STRIDE]) != seq       # no misses: no answer, the GPU does not wait
 
 
+def test_miss_server_formats_per_layer():
+    """Q4_K_M: gate_up Q4_K in every layer, down Q4_K in layer 0 and Q6_K in layers 1, 2 (row bytes
+    differ per layer): one [L, 2] table of type ids; float activations, float32 rounding."""
+    gu, dn4, f_gu, f_dn4, (gid, d4) = experts("Q4_K+Q4_K")
+    _, dn6, _, f_dn6, (_, d6) = experts("Q4_K+Q6_K")
+    s_dn, f_dn = [dn4[0], dn6[1], dn6[2]], [f_dn4[0], f_dn6[1], f_dn6[2]]
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, gu, s_dn, [(gid, d4), (gid, d6), (gid, d6)], D, I, Act(), threads=2)
+    g = torch.Generator().manual_seed(4)
+    req.x[:] = torch.randn(L, D, generator=g)
+    req.ids[:] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).int()
+    req.w[:] = torch.rand(L, K, generator=g)
+    req.slots[:] = -1
+    req.y.fill_(float("nan"))
+    req.bell[::db.BELL_STRIDE] = 1
+    assert srv.serve(1)[2] == L * K
+    for li in range(L):
+        want = reference(req.x[li], req.ids[li], req.w[li], req.slots[li], f_gu[li], f_dn[li], Act())
+        assert ((req.y[li] - want).abs().max() / want.abs().max()).item() <= 2e-5
+
+
 def test_miss_server_times_out_with_a_clear_error():
     s_gu, s_dn, _, _, tid = experts("F32")
     req = db.Requests(L, D, K, pin=False)

@@ -3,8 +3,8 @@ formats: one format per projection, in QuantExperts (no tiers) and in the memory
 same file with --dequantize-experts (experts dequantized to float32 at load).
 
 A tiny random qwen3_moe (D = I = 256, so K-quants fit), 4 layers: with MoE layers 0, 2, 3, `moetier
-quantize --type Q4_K_M` stores down as Q4_K in layer 0 and Q6_K in layers 2, 3 (use_more_bits); with
-MoE layers 2, 3 only, every MoE layer has a Q6_K down (what the tiers take: one format per param).
+quantize --type Q4_K_M` stores down as Q4_K in layer 0 and Q6_K in layers 2, 3 (use_more_bits: formats
+vary by layer); with MoE layers 2, 3 only, every MoE layer has a Q6_K down (one format per param).
 The C kernels sum in another order than F.linear: logits within TOL, greedy tokens identical.
 """
 import pytest
@@ -13,7 +13,6 @@ from test_gguf import build_qwen3_moe
 
 from moetier.commands.quantize import quantize
 from moetier.config import EngineConfig
-from moetier.errors import UserError
 from moetier.kernels import cpu, ops
 from moetier.models.layers import DenseExperts, swiglu
 from moetier.models.quant_experts import QuantExperts
@@ -115,9 +114,28 @@ def test_kernel_weights_give_both_formats(uniform_mix):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_tiers_refuse_a_down_format_that_varies_by_layer(per_layer_mix):
-    with pytest.raises(UserError, match="Q6_K"):
-        engine(per_layer_mix, ram_mem=1 << 30)
+def test_tiers_with_a_down_format_that_varies_by_layer(per_layer_mix):
+    """Layer 0's down Q4_K, layers 2, 3's Q6_K: per-layer specs, every slot with planes of both formats."""
+    deq = engine(per_layer_mix, dequantize_experts=True)
+    eng = engine(per_layer_mix, ram_mem=1 << 30)
+    lay = eng.tiers.layout
+    assert lay.varies_by_layer and [lay.layer_qtypes(li) for li in range(3)] == [("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"),
+                                                                                 ("Q4_K", "Q6_K")]
+    with pytest.raises(ValueError, match="vary by layer"):
+        lay.unpack(eng.tiers.bank.slots[0])
+    compare(eng.model, deq.model)
+    fb = lay.fast_bytes(torch.float32)
+    for kw in (dict(gpu_mem=7 * fb, ram_mem=1 << 30, prefill_copy_tokens=2), dict(gpu_mem=1 << 30, ram_mem=1 << 30),
+               dict(gpu_mem=1 << 30, ram_mem=1 << 30, n_cpu_moe=3)):
+        eng = engine(per_layer_mix, **kw)
+        compare(eng.model, deq.model)
+        eng.tiers.cache.check()
+        c = eng.memory_stats()["cumulative"]
+        if "prefill_copy_tokens" in kw:     # hits, CPU misses, admissions and staged prefill experts
+            assert min(c["hits"]["gpu"], c["hits"]["ram"], c["admissions"], c["staged_prefill_experts"]) > 0
+    fmts = [eng.tiers.fast.kernel_weights(li)[0] for li in range(3)]
+    assert fmts == ["Q4_K", ("Q4_K", "Q6_K"), ("Q4_K", "Q6_K")]
+
 
 
 @pytest.mark.parametrize("fmts", [("Q4_K", "Q6_K"), ("Q4_K", "Q5_K"), ("Q8_0", "Q6_K")])

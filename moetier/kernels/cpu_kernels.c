@@ -15,7 +15,7 @@
 #endif
 
 /* SIMD vocabulary: VW float lanes; vbytes_*(p) widens VW bytes at p to int32 lanes;
- * vlo4f / vhi4f: the low / high nibble of each such lane as a float; vq56f: K-quant 5/6-bit values. */
+ * vlo4f / vhi4f: the low / high nibble of each such lane as a float; vq5f / vq6f: Q5_K / Q6_K values. */
 #if defined(__AVX512F__) && defined(__F16C__)
 #define VW 16
 typedef __m512 vf;
@@ -36,12 +36,18 @@ static inline vf vnib(vi idx) {
 }
 static inline vf vlo4f(vi v) { return vnib(v); }
 static inline vf vhi4f(vi v) { return vnib(_mm512_srli_epi32(v, 4)); }
-/* K-quant 5/6-bit values: ((lo >> ls) & 15 | ((hi >> hs) & hm) << 4) - off as floats */
-static inline vf vq56f(vi lo, int ls, vi hi, int hs, int hm, int off) {
-    vi q = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(lo, _mm_cvtsi32_si128(ls)), _mm512_set1_epi32(15)),
-                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(hi, _mm_cvtsi32_si128(hs)),
-                                                              _mm512_set1_epi32(hm)), 4));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(off)));
+/* K-quant values as floats: vq6f = ((lo >> ls) & 15 | ((hi >> hs) & 3) << 4) - 32 (Q6_K), vq5f =
+ * (lo >> ls) & 15 | ((hi >> hs) & 1) << 4 (Q5_K); ls 0 or 4. Each part through a 16-entry permute
+ * (the nibble, and a table of 16 (high bits) - offset), as vnib: fewer uops than integer and/or/shift. */
+static inline vf vq6f(vi lo, int ls, vi hi, int hs) {
+    const vf t = _mm512_setr_ps(-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16);
+    return _mm512_add_ps(ls ? vhi4f(lo) : vlo4f(lo),
+                         _mm512_permutexvar_ps(hs ? _mm512_srl_epi32(hi, _mm_cvtsi32_si128(hs)) : hi, t));
+}
+static inline vf vq5f(vi lo, int ls, vi hi, int hs) {
+    const vf t = _mm512_setr_ps(0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16);
+    return _mm512_add_ps(ls ? vhi4f(lo) : vlo4f(lo),
+                         _mm512_permutexvar_ps(hs ? _mm512_srl_epi32(hi, _mm_cvtsi32_si128(hs)) : hi, t));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define VW 8
@@ -68,6 +74,8 @@ static inline vf vq56f(vi lo, int ls, vi hi, int hs, int hm, int off) {
                                                               _mm256_set1_epi32(hm)), 4));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(off)));
 }
+static inline vf vq6f(vi lo, int ls, vi hi, int hs) { return vq56f(lo, ls, hi, hs, 3, 32); }
+static inline vf vq5f(vi lo, int ls, vi hi, int hs) { return vq56f(lo, ls, hi, hs, 1, 0); }
 #endif
 
 static inline float fp16_to_f32(const uint8_t *p) {
@@ -251,8 +259,8 @@ static float row_q5_k(const uint8_t *w, const float *x, const float *xs, int64_t
             vf s0 = vzero(), s1 = vzero();
             for (int j = 0; j < 32; j += VW) {
                 vi q = vbytes_u8(qs + j), h = vbytes_u8(qh + j);
-                s0 = vfma(vq56f(q, 0, h, 2 * c, 1, 0), vload(x0 + j), s0);
-                s1 = vfma(vq56f(q, 4, h, 2 * c + 1, 1, 0), vload(x1 + j), s1);
+                s0 = vfma(vq5f(q, 0, h, 2 * c), vload(x0 + j), s0);
+                s1 = vfma(vq5f(q, 4, h, 2 * c + 1), vload(x1 + j), s1);
             }
             acc = vfma(vset1(d * sc[2 * c]), s0, acc);
             acc = vfma(vset1(d * sc[2 * c + 1]), s1, acc);
@@ -296,10 +304,10 @@ static float row_q6_k(const uint8_t *w, const float *x, int64_t nsb) {
                 vf s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
                 for (int l = l0; l < l0 + 16; l += VW) {
                     vi a = vbytes_u8(ql + l), b2 = vbytes_u8(ql + 32 + l), hb = vbytes_u8(qh + l);
-                    s0 = vfma(vq56f(a, 0, hb, 0, 3, 32), vload(xh + l), s0);
-                    s1 = vfma(vq56f(b2, 0, hb, 2, 3, 32), vload(xh + 32 + l), s1);
-                    s2 = vfma(vq56f(a, 4, hb, 4, 3, 32), vload(xh + 64 + l), s2);
-                    s3 = vfma(vq56f(b2, 4, hb, 6, 3, 32), vload(xh + 96 + l), s3);
+                    s0 = vfma(vq6f(a, 0, hb, 0), vload(xh + l), s0);
+                    s1 = vfma(vq6f(b2, 0, hb, 2), vload(xh + 32 + l), s1);
+                    s2 = vfma(vq6f(a, 4, hb, 4), vload(xh + 64 + l), s2);
+                    s3 = vfma(vq6f(b2, 4, hb, 6), vload(xh + 96 + l), s3);
                 }
                 const int8_t *sg = sc + 8 * h + l0 / 16;  /* group g's scale: sg[2 g] */
                 acc = vfma(vset1(d * sg[0]), s0, acc);

@@ -10,7 +10,8 @@
  * activation, rows of down, summed over the missed experts with their routing weights), thread 0
  * raises done. No Python, no GIL (ctypes releases it) between the replay and the logits.
  * Expert weights are read where they live in the RAM bank: pointer tables [L * E]. gate_up is of
- * type `qtype`, down of `dn_qtype` (they differ in llama.cpp's Q4_K_M: Q4_K and Q6_K).
+ * type `qtype`, down of `dn_qtype` (they differ in llama.cpp's Q4_K_M: Q4_K and Q6_K), or per layer
+ * `layer_types` [L, 2] with `layer_row_bytes` [L, 2] (Q4_K_M's down is Q6_K in some layers only).
  */
 #include "cpu_kernels.c"
 #include <math.h>
@@ -111,7 +112,17 @@ typedef struct {
     double *timing;                       /* out: [0] compute s, [1] wait-for-bell s, [2] misses */
     int32_t q8_act;                       /* Q4_0 / Q8_0: int8 activations, integer dot products */
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
+    const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
+    const int64_t *layer_row_bytes;       /* [L, 2] gate_up, down row bytes per layer; NULL: the above */
 } serve_ctx;
+
+static int is_quant(int qtype) { return qtype != F32 && qtype != BF16 && qtype != F16; }
+static int layer_type(const serve_ctx *c, int li, int proj) {
+    return c->layer_types ? c->layer_types[2 * li + proj] : proj ? c->dn_qtype : c->qtype;
+}
+static int64_t layer_row_bytes(const serve_ctx *c, int li, int proj) {
+    return c->layer_row_bytes ? c->layer_row_bytes[2 * li + proj] : proj ? c->dn_row_bytes : c->gu_row_bytes;
+}
 
 static double now_s(void) {
     struct timespec t;
@@ -228,15 +239,16 @@ static int wait_bell(const serve_ctx *c, int li, int64_t seq, double t_start) {
  * (timeout), -100 - li if a missed expert has no RAM pointer, -200 on bad arguments. */
 int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     const int L = c->L, D = c->D, I = c->I, k = c->k;
-    const int gq = c->qtype, dq = c->dn_qtype;
-    if (k > MAX_K || k < 1 || !moetier_serve_supported(gq) || !moetier_serve_supported(dq)) return -200;
-    const int gquant = gq != F32 && gq != BF16 && gq != F16, dquant = dq != F32 && dq != BF16 && dq != F16;
-    if ((gquant && D % block_elems(gq)) || (dquant && I % block_elems(dq))) return -200;
+    if (k > MAX_K || k < 1) return -200;
+    for (int li = 0; li < L; li++) {
+        const int gq = layer_type(c, li, 0), dq = layer_type(c, li, 1);
+        if (!moetier_serve_supported(gq) || !moetier_serve_supported(dq)) return -200;
+        if ((is_quant(gq) && D % block_elems(gq)) || (is_quant(dq) && I % block_elems(dq))) return -200;
+    }
     float *hpre = c->scratch;                       /* [k, 2I] */
     float *h = hpre + (int64_t)k * 2 * I;           /* [k, I] */
     float *xs = h + (int64_t)k * I;                 /* [D / 32] */
     float *hs = xs + D / 32 + 16;                   /* [k, I / 32] */
-    const int q8g = c->q8_act && q8_ok(gq), q8d = c->q8_act && q8_ok(dq);   /* per projection */
     float *dx = hs + (int64_t)k * (I / 32) + 16;    /* q8: x scales [D / 32], h scales [k, I / 32] */
     float *dh = dx + D / 32;
     int32_t *sxv = (int32_t *)(dh + (int64_t)k * (I / 32));   /* sums [D / 32], [k, I / 32] */
@@ -252,6 +264,10 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     {
         const int tid = omp_get_thread_num();
         for (int li = 0; li < L; li++) {
+            const int gq = layer_type(c, li, 0), dq = layer_type(c, li, 1);    /* per projection */
+            const int gquant = is_quant(gq), dquant = is_quant(dq);
+            const int q8g = c->q8_act && q8_ok(gq), q8d = c->q8_act && q8_ok(dq);
+            const int64_t gu_rb = layer_row_bytes(c, li, 0), dn_rb = layer_row_bytes(c, li, 1);
             if (tid == 0) {
                 double tw = now_s();
                 if (wait_bell(c, li, seq, t0)) {
@@ -287,7 +303,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             #pragma omp for schedule(dynamic, 16)
             for (int64_t r = 0; r < (int64_t)m * 2 * I; r++) {
                 int64_t j = r / (2 * I), row = r % (2 * I);
-                hpre[r] = act_row(gq, q8g, gu[miss_e[li][j]] + row * c->gu_row_bytes, ax, D);
+                hpre[r] = act_row(gq, q8g, gu[miss_e[li][j]] + row * gu_rb, ax, D);
             }
             #pragma omp for schedule(static)
             for (int j = 0; j < m; j++) {
@@ -306,7 +322,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 for (int j = 0; j < m; j++) {
                     const act_vec ah = {h + (int64_t)j * I, hs + (int64_t)j * (I / 32), qhv + (int64_t)j * I,
                                         dh + (int64_t)j * (I / 32), shv + (int64_t)j * (I / 32)};
-                    s += miss_w[li][j] * act_row(dq, q8d, dn[miss_e[li][j]] + d * c->dn_row_bytes, ah, I);
+                    s += miss_w[li][j] * act_row(dq, q8d, dn[miss_e[li][j]] + d * dn_rb, ah, I);
                 }
                 y[d] = s;
             }

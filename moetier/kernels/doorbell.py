@@ -154,7 +154,7 @@ class _Ctx(ctypes.Structure):
         ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bell", ctypes.c_void_p), ("done", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("w", ctypes.c_void_p),
         ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32),
-        ("dn_qtype", ctypes.c_int32)]
+        ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p)]
 
 
 def library() -> ctypes.CDLL:
@@ -177,7 +177,8 @@ class MissServer:
 
     gate_up / down: [L][E] CPU tensors (rows contiguous) or None where an expert is not in RAM;
     qtype_id: GGML type id of the weights (0 f32, 1 f16, 30 bf16, 8 Q8_0, 2 Q4_0, 12 Q4_K, 13 Q5_K,
-    14 Q6_K), or (gate_up id, down id) when they differ (Q4_K_M: (12, 14)); act: ops.Act. q8_act: Q4_0 / Q8_0 weights meet int8 activations (one scale per 32 values, as
+    14 Q6_K), or (gate_up id, down id) when they differ (Q4_K_M: (12, 14)), or a list of L such
+    pairs when they vary by layer (Q4_K_M's down: Q6_K in some layers); act: ops.Act. q8_act: Q4_0 / Q8_0 weights meet int8 activations (one scale per 32 values, as
     llama.cpp does) in integer dot products; otherwise float32 activations."""
 
     def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,
@@ -185,10 +186,20 @@ class MissServer:
         n_layers, n_exp = len(gate_up), len(gate_up[0])
         k = req.ids.shape[1]
         self.req, self.lib = req, library()
-        gu_id, dn_id = qtype_id if isinstance(qtype_id, (tuple, list)) else (qtype_id, qtype_id)
-        for tid in (gu_id, dn_id):
+        per_layer = isinstance(qtype_id, list)
+        pairs = qtype_id if per_layer else [qtype_id if isinstance(qtype_id, tuple) else (qtype_id, qtype_id)]
+        for tid in {t for pair in pairs for t in pair}:
             if not self.lib.moetier_serve_supported(tid):
                 raise ValueError(f"no CPU kernel for GGML type {tid}")
+        gu_id, dn_id = pairs[0]
+        self._types = self._row_bytes = None
+        if per_layer:           # [L, 2] types and row bytes of each layer (from its first expert in RAM)
+            def row_bytes(row):
+                t = next((t for t in row if t is not None), None)
+                return 0 if t is None else t.stride(0) * t.element_size()
+            self._types = torch.tensor(pairs, dtype=torch.int32)
+            self._row_bytes = torch.tensor([[row_bytes(g), row_bytes(d)] for g, d in zip(gate_up, down)],
+                                           dtype=torch.int64)
         self._gu = (ctypes.c_void_p * (n_layers * n_exp))(
             *[0 if t is None else t.data_ptr() for row in gate_up for t in row])
         self._dn = (ctypes.c_void_p * (n_layers * n_exp))(
@@ -205,7 +216,9 @@ class MissServer:
                         ctypes.cast(self._gu, ctypes.c_void_p), ctypes.cast(self._dn, ctypes.c_void_p),
                         req.bell.data_ptr(), req.done.data_ptr(), req.x.data_ptr(), req.ids.data_ptr(),
                         req.slots.data_ptr(), req.w.data_ptr(), req.y.data_ptr(), self.scratch.data_ptr(),
-                        self.timing.data_ptr(), int(q8_act), dn_id)
+                        self.timing.data_ptr(), int(q8_act), dn_id,
+                        None if self._types is None else self._types.data_ptr(),
+                        None if self._row_bytes is None else self._row_bytes.data_ptr())
 
     def serve(self, seq: int) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed)."""

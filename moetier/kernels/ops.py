@@ -114,8 +114,10 @@ def _triton_importable() -> bool:
 
 
 def _use_triton(x: torch.Tensor, fmt: str, act: Act | None, down_fmt: str | None = None) -> bool:
+    down_fmt = down_fmt or fmt          # float with GGML (one projection each): the twin only
     return (backend() == "triton" and (x.is_cuda or _interpret) and fmt in KERNEL_FORMATS
-            and (down_fmt or fmt) in KERNEL_FORMATS and act is not None and x.numel() > 0)
+            and down_fmt in KERNEL_FORMATS and (fmt == "dense") == (down_fmt == "dense")
+            and act is not None and x.numel() > 0)
 
 
 def kernel_available(x: torch.Tensor, act="swiglu", fmt="bf16", down_fmt=None) -> bool:

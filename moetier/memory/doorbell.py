@@ -54,18 +54,20 @@ def unavailable(tiers, act) -> str | None:
     return None
 
 
-def _qtype_id(layout) -> tuple[int, int] | None:
-    """(gate_up, down) GGML type ids for the C server, None when it has no kernel for one of them."""
+def _qtype_id(layout) -> tuple[int, int] | list[tuple[int, int]] | None:
+    """(gate_up, down) GGML type ids for the C server, or one such pair per layer when the formats
+    vary by layer (Q4_K_M); None when it has no kernel for one of them."""
     from ..kernels import doorbell
-    spec = {p.name: p for p in layout.params}
-    ids = []
-    for name in ("gate_up_proj", "down_proj"):
-        if spec[name].qtype is None:
-            ids.append(doorbell.GGML_IDS.get(spec[name].dtype))
-        else:
-            from ..quant.formats import get_format
-            ids.append(get_format(spec[name].qtype).type_id)
-    return tuple(ids) if all(t is not None and doorbell.serve_supported(t) for t in ids) else None
+    from ..quant.formats import get_format
+    pairs = []
+    for li in range(layout.num_layers) if layout.varies_by_layer else [None]:
+        spec = {p.name: p for p in layout.specs(li)}
+        ids = tuple(doorbell.GGML_IDS.get(spec[n].dtype) if spec[n].qtype is None else get_format(spec[n].qtype).type_id
+                    for n in ("gate_up_proj", "down_proj"))
+        if not all(t is not None and doorbell.serve_supported(t) for t in ids):
+            return None
+        pairs.append(ids)
+    return pairs if layout.varies_by_layer else pairs[0]
 
 
 class GraphTiers:
@@ -97,15 +99,15 @@ class GraphTiers:
         dn = [[None] * self.E for _ in range(self.L)]
         for li in range(self.L):
             for e in np.flatnonzero(t.bank.where[li] >= 0).tolist():
-                w = lay.unpack(t.bank.slots[int(t.bank.where[li, e])])
+                w = lay.unpack(t.bank.slots[int(t.bank.where[li, e])], li)
                 gu[li][e], dn[li][e] = w["gate_up_proj"], w["down_proj"]
         self.server = self._db.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act,
                                           self.threads)
 
-    def weights(self):
+    def weights(self, li: int):
         fast = self.tiers.fast
         if hasattr(fast, "kernel_weights"):
-            return fast.kernel_weights()
+            return fast.kernel_weights(li)
         return "dense", fast.arena["gate_up_proj"], fast.arena["down_proj"]
 
     # ------------------------------------------------------------------ inside the graph
@@ -113,7 +115,7 @@ class GraphTiers:
         k = ids.shape[1]
         if k != self.k:
             raise ValueError(f"the router picked {k} experts per token, the doorbell buffers hold {self.k}")
-        fmt, gu, dn = self.weights()
+        fmt, gu, dn = self.weights(li)
         slots = self.slots[li]
         self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0)
         hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt)
@@ -214,7 +216,8 @@ class GraphTiers:
         after = torch.cuda.Event()
         after.record()
         slots = list(placed)
-        fast.load_many(slots, [bank.slots[int(bank.where[li, e])] for li, e in placed.values()], after)
+        fast.load_many(slots, [bank.slots[int(bank.where[li, e])] for li, e in placed.values()], after,
+                       [li for li, _ in placed.values()])
         with torch.cuda.stream(fast.copy_stream):
             li_t, e_t, s_t = _to_device([(li, e, s) for s, (li, e) in placed.items()], dev)
             c.table.index_put_((li_t, e_t), s_t.to(c.table.dtype))

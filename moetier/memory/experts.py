@@ -135,7 +135,7 @@ class Tiers:
         staged = {e for e, _, n in misses if self.copy_tokens and n >= self.copy_tokens and not decode}
         host = self._rows_to_host(xs, [(a, n) for e, a, n in misses if e not in staged])
         base = int(self.cache.base[li])
-        self.fast.run(hits, xs, ys, act, (base, self.cache.sizes[li]))   # async on CUDA
+        self.fast.run(hits, xs, ys, act, (base, self.cache.sizes[li]), li)   # async on CUDA
         for _, _, n in hits:
             self.stats.served(li, "gpu", n)
         if misses:
@@ -173,15 +173,15 @@ class Tiers:
                 batch.append((buf, a, n, handle))
                 self.stats.served(li, tier, n)
                 if len(batch) == len(self.fast.stage):
-                    self._run_batch(batch, xs, ys, act)
+                    self._run_batch(li, batch, xs, ys, act)
                 continue
             if e in staged:
-                y, ev = self.fast.run_staged(buf, xs[a:a + n], act)
+                y, ev = self.fast.run_staged(buf, xs[a:a + n], act, li)
                 ys[a:a + n] = y
                 self.stats.staged[self.stats.phase] += 1
             else:
                 t0 = time.perf_counter()
-                wts, q = self._cpu_weights(buf), self.layout.qtypes    # q: GGML blocks -> CPU kernels
+                wts, q = self._cpu_weights(buf, li), self.layout.layer_qtypes(li)   # q: GGML blocks -> CPU kernels
                 if host is None:
                     ys[a:a + n] = expert_math(wts, xs[a:a + n], act, q)
                 else:
@@ -195,28 +195,28 @@ class Tiers:
                     ev = self.fast.load(adm[0], buf, li)
             if ev is not None:
                 self.bank.mark_busy(handle, ev)
-        self._run_batch(batch, xs, ys, act)
+        self._run_batch(li, batch, xs, ys, act)
         self.stats.wait_s[self.stats.phase] += self.bank.stats["wait_s"] - wait0
         if host is not None:   # the pinned y rows are rewritten only after the next layer's sync
             idx, _, y_host, _ = host
             ys.index_copy_(0, idx, y_host.to(ys.device, non_blocking=True).to(ys.dtype))
 
-    def _run_batch(self, batch: list, xs, ys, act) -> None:
-        """Staged prefill experts, one copy batch and one grouped computation (emptied in place)."""
+    def _run_batch(self, li: int, batch: list, xs, ys, act) -> None:
+        """Staged prefill experts of layer li, one copy batch and one grouped computation (emptied in place)."""
         if not batch:
             return
-        ev = self.fast.run_staged_many([(buf, a, n) for buf, a, n, _ in batch], xs, ys, act)
+        ev = self.fast.run_staged_many([(buf, a, n) for buf, a, n, _ in batch], xs, ys, act, li)
         self.stats.staged[self.stats.phase] += len(batch)
         if ev is not None:
             for *_, handle in batch:
                 self.bank.mark_busy(handle, ev)
         batch.clear()
 
-    def _cpu_weights(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _cpu_weights(self, buf: torch.Tensor, li: int) -> dict[str, torch.Tensor]:
         """The expert in the CPU compute dtype: views of the RAM buffer when the dtypes agree, else
         converted into one preallocated buffer (no allocation per miss: glibc would keep the freed
         memory and RSS would creep past the budget). GGML experts: views of the raw blocks."""
-        src = self.layout.unpack(buf)
+        src = self.layout.unpack(buf, li)
         if self.layout.qtype or all(v.dtype == self.cpu_dtype for v in src.values()):
             return src
         if self._conv is None:

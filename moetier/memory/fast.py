@@ -9,8 +9,10 @@ still read its slot, and a layer's next call waits for the copies into its slots
 GGML experts (layout.qtype "Q4_0" ...) stay quantized: a param's arena is the dict of planes
 quant.repack makes ([slots + stage, rows, ...] each); `load` copies the raw blocks to the device
 and repacks them there, and hits run through kernels.ops.moe (Triton on CUDA, the torch twin
-elsewhere). `kernel_weights()` hands the whole arena to kernels in that form. gate_up and down
-may be in different formats (layout.qtypes): each param's planes are its own format's.
+elsewhere). `kernel_weights(li)` hands the whole arena to kernels in that form. gate_up and down
+may be in different formats (layout.layer_qtypes), and a param's format may vary by layer (Q4_K_M's
+down): then every slot has planes of each of its formats (`planes[(name, qtype)]`), and the methods
+that read or write a slot take the layer whose expert it holds.
 """
 from __future__ import annotations
 
@@ -101,8 +103,12 @@ class FastTier:
         self.layout, self.device, self.dtype = layout, device, dtype
         self.n_slots = n_slots
         self.cuda = device.startswith("cuda")
-        self.qtype = layout.qtype           # GGML format of the experts, None for float
-        self.arena = {p.name: self._alloc(p, n_slots + n_stage) for p in layout.params}
+        self.qtype = layout.qtype           # GGML format of the experts (layer 0's gate_up), None for float
+        # GGML params: (name, qtype) -> planes, one entry per format the param has in some layer
+        self.planes = {(v.name, v.qtype): self._alloc(v, n_slots + n_stage)
+                       for p in layout.params if p.qtype for v in layout.param_variants(p.name)}
+        self.arena = {p.name: self.planes[(p.name, p.qtype)] if p.qtype else self._alloc(p, n_slots + n_stage)
+                      for p in layout.params}     # layer 0's formats
         self._staging = None                # CUDA, GGML experts: one raw expert on the device
         self.stage = list(range(n_slots, n_slots + n_stage))
         self._next_stage = 0
@@ -124,7 +130,8 @@ class FastTier:
                 for k, t in one.items()}
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [x for t in self.arena.values() for x in (t.values() if isinstance(t, dict) else [t])]
+        ts = [t for t in self.arena.values() if not isinstance(t, dict)]
+        return ts + [x for ps in self.planes.values() for x in ps.values()]
 
     @property
     def nbytes(self) -> int:
@@ -134,42 +141,45 @@ class FastTier:
         return {n: {k: v[slot] for k, v in t.items()} if isinstance(t, dict) else t[slot]
                 for n, t in self.arena.items()}
 
-    def kernel_weights(self) -> tuple[str, object, object]:
+    def kernel_weights(self, li: int | None = None) -> tuple[str, object, object]:
         """(fmt, gate_up, down) of every slot (stage slots last) as kernels.ops.moe / moe_decode take
         them, with slot ids from cache.table: float experts fmt "dense" and the arena tensors
         [S, 2I, D] / [S, D, I]; GGML experts the format name ("Q4_0"), or (gate_up format, down
         format) when they differ (Q4_K_M: ("Q4_K", "Q6_K"); kernels.ops takes either), and the dicts
-        of repack planes [S, rows, ...]. No copies: the kernels read the live arena (biases:
-        kernel_biases())."""
-        q = self.layout.qtypes
-        fmt = "dense" if q is None else q[0] if q[0] == q[1] else q
-        return fmt, self.arena["gate_up_proj"], self.arena["down_proj"]
+        of repack planes [S, rows, ...], of layer li's formats. No copies: the kernels read the live
+        arena (biases: kernel_biases())."""
+        q = self.layout.layer_qtypes(li)
+        if q is None:
+            return "dense", self.arena["gate_up_proj"], self.arena["down_proj"]
+        return q[0] if q[0] == q[1] else q, self.planes[("gate_up_proj", q[0])], self.planes[("down_proj", q[1])]
 
     def kernel_biases(self) -> tuple | None:
         """None, or (gate_up_bias [S, 2I] | None, down_bias [S, D] | None) for kernels.ops."""
         b = (self.arena.get("gate_up_bias"), self.arena.get("down_bias"))
         return None if b == (None, None) else b
 
-    def _put(self, slot: int, src: dict[str, torch.Tensor]) -> None:
-        """Write one expert (layout.unpack views, on the arena's device) into `slot`; GGML params
-        are repacked (plain torch indexing: on CUDA it runs on the GPU, on the current stream)."""
-        for p in self.layout.params:
-            dst, t = self.arena[p.name], src[p.name]
+    def _put(self, slot: int, src: dict[str, torch.Tensor], li: int | None = None) -> None:
+        """Write one expert of layer li (layout.unpack views, on the arena's device) into `slot`; GGML
+        params are repacked (plain torch indexing: on CUDA it runs on the GPU, on the current stream)."""
+        for p in self.layout.specs(li):
+            t = src[p.name]
             if p.qtype is None:
-                dst[slot].copy_(t)
+                self.arena[p.name][slot].copy_(t)
                 continue
+            dst = self.planes[(p.name, p.qtype)]
             for k, plane in repack(p.qtype, t[None]).items():
                 dst[k][slot].copy_(plane[0])
 
     # ------------------------------------------------------------------ copies
     def load(self, slot: int, buf: torch.Tensor, li: int | None = None, after=None):
         """Fill `slot` from a RAM buffer (uint8, storage layout). -> CUDA event when the copy is done
-        (the buffer must stay untouched until then), None on the CPU (done on return)."""
-        src = self.layout.unpack(buf)
+        (the buffer must stay untouched until then), None on the CPU (done on return). li: the layer
+        of the expert (needed when formats vary by layer)."""
+        src = self.layout.unpack(buf, li)
         timer = self.copy_timer[self.phase]
         tok = timer.start() if not self.cuda else None
         if not self.cuda:
-            self._put(slot, src)
+            self._put(slot, src, li)
             timer.stop(tok)
             ev = None
         else:
@@ -188,7 +198,7 @@ class FastTier:
                     if self._staging is None:
                         self._staging = torch.empty(8, self.layout.expert_bytes, dtype=torch.uint8, device=self.device)
                     self._staging[0].copy_(buf[:self.layout.expert_bytes], non_blocking=True)
-                    self._put(slot, self.layout.unpack(self._staging[0]))
+                    self._put(slot, self.layout.unpack(self._staging[0], li), li)
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record(self.copy_stream)
             timer.events.append((t0, ev))
@@ -197,9 +207,10 @@ class FastTier:
         self.bytes_copied[self.phase] += self.layout.raw_bytes
         return ev
 
-    def load_many(self, slots: list[int], bufs: list[torch.Tensor], after) -> object:
+    def load_many(self, slots: list[int], bufs: list[torch.Tensor], after, layers: list[int] | None = None) -> object:
         """CUDA: fill several slots on the copy stream after event `after`, GGML experts repacked in
-        one batch (a handful of launches however many experts). -> event when all are done."""
+        one batch per layer format (a handful of launches however many experts). layers: the layer
+        of each expert (needed when formats vary by layer). -> event when all are done."""
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(after)
             t0 = torch.cuda.Event(enable_timing=True)
@@ -215,20 +226,34 @@ class FastTier:
                                                 device=self.device)
                 for i, buf in enumerate(bufs):
                     self._staging[i].copy_(buf[:self.layout.expert_bytes], non_blocking=True)
-                idx = _to(torch.tensor(slots, dtype=torch.long), self.device)
-                for p in self.layout.params:
-                    raw = self._staging[:n, p.offset:p.offset + p.nbytes].view(n, *p.shape)
-                    dst = self.arena[p.name]
-                    if p.qtype is None:
-                        dst.index_copy_(0, idx, raw.view(p.dtype).view(n, *p.shape).to(dst.dtype))
-                        continue
-                    for k, plane in repack(p.qtype, raw).items():
-                        dst[k].index_copy_(0, idx, plane)
+                groups: dict = {}       # layer specs -> rows of the staging buffer
+                for i, li in enumerate(layers if self.layout.varies_by_layer else [None] * n):
+                    groups.setdefault(id(self.layout.specs(li)), (self.layout.specs(li), []))[1].append(i)
+                for specs, rows in groups.values():
+                    self._put_many(specs, rows, [slots[i] for i in rows])
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(self.copy_stream)
         self.copy_timer[self.phase].events.append((t0, ev))
         self.bytes_copied[self.phase] += self.layout.raw_bytes * len(slots)
         return ev
+
+    def _put_many(self, specs: list[ParamSpec], rows: list[int], slots: list[int]) -> None:
+        """Staging rows (experts laid out as `specs`) -> `slots`, GGML params repacked in one batch."""
+        n = len(rows)
+        if rows == list(range(n)):
+            src = self._staging[:n]
+        else:
+            src = self._staging[_to(torch.tensor(rows, dtype=torch.long), self.device)]
+        idx = _to(torch.tensor(slots, dtype=torch.long), self.device)
+        for p in specs:
+            raw = src[:, p.offset:p.offset + p.nbytes].view(n, *p.shape)
+            if p.qtype is None:
+                dst = self.arena[p.name]
+                dst.index_copy_(0, idx, raw.view(p.dtype).view(n, *p.shape).to(dst.dtype))
+                continue
+            dst = self.planes[(p.name, p.qtype)]
+            for k, plane in repack(p.qtype, raw).items():
+                dst[k].index_copy_(0, idx, plane)
 
     def wait(self, li: int) -> None:
         """Before layer li reads its slots: wait for copies into them (CUDA)."""
@@ -241,18 +266,19 @@ class FastTier:
         self._next_stage += 1
         return s
 
-    def run_staged(self, buf: torch.Tensor, x: torch.Tensor, act: Callable) -> tuple[torch.Tensor, object]:
-        """Prefill: copy one expert into a stage slot and run it there. -> (y, copy event)."""
+    def run_staged(self, buf: torch.Tensor, x: torch.Tensor, act: Callable,
+                   li: int | None = None) -> tuple[torch.Tensor, object]:
+        """Prefill: copy one expert (of layer li) into a stage slot and run it there. -> (y, copy event)."""
         s = self.stage_slot()
-        ev = self.load(s, buf, after=self.stage_free.get(s))
+        ev = self.load(s, buf, after=self.stage_free.get(s), li=li)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
         if self.qtype is not None and self._dequant_ok(x, DEQUANT_ROWS):
-            gu, dn = self.dequantized([s], x.dtype)
+            gu, dn = self.dequantized([s], x.dtype, li)
             y = expert_math({"gate_up_proj": gu[0], "down_proj": dn[0]}, x, act)
         elif self.qtype is not None:
             y = torch.empty_like(x)
-            self._run_kernel([(s, 0, x.shape[0])], x, y, act)
+            self._run_kernel([(s, 0, x.shape[0])], x, y, act, li)
         else:
             y = expert_math(self.weights(s), x, act)
         if self.cuda:
@@ -262,7 +288,7 @@ class FastTier:
         return y, ev
 
     def run_staged_many(self, items: list[tuple[torch.Tensor, int, int]], xs: torch.Tensor, ys: torch.Tensor,
-                        act: Callable):
+                        act: Callable, li: int | None = None):
         """Prefill: up to len(self.stage) experts [(RAM buffer, row start, rows)] copied into the stage
         slots as one batch and run together (rows of xs -> ys), as the hits are. -> the copy event
         (CUDA: the buffers must stay untouched until it) or None."""
@@ -270,28 +296,28 @@ class FastTier:
         hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
         if not self.cuda:
             for s, (buf, _, _) in zip(slots, items):
-                self._put(s, self.layout.unpack(buf))
-            self.run(hits, xs, ys, act)
+                self._put(s, self.layout.unpack(buf, li), li)
+            self.run(hits, xs, ys, act, li=li)
             return None
         after = torch.cuda.Event()
         after.record()              # earlier computes on the stage slots are queued before this point
-        ev = self.load_many(slots, [buf for buf, _, _ in items], after)
+        ev = self.load_many(slots, [buf for buf, _, _ in items], after, [li] * len(items))
         torch.cuda.current_stream(self.device).wait_event(ev)
-        self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)))
+        self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
         return ev
 
     # ------------------------------------------------------------------ hits
     def run(self, hits: list[tuple[int, int, int]], xs: torch.Tensor, ys: torch.Tensor, act: Callable,
-            slot_range: tuple[int, int] | None = None) -> None:
-        """hits [(slot, row start, rows)] of xs (rows sorted by expert) -> ys rows."""
+            slot_range: tuple[int, int] | None = None, li: int | None = None) -> None:
+        """hits [(slot, row start, rows)] of xs (rows sorted by expert; experts of layer li) -> ys rows."""
         if not hits:
             return
         timer = self.compute_timer[self.phase]
         tok = timer.start()
         if self.qtype is not None and self._dequant_ok(xs, sum(n for _, _, n in hits)):
-            self._run_dequant(hits, xs, ys, act)
+            self._run_dequant(hits, xs, ys, act, li)
         elif self.qtype is not None:
-            self._run_kernel(hits, xs, ys, act)
+            self._run_kernel(hits, xs, ys, act, li)
         elif self.grouped and slot_range is not None and len(hits) > 1:
             self._run_grouped(hits, xs, ys, act, slot_range)
         else:
@@ -314,35 +340,35 @@ class FastTier:
         return (self.cuda and rows >= DEQUANT_ROWS and xs.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                 and self.kernel_biases() is None)
 
-    def dequantized(self, slots: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """GGML experts of `slots` as float weights: gate_up [n, 2I, D], down [n, D, I] in `dtype`
-        (DEQUANT_GROUP at a time, which bounds the float32 temporary)."""
-        spec = {p.name: p for p in self.layout.params}
+    def dequantized(self, slots: list[int], dtype: torch.dtype, li: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """GGML experts (of layer li) of `slots` as float weights: gate_up [n, 2I, D], down [n, D, I] in
+        `dtype` (DEQUANT_GROUP at a time, which bounds the float32 temporary)."""
+        spec = {p.name: p for p in self.layout.specs(li)}
         out = []
         idx = _to(torch.tensor(slots, dtype=torch.long), self.device)
         for name in ("gate_up_proj", "down_proj"):
             w = torch.empty(len(slots), *spec[name].logical_shape, dtype=dtype, device=self.device)
             for a in range(0, len(slots), DEQUANT_GROUP):
                 part = idx[a:a + DEQUANT_GROUP]
-                w[a:a + DEQUANT_GROUP] = dequantize_repacked(spec[name].qtype,
-                                                             {k: v[part] for k, v in self.arena[name].items()})
+                planes = self.planes[(name, spec[name].qtype)]
+                w[a:a + DEQUANT_GROUP] = dequantize_repacked(spec[name].qtype, {k: v[part] for k, v in planes.items()})
             out.append(w)
         return out[0], out[1]
 
-    def _run_dequant(self, hits, xs, ys, act) -> None:
+    def _run_dequant(self, hits, xs, ys, act, li=None) -> None:
         """CUDA prefill on GGML experts: the hit slots dequantized to the compute dtype, then the
         grouped GEMMs of float experts (the Triton grouped kernels on planes were measured ~30x slower
         on the H200: 247 tok/s prefill for the 48-layer Q4_0 30B-A3B shape)."""
         hits = sorted(hits)
-        gu, dn = self.dequantized([s for s, _, _ in hits], xs.dtype)
+        gu, dn = self.dequantized([s for s, _, _ in hits], xs.dtype, li)
         _grouped(hits, [n for _, _, n in hits], gu, dn, xs, ys, act)
 
-    def _run_kernel(self, hits, xs, ys, act) -> None:
+    def _run_kernel(self, hits, xs, ys, act, li=None) -> None:
         """GGML experts: every hit row in one kernels.ops.moe call (k = 1, weight 1) on the slots."""
         rows = torch.cat([torch.arange(a, a + n) for _, a, n in hits])
         slots = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, _, n in hits])
         rows, slots = rows.to(xs.device, non_blocking=True), slots.to(xs.device, non_blocking=True)
-        fmt, gate_up, down = self.kernel_weights()
+        fmt, gate_up, down = self.kernel_weights(li)
         ones = torch.ones(rows.shape[0], 1, dtype=xs.dtype, device=xs.device)
         y = ops.moe(xs.index_select(0, rows), slots[:, None], ones, gate_up, down, act, self.kernel_biases(), fmt)
         ys.index_copy_(0, rows, y.to(ys.dtype))

@@ -9,7 +9,9 @@ GGUF files (`build_gguf_layout`): llama.cpp's blk.N.ffn_{gate,up,down}_exps [E, 
 each expert's rows contiguous, so an expert is 3 pieces (gate rows, up rows, down rows). Block
 formats stay as stored: gate_up_proj is the raw GGML rows uint8 [2I, row_bytes(D)] (gate then up),
 down_proj [D, row_bytes(I)], and the ParamSpec carries the GGML type (`qtype`), per param: gate_up
-and down may differ (llama.cpp's Q4_K_M: Q4_K gate/up, Q6_K down) as long as every layer agrees.
+and down may differ, and a param's type may vary by layer (llama.cpp's Q4_K_M: Q4_K gate/up, down
+Q6_K in some layers and Q4_K in others): then `layer_params[li]` are layer li's specs, every
+expert buffer is expert_bytes (the largest layer's), and unpack / specs take the layer.
 """
 from __future__ import annotations
 
@@ -67,6 +69,33 @@ class ExpertLayout:
     raw_bytes: int                       # sum of params' bytes (what is read from disk)
     # per layer, per param: parts with {e} resolved lazily (see parts())
     _parts: list[list[list[tuple]]] = field(default_factory=list, repr=False)
+    layer_params: list[list[ParamSpec]] = field(default_factory=list)   # per layer, when formats vary by layer
+
+    @property
+    def varies_by_layer(self) -> bool:
+        """Whether some layer stores a param in another format than layer 0 (Q4_K_M's down)."""
+        return any(ps != self.params for ps in self.layer_params)
+
+    def specs(self, li: int | None = None) -> list[ParamSpec]:
+        """Layer li's param specs (None: layer 0's, allowed only when no format varies by layer)."""
+        if li is None:
+            if self.varies_by_layer:
+                raise ValueError("the expert formats vary by layer: pass the layer (li)")
+            return self.params
+        return self.layer_params[li] if self.layer_params else self.params
+
+    def layer_qtypes(self, li: int | None = None) -> tuple[str, str] | None:
+        """(gate_up format, down format) of layer li's GGML experts, None for float experts."""
+        spec = {p.name: p.qtype for p in self.specs(li)}
+        return None if self.qtype is None else (spec["gate_up_proj"], spec["down_proj"])
+
+    def param_variants(self, name: str) -> list[ParamSpec]:
+        """One spec per distinct storage format of param `name` over the layers (layer 0's first)."""
+        out: dict = {}
+        for ps in self.layer_params or [self.params]:
+            p = next(p for p in ps if p.name == name)
+            out.setdefault((p.qtype, p.dtype), p)
+        return list(out.values())
 
     @property
     def num_layers(self) -> int:
@@ -84,9 +113,9 @@ class ExpertLayout:
                     out.append(Part(p, o, 0, nbytes, buf_off))
         return out
 
-    def unpack(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """uint8 [expert_bytes] -> {name: tensor view in the storage dtype}."""
-        return {p.name: buf[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.params}
+    def unpack(self, buf: torch.Tensor, li: int | None = None) -> dict[str, torch.Tensor]:
+        """uint8 [expert_bytes] of an expert of layer li -> {name: tensor view in the storage dtype}."""
+        return {p.name: buf[p.offset:p.offset + p.nbytes].view(p.dtype).view(p.shape) for p in self.specs(li)}
 
     @property
     def qtype(self) -> str | None:
@@ -96,15 +125,16 @@ class ExpertLayout:
 
     @property
     def qtypes(self) -> tuple[str, str] | None:
-        """(gate_up format, down format) of GGML experts, None for float experts."""
+        """(gate_up format, down format) of GGML experts (layer 0's), None for float experts."""
         spec = {p.name: p.qtype for p in self.params}
         return None if self.qtype is None else (spec["gate_up_proj"], spec["down_proj"])
 
     def fast_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of one expert in the fast tier: float params in the compute dtype, block formats as
-        the planes quant.repack makes of them."""
+        the planes quant.repack makes of them (a param whose format varies by layer: every format's
+        planes, as fast.FastTier keeps them in every slot)."""
         return sum(plane_bytes(p) if p.qtype else round_up(int(torch.Size(p.shape).numel()) * dtype.itemsize, ALIGN)
-                   for p in self.params)
+                   for q in self.params for p in self.param_variants(q.name))
 
 
 def plane_bytes(spec: ParamSpec) -> int:
@@ -230,19 +260,27 @@ def build_gguf_layout(model, ckpt) -> ExpertLayout:
                         f"{' and '.join(s.qtype or str(s.dtype) for s in weights)}; memory tiers need both "
                         "quantized or both float: re-quantize (moetier quantize FILE --type Q8_0|Q4_0|Q4_K_S) "
                         "or run without tier flags")
+    layer_specs = [specs]
+    for li, row in enumerate(tensors[1:], 1):    # a layer may store a param in another GGML format (Q4_K_M)
+        ls, off = [], 0
+        for spec, names_j in zip(specs, row):
+            other = _gguf_spec(g, spec.name, names_j, spec.logical_shape, E, off)
+            if (other.qtype is None) != (spec.qtype is None) or (spec.qtype is None and other != spec):
+                raise UserError(f"{g.path}: {names_j[0]} is stored as {other.qtype or other.dtype} but "
+                                f"{tensors[0][specs.index(spec)][0]} as {spec.qtype or spec.dtype}; memory "
+                                "tiers need every layer's experts quantized, or every layer's in one float "
+                                "type: re-quantize (--type Q8_0|Q4_0|Q4_K_M) or run without tier flags")
+            ls.append(other)
+            off = round_up(off + other.nbytes, ALIGN)
+        layer_specs.append(ls)
+    size = max(round_up(ls[-1].offset + ls[-1].nbytes, ALIGN) for ls in layer_specs)
+    varies = any(ls != specs for ls in layer_specs)
     layout = ExpertLayout([layer_index(p) for p, _ in mods], [p for p, _ in mods], E, specs,
-                          round_up(off, EXPERT_ALIGN), sum(s.nbytes for s in specs))
+                          round_up(size, EXPERT_ALIGN), max(sum(s.nbytes for s in ls) for ls in layer_specs),
+                          layer_params=layer_specs if varies else [])
     for li, row in enumerate(tensors):
         parts = []
-        for spec, names_j in zip(specs, row):
-            if li:      # every layer must store its experts as the first one does
-                other = _gguf_spec(g, spec.name, names_j, spec.logical_shape, E, spec.offset)
-                if (other.qtype, other.dtype, other.shape) != (spec.qtype, spec.dtype, spec.shape):
-                    raise UserError(f"{g.path}: {names_j[0]} is stored as {other.qtype or other.dtype} but "
-                                    f"{tensors[0][specs.index(spec)][0]} as {spec.qtype or spec.dtype}; memory "
-                                    "tiers need one storage type for every layer's experts (llama.cpp's *_M "
-                                    "mixes vary it): re-quantize with a uniform type (--type Q8_0|Q4_0|Q4_K_S) "
-                                    "or run without tier flags")
+        for spec, names_j in zip(layer_specs[li], row):
             buf_off, pieces = spec.offset, []
             for t in names_j:       # absolute file offset of expert 0's rows; experts `per` bytes apart
                 info = g.tensors[t]
