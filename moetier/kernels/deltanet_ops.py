@@ -1,7 +1,6 @@
 """The import surface of the gated delta rule (DeltaNet layers): Triton kernels (kernels/triton_deltanet.py)
-on CUDA when they import, else their pure-torch twins in models/deltanet.py. The backend follows
-kernels.ops (MOETIER_KERNELS=auto|torch|triton, chosen once); `use` overrides it for this op alone
-(tests: the kernels on CPU tensors under TRITON_INTERPRET=1).
+when asked (`use("triton")`: tests, benchmarks), else their pure-torch twins in models/deltanet.py;
+the default is torch everywhere until the whole-model check passes on CUDA (see DEFAULT below).
 
     out, state = recurrent(q, k, v, g, beta, state, out_state=cache.ssm)      # decode: one launch
     out, state = chunk(q, k, v, g, beta, state, chunk=64, out_state=cache.ssm)  # prefill
@@ -18,11 +17,15 @@ import torch
 from ..models import deltanet
 from . import ops
 
-_backend: str | None = None   # None: as kernels.ops
+_backend: str | None = None   # set by `use`
+# The kernels passed their own tests on the H200 but the whole-model logits test (16-token chunks,
+# fp32, 1e-5) failed there on 2026-11-30 (the error was not captured): torch is the default on
+# CUDA too until that is understood; `use("triton")` runs them.
+DEFAULT = "torch"
 
 
 def backend() -> str:
-    return _backend or ops.backend()
+    return _backend or DEFAULT
 
 
 @contextlib.contextmanager

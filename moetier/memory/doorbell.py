@@ -150,7 +150,11 @@ class GraphTiers:
             # the bookkeeping runs on a thread while the next step is served (the server holds no GIL):
             # off the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md)
             step = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(), busy)
-            self._accounting = _Server(lambda: self._account(*step))
+            self._accounting = _Server(lambda: self._account_thread(*step))
+
+    def _account_thread(self, *step) -> None:
+        with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
+            self._account(*step)
 
     def drain(self) -> None:
         """Wait for the last step's bookkeeping (before anything else reads or changes the tiers)."""
