@@ -172,7 +172,7 @@ class Tiers:
             if e in staged and self.bank.all_resident and handle[0] == "bank":
                 batch.append((buf, a, n, handle))
                 self.stats.served(li, tier, n)
-                if len(batch) == len(self.fast.stage):
+                if len(batch) == self.fast.stage_batch:
                     self._run_batch(li, batch, xs, ys, act)
                 continue
             if e in staged:

@@ -112,6 +112,9 @@ class FastTier:
         self._staging = None                # CUDA, GGML experts: one raw expert on the device
         self.stage = list(range(n_slots, n_slots + n_stage))
         self._next_stage = 0
+        # experts per staged prefill batch: half the stage slots (double buffering) when there are 4+
+        self.stage_batch = n_stage // 2 if n_stage >= 4 else n_stage
+        self._half_free: dict[int, object] = {}     # stage half -> event after the compute that read it
         self.grouped = grouped
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, object] = {}        # layer -> event of its last copy
@@ -285,6 +288,7 @@ class FastTier:
             done = torch.cuda.Event()
             done.record()
             self.stage_free[s] = done
+            self._half_free.clear()     # the next batch waits for everything queued so far
         return y, ev
 
     def run_staged_many(self, items: list[tuple[torch.Tensor, int, int]], xs: torch.Tensor, ys: torch.Tensor,
@@ -292,18 +296,29 @@ class FastTier:
         """Prefill: up to len(self.stage) experts [(RAM buffer, row start, rows)] copied into the stage
         slots as one batch and run together (rows of xs -> ys), as the hits are. -> the copy event
         (CUDA: the buffers must stay untouched until it) or None."""
-        slots = self.stage[:len(items)]
+        half = self._next_stage % 2 if self.stage_batch < len(self.stage) else 0
+        self._next_stage += 1
+        slots = self.stage[half * self.stage_batch:][:len(items)]
         hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
         if not self.cuda:
             for s, (buf, _, _) in zip(slots, items):
                 self._put(s, self.layout.unpack(buf, li), li)
             self.run(hits, xs, ys, act, li=li)
             return None
-        after = torch.cuda.Event()
-        after.record()              # earlier computes on the stage slots are queued before this point
+        # double buffering: this half's copies wait only for the computation that last read this half,
+        # so they overlap the other half's computation
+        after = self._half_free.get(half)
+        if after is None:
+            after = torch.cuda.Event()
+            after.record()
         ev = self.load_many(slots, [buf for buf, _, _ in items], after, [li] * len(items))
         torch.cuda.current_stream(self.device).wait_event(ev)
         self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
+        done = torch.cuda.Event()
+        done.record()
+        self._half_free[half] = done
+        for s in slots:                 # a single staged copy into one of these slots waits for it too
+            self.stage_free[s] = done
         return ev
 
     # ------------------------------------------------------------------ hits

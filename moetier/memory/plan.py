@@ -31,7 +31,7 @@ TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "vram": "gpu", "cpu": "cpu", "ram": "
               "disk": "disk", "ssd": "disk"}
 MIX_PIN_FRACTION = 0.75     # mix: share of the fast slots pinned from the profile; the rest is LRU
 SCRATCH_BUFFERS = 4         # RAM buffers for streamed reads (= read-ahead depth)
-STAGE_SLOTS = (16, 2)       # fast-tier buffers for prefill copies: a batch of 16 when the budget allows, else 2
+STAGE_SLOTS = (32, 2)       # fast-tier buffers for prefill copies: two batches of 16 (double buffering) when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
 
