@@ -136,3 +136,16 @@ def test_plan_cpu_with_profile(qwen30b, no_reads, capsys, tmp_path):
     assert rc == 0
     assert p["tiers"]["gpu"]["slots"] == 16 * 48 and p["tiers"]["gpu"]["pinned"] == 16 * 48
     assert p["decode_ceiling"]["coverage"]["gpu"] == pytest.approx(160 / (160 + 112))   # hot share per layer
+
+
+def test_prefill_chunk_follows_the_gpu_budget(qwen30b, no_reads, capsys):
+    """CUDA tiers prefill in 8K chunks (each chunk copies the experts it uses once) unless that
+    workspace passes a tenth of the GPU budget; then 2K. The chunk plan prints is the one loads use."""
+    path, _ = qwen30b
+    sizes = {}
+    for budget in ("80GiB", "8GiB"):
+        rc, p = plan_json(capsys, path, "--device", "cuda", "--gpu-mem", budget, "--ram-mem", "64GiB", "--ctx", 16384)
+        assert rc == 0
+        sizes[budget] = (p["prefill_chunk"], p["workspace_bytes"])
+    assert sizes["80GiB"][0] == 8192 and sizes["80GiB"][1] <= 8 * GiB
+    assert sizes["8GiB"][0] == 2048 and sizes["8GiB"][1] <= 0.8 * GiB

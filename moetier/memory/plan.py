@@ -180,7 +180,7 @@ class Placement:
             "dtype": str(self.dtype).removeprefix("torch."),
             "storage_dtype": _formats(self.layout) if self.layout.qtype else str(self.storage_dtype).removeprefix("torch."),
             "ctx": self.ctx, "groups": self.groups, "kv_bytes": self.kv_bytes, "state_bytes": self.state_bytes,
-            "kv_tier": self.kv_tier, "workspace_bytes": self.workspace_bytes,
+            "kv_tier": self.kv_tier, "workspace_bytes": self.workspace_bytes, "prefill_chunk": self.prefill_chunk,
             "experts": {"layers": self.num_layers, "per_layer": self.num_experts, "top_k": self.top_k,
                         "bytes_per_expert": self.expert_bytes, "fast_bytes_per_expert": self.expert_fast_bytes,
                         "bytes_per_layer": self.expert_bytes * self.num_experts,
