@@ -11,6 +11,11 @@ compares the two on random inputs. `expert_ffn` runs one whole expert (gate_up m
 activation in float32, down matvecs; gate_up and down may differ in format, as llama.cpp's
 Q4_K_M stores some layers' down in Q6_K) for the memory tiers' CPU misses; its twin is
 `expert_ffn_native` (tests/test_memory_gguf.py).
+Decode ops (tests/test_cpu_moe_fused.py): `moe_tokens` (a SwiGLU MoE layer's k experts for a few tokens
+in one C call; twin moe_tokens_native) and `qlinear` (twin qlinear_native), also the torch ops
+moetier::moe_tokens / moetier::qlinear so torch.export keeps them whole in the compiled CPU decode step;
+their CPU kernels are Python until `load_native_ops()` swaps in cpu_ops.cpp (no Python per call).
+q8=True: Q4_0 / Q8_0 rows dot activations rounded to int8 per 32 values (llama.cpp's way).
 """
 from __future__ import annotations
 
@@ -81,6 +86,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_matvec_batch.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int]
     lib.moetier_sum_f32.argtypes = [ptr, i64, c_int]
     lib.moetier_sum_f32.restype = ctypes.c_float
+    lib.moetier_matvec_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, c_int]
+    lib.moetier_moe_tokens.argtypes = [c_int, c_int, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
+                                       ptr, ptr, ptr, ptr, c_int, c_int]
     return lib
 
 
@@ -240,6 +248,185 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
     gate, up = h.chunk(2, dim=-1)
     y = act(gate, up) @ wd.T
     return y + down_bias.float() if down_bias is not None else y
+
+
+MOE_Q8_TYPES = {"Q8_0", "Q4_0"}     # moe_tokens(q8=True) quantizes activations to int8 for these
+
+
+def moe_tokens(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+               ids: torch.Tensor, w: torch.Tensor, q8: bool = False, threads: int | None = None) -> torch.Tensor:
+    """One SwiGLU MoE layer for a few tokens in one C call (decode): y[t] = sum_j w[t, j] *
+    down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j]. gate / up: uint8 [E, I, row_bytes(D)], down
+    [E, D, row_bytes(I)] GGML blocks (rows contiguous); x [T, D]; ids / w [T, k]. -> [T, D] float32.
+    q8: Q4_0 / Q8_0 rows dot an int8 copy of x and of the activation (per-32 scales, as llama.cpp),
+    else float activations (moetier_matvec's arithmetic). Twin: moe_tokens_native."""
+    fmt, dfmt = _formats(qtype)
+    if backend() != "c" or _kernel(fmt, None) != "c" or _kernel(dfmt, None) != "c":
+        return moe_tokens_native((fmt, dfmt), gate, up, down, x, ids, w)
+    e, i, d = gate.shape[0], gate.shape[1], down.shape[1]
+    if gate.stride() != up.stride() or gate.stride(-1) != 1 or down.stride(-1) != 1 or gate.dtype != torch.uint8:
+        raise ValueError("moe_tokens needs uint8 gate/up of one stride and rows of contiguous bytes")
+    x, ids, w = _as_f32(x), ids.to(torch.int64).contiguous(), _as_f32(w)
+    y = torch.empty(x.shape[0], d, dtype=torch.float32)
+    rc = _lib.moetier_moe_tokens(fmt.type_id, dfmt.type_id, gate.data_ptr(), up.data_ptr(), gate.stride(0),
+                                 gate.stride(1), down.data_ptr(), down.stride(0), down.stride(1), e, d, i,
+                                 x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(), x.data_ptr(), y.data_ptr(),
+                                 int(q8), threads or torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"CPU MoE kernel failed ({rc}): {fmt.name}/{dfmt.name} with D={d}, I={i} needs "
+                           f"multiples of the block sizes and expert ids in [0, {e}); got ids {ids.tolist()}")
+    return y
+
+
+def moe_tokens_native(qtype, gate, up, down, x, ids, w) -> torch.Tensor:
+    """The pure-torch twin of moe_tokens (float activations): each pair's expert dequantized."""
+    fmt, dfmt = _formats(qtype)
+    e, i, d = gate.shape[0], gate.shape[1], down.shape[1]
+    y = torch.zeros(x.shape[0], d)
+    for t, j in ((t, j) for t in range(ids.shape[0]) for j in range(ids.shape[1])):
+        ex = int(ids[t, j])
+        wg, wu = (dequantize(r[ex].contiguous(), fmt, (i, d)) for r in (gate, up))
+        h = torch.nn.functional.silu(wg @ x[t].float()) * (wu @ x[t].float())
+        y[t] += w[t, j].float() * (dequantize(down[ex].contiguous(), dfmt, (d, i)) @ h)
+    return y
+
+
+# The same kernel as a torch op, so torch.export / AOTInductor keep it as one call in the compiled
+# CPU decode step (runtime/cpu_compile.py; the package calls it back through the dispatcher).
+_ops = torch.library.Library("moetier", "DEF")
+_ops.define("moe_tokens(Tensor x, Tensor ids, Tensor w, Tensor gate, Tensor up, Tensor down, "
+            "int gate_type, int down_type, bool q8) -> Tensor")
+
+
+def _moe_tokens_op(x, ids, w, gate, up, down, gate_type: int, down_type: int, q8: bool):
+    # the compiled decode step's call (float32, int64 ids, C kernels): straight to C
+    if x.dtype == w.dtype == torch.float32 and ids.dtype == torch.int64 and _backend == "c" \
+            and x.is_contiguous() and ids.is_contiguous() and w.is_contiguous():
+        y = torch.empty(x.shape[0], down.shape[1])
+        gs, ds = gate.stride(), down.stride()
+        if _lib.moetier_moe_tokens(gate_type, down_type, gate.data_ptr(), up.data_ptr(), gs[0], gs[1],
+                                   down.data_ptr(), ds[0], ds[1], gate.shape[0], down.shape[1], gate.shape[1],
+                                   x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(), x.data_ptr(),
+                                   y.data_ptr(), int(q8), torch.get_num_threads()) == 0:
+            return y
+    from moetier.quant.formats import BY_ID     # any other call, or a failure explained
+    return moe_tokens((BY_ID[gate_type], BY_ID[down_type]), gate, up, down, x, ids, w, q8).to(x.dtype)
+
+
+
+
+@torch.library.register_fake("moetier::moe_tokens")
+def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
+    return x.new_empty(x.shape[0], down.shape[1])
+
+
+def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: int | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W.T for W uint8 [N, row_bytes(K)] GGML blocks: the C matvec per row
+    of x (float32 result). q8: Q4_0 / Q8_0 rows dot x rounded to int8 per 32 values (llama.cpp's
+    way, ~0.5% relative error). Twin: qlinear_native."""
+    fmt = get_format(qtype)
+    x2 = _as_f32(x.reshape(-1, x.shape[-1]))
+    n, k = _check(fmt, w, x2)
+    threads = threads or torch.get_num_threads()
+    if q8 and _kernel(fmt, None) == "c":      # a row of x at a time (decode: one)
+        y = torch.empty(x2.shape[0], n)
+        for i in range(x2.shape[0]):
+            _raise_on(_lib.moetier_matvec_q8(fmt.type_id, w.data_ptr(), w.stride(0), n, k, x2[i].data_ptr(),
+                                             y[i].data_ptr(), threads), fmt, k)
+    elif x2.shape[0] == 1:
+        y = matvec(fmt, w, x2[0], threads=threads)[None]
+    else:
+        y = matvec_batch(fmt, [w] * x2.shape[0], x2, threads=threads)
+    return y.view(*x.shape[:-1], n)
+
+
+def qlinear_native(qtype, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    fmt = get_format(qtype)
+    return x.float() @ dequantize(w.contiguous(), fmt, (w.shape[0], x.shape[-1])).T
+
+
+_ops.define("qlinear(Tensor x, Tensor w, int qtype, bool q8) -> Tensor")
+
+
+def _qlinear_op(x, w, qtype: int, q8: bool):
+    # the compiled decode step's call (one float32 token): straight to C, ~7 us less than qlinear()
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous() and _backend == "c":
+        y = torch.empty(1, w.shape[0])
+        rc = (_lib.moetier_matvec_q8 if q8 else _lib.moetier_matvec)(
+            qtype, w.data_ptr(), w.stride(0), w.shape[0], x.shape[1], x.data_ptr(), y.data_ptr(),
+            torch.get_num_threads())
+        if rc == 0:
+            return y
+    return qlinear(qtype, w, x, q8).to(x.dtype)   # any other call, or a failure explained
+
+
+_py_kernels: torch.library.Library | None = None
+
+
+def _register_python_kernels() -> None:
+    global _py_kernels
+    _py_kernels = torch.library.Library("moetier", "IMPL")
+    _py_kernels.impl("moe_tokens", _moe_tokens_op, "CPU")
+    _py_kernels.impl("qlinear", _qlinear_op, "CPU")
+
+
+_register_python_kernels()
+
+
+@torch.library.register_fake("moetier::qlinear")
+def _(x, w, qtype, q8):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+_native_ops: bool | None = None
+
+
+def load_native_ops() -> bool:
+    """Replace the Python kernels of moetier::qlinear / moe_tokens by cpu_ops.cpp (built once with g++
+    against torch's headers, ~6 s, cached beside the C kernels): the compiled decode step then calls
+    them without Python. False (Python kernels stay) without the C kernels or a C++ compiler."""
+    global _native_ops
+    if _native_ops is None:
+        _native_ops = False
+        if backend() == "c":
+            try:
+                path = _build_ops_library()
+                _py_kernels._destroy()           # one CPU kernel per op: the C++ ones replace them
+                try:
+                    torch.ops.load_library(str(path))     # registers them (static initializers)
+                except OSError:
+                    _register_python_kernels()
+                    raise
+                ctypes.CDLL(str(path)).moetier_ops_bind(*(ctypes.cast(f, ctypes.c_void_p) for f in (
+                    _lib.moetier_matvec, _lib.moetier_matvec_q8, _lib.moetier_moe_tokens)))
+                _native_ops = True
+            except (RuntimeError, OSError) as e:
+                log.warning("C++ kernels of the moetier torch ops unavailable (%s); the Python ones stay", e)
+    return _native_ops
+
+
+def _build_ops_library(cache_dir: Path | None = None) -> Path:
+    from torch.utils import cpp_extension
+    src = _SOURCE.with_name("cpu_ops.cpp")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++/c++) on PATH")
+    flags = ["-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(f"-I{d}" for d in cpp_extension.include_paths()), *(f"-L{d}" for d in cpp_extension.library_paths()),
+             "-lc10", "-ltorch_cpu"]
+    cache_dir = cache_dir or Path.home() / ".cache" / "moetier" / "kernels"
+    key = hashlib.sha256(src.read_bytes() + " ".join([cxx, torch.__version__, *flags]).encode()).hexdigest()[:16]
+    so = cache_dir / f"cpu_ops_{key}.so"
+    if not so.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        res = subprocess.run([cxx, str(src), *flags, "-o", tmp], capture_output=True, text=True, check=False)
+        if res.returncode:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {src.name} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, so)
+    return so
 
 
 def stream_sum(a: torch.Tensor, threads: int | None = None) -> float:

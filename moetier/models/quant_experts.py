@@ -6,7 +6,8 @@ Same call as DenseExperts: forward(x [T, D], ids [T, k], w [T, k]) -> [T, D]. Tw
   "planes" (CUDA): `quant.repack(fmt, raw)` planes on the device, run by kernels.ops (fused Triton
            GEMVs for T <= ops.MAX_DECODE_TOKENS, grouped GEMMs above; no host sync).
   "raw"    (CPU):  the GGUF blocks as stored (zero-copy views of the file's mmap), run by the C
-           matvec kernels (kernels/cpu.py) for few tokens; prefill dequantizes each used expert
+           kernels (kernels/cpu.py): decode (SwiGLU, no biases) one moe_tokens call per layer
+           (forward_fused), other few-token calls matvecs; prefill dequantizes each used expert
            once per call and runs F.linear, exactly as the dequantized model would.
 `forward_native` is the pure-torch twin: every used expert dequantized, then grouped_experts.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu as _cpu  # noqa: F401  (registers the torch op moetier::moe_tokens)
 from ..kernels import ops
 from ..quant.formats import dequantize, get_format
 from ..quant.repack import dequantize_repacked, repack
@@ -39,6 +41,9 @@ def cuda_formats() -> set[str]:
     return {f for f in ops.KERNEL_FORMATS if f != "dense"} if ops.backend() == "triton" else set()
 
 
+# CPU: up to this many tokens run the fused one-call layer (forward_fused) when it applies.
+FUSED_CPU_TOKENS = 1
+
 DEQUANT_GROUP = 16      # experts dequantized at a time in CUDA prefill (bounds the float32 temporary)
 
 
@@ -62,6 +67,8 @@ class QuantExperts(DenseExperts):
         self.fmt, self.down_fmt = fmt.name, dfmt.name      # gate_up's, down's
         self.num_experts, self.hidden, self.dim = gate.shape[0], gate.shape[1], down.shape[1]
         self.act, self.layout = act, layout
+        self.fused_cpu = False
+        self.q8_act = False    # forward_fused: int8 activations for Q4_0 / Q8_0 (llama.cpp's way; not exact)
         if layout == "planes":
             planes = {"gate_up": repack(fmt, torch.cat([gate, up], dim=1)), "down": repack(dfmt, down)}
             for proj, ps in planes.items():
@@ -73,6 +80,8 @@ class QuantExperts(DenseExperts):
                 self.register_buffer(name, t, persistent=False)
             ok = {self.fmt, self.down_fmt} <= cpu_formats()
             self.matvec_pairs = min(CPU_MATVEC_PAIRS_PER_EXPERT.get(f, 0) for f in (self.fmt, self.down_fmt)) if ok else 0
+            # the whole layer in one C call (kernels/cpu.moe_tokens) for decode: SwiGLU without biases
+            self.fused_cpu = ok and act is swiglu and biases is None
         else:
             raise ValueError(f"QuantExperts layout must be 'planes' or 'raw', got {layout!r}")
         gb, db = biases or (None, None)
@@ -110,6 +119,8 @@ class QuantExperts(DenseExperts):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.layout == "planes":
             return self._forward_planes(x, ids, w)
+        if self.fused_cpu and ids.shape[0] <= FUSED_CPU_TOKENS:
+            return self.forward_fused(x, ids, w)
         if self.matvec_pairs and (ids.numel() <= self.matvec_pairs
                                   or ids.numel() <= self.matvec_pairs * ids.unique().numel()):
             return self._forward_matvec(x, ids, w)
@@ -168,6 +179,14 @@ class QuantExperts(DenseExperts):
         if self.down_bias is not None:
             y = y + self.down_bias[flat].float()
         return (y * w.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
+
+    def forward_fused(self, x, ids, w, q8: bool | None = None):
+        """CPU, few tokens, SwiGLU without biases: the layer as one C call through the torch op
+        moetier::moe_tokens (kernels/cpu.py), which torch.export keeps whole, so the compiled CPU
+        decode step (runtime/cpu_compile.py) runs the stored blocks too. x [T, D] -> [T, D]."""
+        return torch.ops.moetier.moe_tokens(x, ids, w.float(), self.gate_raw, self.up_raw, self.down_raw,
+                                            get_format(self.fmt).type_id, get_format(self.down_fmt).type_id,
+                                            self.q8_act if q8 is None else q8)
 
     def _forward_gathered(self, x, ids, w):
         """No host sync (CUDA-graph capturable) when the fused kernels are missing: dequantize the

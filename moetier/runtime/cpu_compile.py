@@ -9,7 +9,11 @@ to the model's own tensors at load (no copy). The package is cached per model sh
 thread count, torch version, CPU and moetier source, so only the first build pays (15-25 s on the
 2-core dev box); later processes load it in milliseconds. Attention reads KV views cut to the next
 multiple of `BUCKET` positions past the token (a dynamic dimension of the export); experts take
-`fused_gather_experts` (no host sync) inside the graph.
+`fused_gather_experts` (no host sync) inside the graph; GGUF experts kept packed (QuantExperts) stay
+one call of the torch op moetier::moe_tokens (C kernels on the stored blocks), which the package calls
+back through the dispatcher (C++ kernels, cpu_ops.cpp). Float weights that are exactly Q4_0 / Q8_0 values
+(a GGUF file's attention and lm_head, dequantized at load) get those blocks back as `<name>_q` buffers and
+the step multiplies on them (moetier::qlinear); with Q8_ACTIVATIONS these products use int8 activations.
 
     step = CpuDecode.get(model, build=True)   # None when not cached and build=False, or not compilable
     logits = step(cache, token_id)            # [1, V]; advances the cache
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import cpu as cpu_kernels
 from ..models.layers import DenseExperts
 from .kv_cache import Cache, KVCache
 
@@ -59,6 +64,19 @@ def _graph_friendly_experts(model: torch.nn.Module) -> None:
     """While tracing, DenseExperts take fused_gather_experts (no `.tolist()` host sync); eager calls
     keep their own path. Installed once per model, per instance (model code untouched)."""
     for m in model.modules():
+        if getattr(m, "fused_cpu", False) and "forward" not in m.__dict__:   # QuantExperts: one torch op
+            eager = m.forward
+
+            def forward(self, x, ids, w, eager=eager):
+                if torch.compiler.is_compiling():
+                    return self.forward_fused(x, ids, w, q8=Q8_ACTIVATIONS)
+                return eager(x, ids, w)
+            m.forward = types.MethodType(forward, m)
+            continue
+        if type(m) is not DenseExperts and isinstance(m, DenseExperts) and not hasattr(m, "gate_up_proj"):
+            raise NotImplementedError(f"{type(m).__name__} ({m.extra_repr()}) has no graph path on the CPU "
+                                      "(the fused kernel takes SwiGLU experts without biases); pass "
+                                      "--dequantize-experts to compile this model")
         if isinstance(m, DenseExperts) and "forward" not in m.__dict__:
             eager = m.forward
 
@@ -85,6 +103,84 @@ def fused_gather_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex
     return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1)
 
 
+QUANT_COPY_TYPES = ("Q4_0", "Q8_0")   # tried in this order (fewest bytes first)
+# The compiled step's Q4_0 / Q8_0 products (packed experts, quantized copies) dot activations rounded to
+# int8 per 32 values, as llama.cpp does: ~1.5x faster kernels; measured KL vs F32 in docs/perf-log.md.
+Q8_ACTIVATIONS = True
+
+
+def _exact_blocks(w: torch.Tensor):
+    """(uint8 blocks, GGML type id) of the first format in QUANT_COPY_TYPES whose dequantized blocks are
+    exactly `w` (a GGUF tensor dequantized at load: re-quantizing gives its blocks back), else None."""
+    from ..quant.formats import dequantize, get_format
+    from ..quant.pack import quantize
+    for name in QUANT_COPY_TYPES:
+        fmt = get_format(name)
+        for part in (w[:64], w):          # a cheap look at the first rows before the whole tensor
+            raw = quantize(part, name).view(part.shape[0], -1)
+            if not torch.equal(dequantize(raw, fmt, tuple(part.shape)), part):
+                break
+        else:
+            return raw, fmt.type_id
+    return None
+
+
+def _quantized_copies(model: torch.nn.Module) -> None:
+    """Float weights of Linear modules (and 2-D `*weight` buffers: Attention.qkv_weight) that are exactly
+    Q4_0 / Q8_0 values get those blocks as a buffer `<name>_q`; the compiled step multiplies on them with
+    the C kernels (3.8-7x fewer bytes than float32, the same products). Once per model."""
+    if cpu_kernels.backend() != "c" or getattr(model, "_quant_copies_done", False):
+        return
+    model._quant_copies_done = True
+    found = []                                          # (module, attribute, weight)
+    for m in model.modules():
+        names = ["weight"] if isinstance(m, torch.nn.Linear) else []
+        names += [n for n, b in m.named_buffers(recurse=False) if n.endswith("weight") and b is not None]
+        found += [(m, a, getattr(m, a)) for a in names]
+    found = [(m, a, w) for m, a, w in found if w is not None and w.dim() == 2 and w.dtype == torch.float32
+             and w.device.type == "cpu" and w.shape[1] % 32 == 0]
+    largest = {}                                        # storage -> most elements a weight of it has
+    for _, _, w in found:
+        key = w.untyped_storage().data_ptr()
+        largest[key] = max(largest.get(key, 0), w.numel())
+    for m in model.modules():
+        m._quant_copies = {}
+    for m, a, w in found:
+        if w.numel() < largest[w.untyped_storage().data_ptr()]:
+            continue                                    # part of a fused weight (fuse_qkv's q/k/v views)
+        hit = _exact_blocks(w.detach())
+        if hit is not None:
+            m.register_buffer(f"{a}_q", hit[0], persistent=False)
+            m._quant_copies[a] = hit[1]
+
+
+def _drop_quantized_copies(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        for a in getattr(m, "_quant_copies", {}):
+            delattr(m, f"{a}_q")
+        m._quant_copies = {}
+    model._quant_copies_done = False
+
+
+class _QuantLinears(torch.overrides.TorchFunctionMode):
+    """While tracing: F.linear on a weight with a quantized copy becomes moetier::qlinear on the copy."""
+
+    def __init__(self, subs: dict):
+        super().__init__()
+        self.subs = subs       # id(float weight) -> (blocks, type id)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, w, *rest = args
+            b = rest[0] if rest else kwargs.get("bias")
+            hit = self.subs.get(id(w))
+            if hit is not None:
+                y = torch.ops.moetier.qlinear(x, *hit, Q8_ACTIVATIONS)
+                return y if b is None else y + b
+        return func(*args, **kwargs)
+
+
 class _Step(torch.nn.Module):
     """The exported function: (tokens [1], pos 0-d, per-layer k/v views) -> logits [1, V]."""
 
@@ -94,7 +190,10 @@ class _Step(torch.nn.Module):
 
     def forward(self, tokens, pos, ks, vs):
         cache = Cache([_KVView(k, v) for k, v in zip(ks, vs)], ks[0].shape[0])
-        return self.model(tokens, cache, pos=pos)
+        subs = {id(getattr(m, a)): (getattr(m, f"{a}_q"), t)
+                for m in self.model.modules() for a, t in getattr(m, "_quant_copies", {}).items()}
+        with _QuantLinears(subs):
+            return self.model(tokens, cache, pos=pos)
 
 
 def package_key(model: torch.nn.Module) -> str:
@@ -108,7 +207,7 @@ def package_key(model: torch.nn.Module) -> str:
     h.update(" ".join(sorted({type(m).__qualname__ for m in model.modules()})).encode())
     h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{torch.get_num_threads()}".encode())
     sources = {inspect.getsourcefile(type(m)) for m in model.modules() if type(m).__module__.startswith("moetier.")}
-    sources |= {inspect.getsourcefile(KVCache), __file__}
+    sources |= {inspect.getsourcefile(KVCache), __file__, cpu_kernels.__file__}   # the latter: moetier::moe_tokens
     for src in sorted(str(Path(f).resolve()) for f in sources):
         h.update(Path(src).read_bytes())
     return h.hexdigest()[:24]
@@ -132,12 +231,15 @@ class CpuDecode:
     def get(cls, model: torch.nn.Module, build: bool) -> CpuDecode | None:
         """Load the cached package for this model, or (build=True) export and build it first.
         None when it is not cached and build is False, or when the model cannot be compiled (warned)."""
-        path = CACHE_DIR / f"{type(model).__module__.rsplit('.', 1)[-1]}-{package_key(model)}.pt2"
         try:
+            _quantized_copies(model)   # before the key: the copies are named tensors of the package
+            path = CACHE_DIR / f"{type(model).__module__.rsplit('.', 1)[-1]}-{package_key(model)}.pt2"
             if not path.exists():
                 if not build:
+                    _drop_quantized_copies(model)     # eager decode does not use them
                     return None
                 _build(model, path)
+            cpu_kernels.load_native_ops()   # the package's moetier:: op calls skip Python (~6 us each)
             runner = torch._inductor.aoti_load_package(str(path))
             names = dict(_Step(model).named_parameters())
             names.update(_Step(model).named_buffers())

@@ -180,9 +180,9 @@ class Engine:
         placement = None
         if memory.wants_tiers(config):  # budgets checked from headers before any weight is read
             placement = memory.plan_for_load(path, config, device, dtype, DEFAULT_CONTEXT)
-        # GGUF experts stay in their stored format unless tiers or the compiled CPU step want float ones
-        packed = path.suffix == ".gguf" and placement is None and not config.dequantize_experts \
-            and config.cpu_compile != "on"
+        # GGUF experts stay in their stored format unless tiers want float ones (the compiled CPU step
+        # calls the packed experts' kernel as a torch op)
+        packed = path.suffix == ".gguf" and placement is None and not config.dequantize_experts
         net, args, ckpt = load_model(path, device=device, dtype=dtype, progress=config.progress,
                                      skip=memory.EXPERT_PARAM if placement is not None or packed else None)
         if packed:

@@ -1,0 +1,191 @@
+"""The fused CPU MoE layer (kernels/cpu.moe_tokens, torch op moetier::moe_tokens): one C call per
+layer for decode, against its pure-torch twin, inside QuantExperts, and inside the AOT-compiled
+CPU decode step with GGUF experts kept packed (runtime/cpu_compile.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import max_rel_err
+
+from moetier import EngineConfig, SamplingParams
+from moetier.commands.quantize import quantize
+from moetier.kernels import cpu
+from moetier.models.quant_experts import QuantExperts
+from moetier.quant.formats import get_format
+from moetier.quant.pack import quantize as pack
+from moetier.runtime import cpu_compile
+from moetier.runtime.engine import Engine
+from test_gguf import build_qwen3_moe
+
+needs_c = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
+
+
+def random_layer(qtype, e=6, d=256, i=256, seed=0):
+    """gate, up [e, i, .], down [e, d, .] blocks of random weights; qtype one format or (gate/up, down)."""
+    gq, dq = qtype if isinstance(qtype, tuple) else (qtype, qtype)
+    g = torch.Generator().manual_seed(seed)
+    return [pack(torch.randn(e, r, c, generator=g) * 0.1, q) for q, (r, c) in ((gq, (i, d)), (gq, (i, d)), (dq, (d, i)))]
+
+
+def random_route(t, e=6, k=2, d=256, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return x, ids, torch.softmax(torch.randn(t, k, generator=g), -1)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_moe_tokens_matches_twin(qtype, t):
+    gate, up, down = random_layer(qtype)
+    x, ids, w = random_route(t)
+    ref = cpu.moe_tokens_native(qtype, gate, up, down, x, ids, w)
+    assert max_rel_err(cpu.moe_tokens(qtype, gate, up, down, x, ids, w, threads=2), ref) < 1e-5
+    assert max_rel_err(cpu.moe_tokens(qtype, gate, up, down, x, ids, w, threads=1), ref) < 1e-5
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_moe_tokens_int8_activations_close(qtype):
+    """q8: x and the activation rounded to int8 per 32 values (llama.cpp's way): ~1% relative error."""
+    gate, up, down = random_layer(qtype)
+    x, ids, w = random_route(2)
+    ref = cpu.moe_tokens_native(qtype, gate, up, down, x, ids, w)
+    y = cpu.moe_tokens(qtype, gate, up, down, x, ids, w, q8=True)
+    assert (y - ref).norm() / ref.norm() < 0.03
+
+
+@needs_c
+def test_moe_tokens_rejects_bad_ids():
+    gate, up, down = random_layer("Q8_0")
+    x, ids, w = random_route(1)
+    with pytest.raises(RuntimeError, match="expert ids"):
+        cpu.moe_tokens("Q8_0", gate, up, down, x, ids + 6, w)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q8_0", ("Q4_K", "Q6_K")])
+def test_quant_experts_decode_takes_the_fused_op(qtype):
+    gate, up, down = random_layer(qtype)
+    ex = QuantExperts(qtype, gate, up, down)
+    assert ex.fused_cpu
+    x, ids, w = random_route(1)
+    assert max_rel_err(ex(x, ids, w), ex.forward_native(x, ids, w)) < 1e-5
+    op = torch.ops.moetier.moe_tokens(x, ids, w, gate, up, down, get_format(ex.fmt).type_id,
+                                      get_format(ex.down_fmt).type_id, False)
+    assert torch.equal(op, ex(x, ids, w))
+
+
+@needs_c
+def test_moe_op_exports_as_one_call():
+    """torch.export keeps moetier::moe_tokens whole (its fake impl gives the shape)."""
+    gate, up, down = random_layer("Q4_0")
+    ex = QuantExperts("Q4_0", gate, up, down)
+    x, ids, w = random_route(1)
+    ep = torch.export.export(ex, (x, ids, w), strict=False)
+    assert "moetier.moe_tokens" in ep.graph_module.code
+    assert max_rel_err(ep.module()(x, ids, w), ex.forward_native(x, ids, w)) < 1e-5
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("n", [64, 70])     # 70: rows past the last group of 4
+def test_qlinear_matches_twin(qtype, n):
+    g = torch.Generator().manual_seed(2)
+    w = pack(torch.randn(n, 256, generator=g) * 0.1, qtype)
+    x = torch.randn(1, 256, generator=g)
+    ref = cpu.qlinear_native(qtype, w, x)
+    assert max_rel_err(cpu.qlinear(qtype, w, x), ref) < 1e-5
+    assert max_rel_err(cpu.qlinear(qtype, w, torch.cat([x, -x])), torch.cat([ref, -ref])) < 1e-5
+    assert (cpu.qlinear(qtype, w, x, q8=True) - ref).norm() / ref.norm() < 0.02     # int8 activations
+    op = torch.ops.moetier.qlinear(x, w, get_format(qtype).type_id, True)
+    assert torch.equal(op, cpu.qlinear(qtype, w, x, q8=True))
+
+
+def test_exact_blocks_finds_the_stored_format():
+    """A float tensor that is exactly Q4_0 (or Q8_0) values gets those blocks back; other floats none."""
+    from moetier.quant.formats import dequantize
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=g)
+    for name in ("Q4_0", "Q8_0"):
+        fmt = get_format(name)
+        vals = dequantize(pack(w, name), fmt, tuple(w.shape))
+        raw, tid = cpu_compile._exact_blocks(vals)
+        assert tid == fmt.type_id and torch.equal(dequantize(raw, fmt, tuple(w.shape)), vals)
+    assert cpu_compile._exact_blocks(w) is None
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_compiled_step_on_quantized_gguf(tmp_path, qtype):
+    """A GGUF file with --cpu-compile on keeps its experts packed, multiplies its other Q8_0/Q4_0 weights
+    on quantized copies, decodes through the AOT step, and follows the same file with its experts
+    dequantized (eager, float activations) up to the int8 activations (Q8_ACTIVATIONS)."""
+    path = quantize(build_qwen3_moe(tmp_path / "model"), qtype, tmp_path / f"m-{qtype}.gguf")
+    prompt, n = [5, 17, 33, 2, 90, 41, 7], 24
+    engs = {}
+    for mode, deq in (("off", True), ("on", False)):
+        engs[mode] = eng = Engine.load(path, EngineConfig(device="cpu", threads=1, progress=False, max_context=256,
+                                                          cpu_compile=mode, dequantize_experts=deq))
+        toks = [e.token_id for e in eng.generate(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0),
+                                                 ignore_eos=True) if hasattr(e, "token_id") and e.token_id >= 0]
+        assert len(toks) == n
+    fast = engs["on"]
+    assert fast._cpu_decode, "the compiled step could not be built (see the warning) and the engine decoded eagerly"
+    assert any(isinstance(m, QuantExperts) for m in fast.model.modules())
+    assert getattr(fast.model.lm_head, "weight_q", None) is not None       # its quantized copy
+    ref_cache, cache = engs["off"].new_session().cache, fast.new_session().cache
+    agree = []
+    with torch.inference_mode():
+        engs["off"].model(torch.tensor(prompt), ref_cache)
+        fast.model(torch.tensor(prompt), cache)
+        for tok in toks:                       # teacher-forced on one sequence
+            ref = engs["off"].model(torch.tensor([tok]), ref_cache)[-1]
+            ours = fast._cpu_decode(cache, tok)[-1]
+            kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")
+            assert kl < 0.01, kl
+            agree.append(int(ours.argmax() == ref.argmax()))
+    assert sum(agree) >= 0.9 * n
+
+
+@needs_c
+def test_native_op_kernels_match_python_kernels():
+    """cpu_ops.cpp (the C++ kernels the compiled step calls) against the Python kernels it replaces."""
+    import shutil
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler")
+    gate, up, down = random_layer("Q4_0")
+    x, ids, w = random_route(2)
+    lin = pack(torch.randn(36, 256, generator=torch.Generator().manual_seed(4)) * 0.1, "Q8_0")
+    q4, q8 = get_format("Q4_0").type_id, get_format("Q8_0").type_id
+    py = [cpu._moe_tokens_op(x, ids, w, gate, up, down, q4, q4, q8_act) for q8_act in (False, True)]
+    py += [cpu._qlinear_op(x, lin, q8, q8_act) for q8_act in (False, True)]
+    assert cpu.load_native_ops()
+    native = [torch.ops.moetier.moe_tokens(x, ids, w, gate, up, down, q4, q4, q8_act) for q8_act in (False, True)]
+    native += [torch.ops.moetier.qlinear(x, lin, q8, q8_act) for q8_act in (False, True)]
+    for a, b in zip(native, py):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="do not hold K=256"):
+        torch.ops.moetier.qlinear(x, lin[:, :10].contiguous(), q8, True)
+    with pytest.raises(RuntimeError, match="expert ids outside"):
+        torch.ops.moetier.moe_tokens(x, ids + 6, w, gate, up, down, q4, q4, False)
+
+
+@needs_c
+def test_quantized_copies_skip_views_and_drop():
+    """Exact Q8_0 weights get a copy; a view into a larger weight (fuse_qkv's q/k/v) and float weights
+    do not; dropping removes them all."""
+    from moetier.quant.formats import dequantize
+    g = torch.Generator().manual_seed(5)
+    fused = dequantize(pack(torch.randn(96, 64, generator=g), "Q8_0"), get_format("Q8_0"), (96, 64))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 32, bias=False),
+                                torch.nn.Linear(64, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight = torch.nn.Parameter(fused, requires_grad=False)
+        model[1].weight = torch.nn.Parameter(fused[:32], requires_grad=False)    # a view of model[0]'s
+        model[2].weight.copy_(torch.randn(32, 64, generator=g))                  # not quantized values
+    cpu_compile._quantized_copies(model)
+    assert [n for n, _ in model.named_buffers()] == ["0.weight_q"]
+    cpu_compile._drop_quantized_copies(model)
+    assert not list(model.named_buffers())
