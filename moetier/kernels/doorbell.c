@@ -23,75 +23,10 @@ enum { ACT_SWIGLU = 0, ACT_CLAMPED = 1 };
 #define BELL_STRIDE 16   /* int64 per layer: bells and done flags on their own 128-byte lines */
 #define MAX_K 64
 
-/* ---- int8 activations (llama.cpp's Q8_0 for x): integer dot products for Q4_0 / Q8_0 weights ---- */
-#if defined(__AVX2__) && defined(__FMA__)
-#define HAVE_Q8_ACT 1
-/* x [K] -> qx [K] int8, dx [K/32] scales, sx [K/32] sums of qx per block */
-static void quantize_q8(const float *x, int64_t K, int8_t *qx, float *dx, int32_t *sx) {
-    for (int64_t b = 0; b < K / 32; b++) {
-        float amax = 0.f;
-        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int32_t sum = 0;
-        for (int j = 0; j < 32; j++) {
-            int q = (int)lrintf(x[32 * b + j] * id);
-            qx[32 * b + j] = (int8_t)q;
-            sum += q;
-        }
-        dx[b] = d;
-        sx[b] = sum;
-    }
-}
-
-static inline __m256i dot_u8s8(__m256i a, __m256i b) {     /* 8 int32 partial sums of a (u8) * b (s8) */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
-#endif
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Q4_0 row . q8 x: sum_b d_b dx_b (sum_j nib_j qx_j - 8 sx_b) */
-static float row_q4_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, const int32_t *sx, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    float off = 0.f;
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++, w += 18, qx += 32) {
-        PREFETCH(w);
-        const __m128i t = _mm_loadu_si128((const __m128i *)(w + 2));
-        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
-        const __m256i p = dot_u8s8(nib, _mm256_loadu_si256((const __m256i *)qx));
-        const float s = fp16_to_f32(w) * dx[b];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
-        off += s * (float)sx[b];
-    }
-    return hsum8(acc) - 8.f * off;
-}
-
-/* Q8_0 row . q8 x (signed x signed through the sign trick) */
-static float row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 34, qx += 32) {
-        PREFETCH(w);
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i y = _mm256_loadu_si256((const __m256i *)qx);
-        const __m256i p = dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(w) * dx[b]), acc);
-    }
-    return hsum8(acc);
-}
-#endif
-
+/* int8 activations (llama.cpp's Q8_0 for x) use cpu_kernels.c's integer dot products (MOE_Q8) */
 /* activations of one projection: float x, its per-32 sums (Q4_0 / Q4_K offsets), and with
  * q8 activations the int8 copy */
-typedef struct { const float *x, *xs; const int8_t *qx; const float *dx; const int32_t *sx; } act_vec;
+typedef struct { const float *x, *xs; const int8_t *qx; const float *dx; const float *sx; } act_vec;
 
 static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K);
 
@@ -194,9 +129,9 @@ static float any_row(int qtype, const uint8_t *w, const float *x, const float *x
 }
 
 static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K) {
-#ifdef HAVE_Q8_ACT
-    if (q8 && qtype == Q4_0) return row_q4_0_q8(w, a.qx, a.dx, a.sx, K / 32);
-    if (q8 && qtype == Q8_0) return row_q8_0_q8(w, a.qx, a.dx, K / 32);
+#ifdef MOE_Q8
+    if (q8 && qtype == Q4_0) return moe_row_q4_0_q8(w, a.qx, a.dx, a.sx, K / 32);
+    if (q8 && qtype == Q8_0) return moe_row_q8_0_q8(w, a.qx, a.dx, K / 32);
 #else
     (void)q8;
 #endif
@@ -204,7 +139,7 @@ static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K) 
 }
 
 static int q8_ok(int qtype) {
-#ifdef HAVE_Q8_ACT
+#ifdef MOE_Q8
     return qtype == Q4_0 || qtype == Q8_0;
 #else
     (void)qtype;
@@ -251,8 +186,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     float *hs = xs + D / 32 + 16;                   /* [k, I / 32] */
     float *dx = hs + (int64_t)k * (I / 32) + 16;    /* q8: x scales [D / 32], h scales [k, I / 32] */
     float *dh = dx + D / 32;
-    int32_t *sxv = (int32_t *)(dh + (int64_t)k * (I / 32));   /* sums [D / 32], [k, I / 32] */
-    int32_t *shv = sxv + D / 32;
+    float *sxv = dh + (int64_t)k * (I / 32);           /* sums of the int8 values [D / 32], [k, I / 32] */
+    float *shv = sxv + D / 32;
     int8_t *qxv = (int8_t *)(shv + (int64_t)k * (I / 32) + 16);  /* [D], then [k, I] */
     int8_t *qhv = qxv + D;
     int n_miss[L > 0 ? L : 1];
@@ -286,8 +221,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     n_miss[li] = m;
                     total += m;
                     if (m && gquant) block_sums(c->x + (int64_t)li * D, D, xs);
-#ifdef HAVE_Q8_ACT
-                    if (m && q8g) quantize_q8(c->x + (int64_t)li * D, D, qxv, dx, sxv);
+#ifdef MOE_Q8
+                    if (m && q8g) moe_quantize_q8(c->x + (int64_t)li * D, D, qxv, dx, sxv);
 #endif
                 }
                 t_wait += now_s() - tw;
@@ -310,8 +245,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 for (int i = 0; i < I; i++)
                     h[(int64_t)j * I + i] = act_one(c, hpre[(int64_t)j * 2 * I + i], hpre[(int64_t)j * 2 * I + I + i]);
                 if (dquant) block_sums(h + (int64_t)j * I, I, hs + (int64_t)j * (I / 32));
-#ifdef HAVE_Q8_ACT
-                if (q8d) quantize_q8(h + (int64_t)j * I, I, qhv + (int64_t)j * I, dh + (int64_t)j * (I / 32),
+#ifdef MOE_Q8
+                if (q8d) moe_quantize_q8(h + (int64_t)j * I, I, qhv + (int64_t)j * I, dh + (int64_t)j * (I / 32),
                                     shv + (int64_t)j * (I / 32));
 #endif
             }
