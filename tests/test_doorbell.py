@@ -169,3 +169,24 @@ def test_ring_hits_wait_add_round_trip(monkeypatch):
                    for j, e in enumerate(ids[li][0].tolist()))
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert slots[li].tolist() == table[li][ids[li][0]].tolist()
+
+
+def test_step_bookkeeping_thread_runs_in_inference_mode():
+    """The graphed step's bookkeeping runs on a thread, and inference mode is thread-local: without
+    entering it there, the first admission into a buffer made under inference mode failed on the H200
+    ("Inplace update to inference tensor outside InferenceMode")."""
+    from moetier.memory.doorbell import GraphTiers, _Server
+    seen = []
+    gt = object.__new__(GraphTiers)
+    gt._account = lambda *step: seen.append(torch.is_inference_mode_enabled())
+    with torch.inference_mode():
+        buf = torch.zeros(4)
+    th = _Server(lambda: gt._account_thread(None, None, None, 0.0))
+    th.join()
+    assert seen == [True]
+
+    def write():
+        with torch.inference_mode():
+            buf.add_(1)
+    _Server(write).join()
+    assert buf.tolist() == [1.0] * 4
