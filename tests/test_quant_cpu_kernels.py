@@ -89,3 +89,17 @@ def test_shape_errors_are_explained():
         cpu.matvec("Q8_0", raw, x[:32])
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu.matvec("Q8_0", raw, x, out=torch.empty(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+def test_dequantize_rows_is_bit_exact(qtype):
+    """The C dequantizer (CPU prefill of packed experts) equals quant.dequantize bit for bit; leading
+    dims, odd row counts; Q4_K goes through torch."""
+    from moetier.quant.formats import dequantize, get_format
+    g = torch.Generator().manual_seed(7)
+    raw = quantize(torch.randn(3 * 37, 256, generator=g), qtype).view(3, 37, -1)
+    fmt = get_format(qtype)
+    got = cpu.dequantize_rows(qtype, raw)
+    assert got.shape == (3, 37, 256) and got.dtype == torch.float32
+    assert torch.equal(got, dequantize(raw, fmt, (3, 37, 256)))
+    assert torch.equal(cpu.dequantize_rows(qtype, raw[1]), dequantize(raw[1], fmt, (37, 256)))

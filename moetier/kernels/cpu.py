@@ -83,6 +83,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.moetier_matvec.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, c_int]
+    lib.moetier_dequant.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
     lib.moetier_matvec_batch.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int]
     lib.moetier_sum_f32.argtypes = [ptr, i64, c_int]
     lib.moetier_sum_f32.restype = ctypes.c_float
@@ -427,6 +428,25 @@ def _build_ops_library(cache_dir: Path | None = None) -> Path:
             raise RuntimeError(f"compiling {src.name} failed:\n{res.stderr[-2000:]}")
         os.replace(tmp, so)
     return so
+
+
+def dequantize_rows(qtype, raw: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """uint8 [..., N, row_bytes] GGML rows -> float32 [..., N, K], bit-exact with quant.dequantize:
+    the C kernel for Q8_0 / Q4_0 (measured: the torch dequantizer took 29% of the default model's
+    Q4_0 prefill), else torch."""
+    fmt = get_format(qtype)
+    k = raw.shape[-1] // fmt.type_size * fmt.block_size
+    if fmt.name not in ("Q8_0", "Q4_0") or backend() != "c" or raw.device.type != "cpu":
+        from moetier.quant.formats import dequantize
+        return dequantize(raw, fmt, (*raw.shape[:-1], k))
+    rows = raw.reshape(-1, raw.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*raw.shape[:-1], k, dtype=torch.float32)
+    rc = _lib.moetier_dequant(fmt.type_id, rows.data_ptr(), rows.stride(0), rows.shape[0], k, out.data_ptr(),
+                              threads or torch.get_num_threads())
+    _raise_on(rc, fmt, k)
+    return out
 
 
 def stream_sum(a: torch.Tensor, threads: int | None = None) -> float:

@@ -635,3 +635,30 @@ int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N
     return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
 #endif
 }
+
+/* Rows of GGML blocks -> float32, bit-exact with the torch dequantizer (one multiply per value):
+ * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0. 0, or -1 (type / K). */
+int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, float *out,
+                    int nthreads) {
+    if ((qtype != Q8_0 && qtype != Q4_0) || K % 32) return -1;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *r = w + n * row_stride;
+        float *o = out + n * K;
+        for (int64_t b = 0; b < K / 32; b++, o += 32) {
+            if (qtype == Q8_0) {
+                const uint8_t *blk = r + 34 * b;
+                const float d = fp16_to_f32(blk);
+                for (int j = 0; j < 32; j++) o[j] = d * (float)(int8_t)blk[2 + j];
+            } else {
+                const uint8_t *blk = r + 18 * b;
+                const float d = fp16_to_f32(blk);
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * (float)((blk[2 + j] & 0x0F) - 8);
+                    o[j + 16] = d * (float)((blk[2 + j] >> 4) - 8);
+                }
+            }
+        }
+    }
+    return 0;
+}

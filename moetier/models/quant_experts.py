@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu as _cpu  # noqa: F401  (registers the torch op moetier::moe_tokens)
+from ..kernels import cpu as _cpu     # also registers the torch op moetier::moe_tokens
 from ..kernels import ops
-from ..quant.formats import dequantize, get_format
+from ..quant.formats import get_format
 from ..quant.repack import dequantize_repacked, repack
 from .layers import DenseExperts, grouped_experts, grouped_mm_experts, swiglu
 
@@ -103,8 +103,7 @@ class QuantExperts(DenseExperts):
         if self.layout == "planes":
             return dequantize_repacked(name, {n: p[e] for n, p in self.planes(proj).items()})
         raws = [self.gate_raw[e], self.up_raw[e]] if proj == "gate_up" else [self.down_raw[e]]
-        fmt = get_format(name)
-        ws = [dequantize(r, fmt, (*r.shape[:-1], r.shape[-1] // fmt.type_size * fmt.block_size)) for r in raws]
+        ws = [_cpu.dequantize_rows(name, r) for r in raws]
         return ws[0] if len(ws) == 1 else torch.cat(ws, dim=-2)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
