@@ -103,3 +103,15 @@ def test_stream_decode_forces_topic_local_tokens(model):
     done = engine.complete(prompt_ids=ids[:12], max_tokens=8, params=GREEDY, ignore_eos=True,
                            logits_processor=forcing(ids[12:]))
     assert done.token_ids == ids[12:]
+
+
+def test_a_failing_compare_configuration_is_reported_and_the_rest_run(model, capsys):
+    """One bad --compare entry (static policy without a profile) must not lose the other measurements."""
+    rep = run_json(capsys, ["bench", str(model), "--device", "cpu", "--prompt-len", "16", "--gen", "3",
+                            "--warmup", "0", "--json", "--compare", "bad:--cache-policy static",
+                            "--compare", "tiers:--ram-mem 64MiB"])
+    assert [c["label"] for c in rep["configs"]] == ["base", "tiers"]
+    assert [f["label"] for f in rep["failed"]] == ["bad"] and "--expert-profile" in rep["failed"][0]["error"]
+    assert cli(["bench", str(model), "--device", "cpu", "--prompt-len", "12", "--gen", "3", "--warmup", "0",
+                "--compare", "bad:--cache-policy static"]) == 0
+    assert "failed [bad]" in capsys.readouterr().out
