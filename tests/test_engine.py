@@ -29,6 +29,7 @@ def test_stream_deltas_add_up_to_the_text(engine):
     s = done.stats
     assert s["prompt_tokens"] == len(engine.tokenizer.encode("The quick brown")) and s["generated_tokens"] == 24
     assert s["decode_tok_s"] > 0 and s["ttft_s"] > 0
+    assert s["decode_path"] in ("eager", "cpu-compiled") and s["device"] == "cpu"
 
 
 def test_greedy_engine_matches_plain_loop(engine):

@@ -281,9 +281,11 @@ class Engine:
             mem0 = self.tiers.snapshot() if self.tiers is not None else None
             first = True
             every = 0 if session.cache.can_truncate else self.config.snapshot_every
+            step = self._decode_step(session)
+            path = "eager" if step is None else "cuda-graph" if self.device.startswith("cuda") else "cpu-compiled"
             for ev in generate_stream(self.model, session.cache, ids, ids[cached:], sampler, max_tokens, eos,
                                       detok, stops, logprobs, cancel, self.prefill_chunk, cached,
-                                      logits_processor, self._decode_step(session), every,
+                                      logits_processor, step, every,
                                       lambda: session.save_snapshot(periodic=True)):
                 if first:  # the prompt is prefilled and nothing decoded yet: a turn boundary
                     session.save_snapshot()
@@ -295,6 +297,7 @@ class Engine:
                     session.tokens = session.tokens[:session.cache.length]
                     ev.stats["device"] = self.device
                     ev.stats["dtype"] = str(self.dtype).removeprefix("torch.")
+                    ev.stats["decode_path"] = path     # eager | cuda-graph | cpu-compiled
                     ev.stats["memory"] = self.tiers.request_stats(mem0) if mem0 is not None else \
                         self.memory_stats()
                 yield ev
