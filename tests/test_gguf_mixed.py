@@ -27,12 +27,7 @@ BASE = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 5
 TOKENS = torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def q4km(tmp_path_factory, name: str, mlp_only: list[int]):

@@ -35,12 +35,7 @@ MODEL = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 
          "mlp_only_layers": [1], "num_experts": 8, "num_experts_per_tok": 2}     # MoE layers 0, 2, 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

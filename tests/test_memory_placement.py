@@ -27,14 +27,7 @@ def config(**kw):
     return Qwen3MoeConfig(**base)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a loaded 2-core machine OpenMP barriers made these tiny models ~80x
-    slower (14 s vs 0.17 s for the dense reference). Bit-identity holds at any fixed thread count."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The import surface of the gated delta rule (DeltaNet layers): Triton kernels (kernels/triton_deltanet.py)
 when asked (`use("triton")`: tests, benchmarks), else their pure-torch twins in models/deltanet.py;
-the default is torch everywhere until the whole-model check passes on CUDA (see DEFAULT below).
+the default is torch everywhere until the whole-model check passes on CUDA (see `_choice` below).
 
     out, state = recurrent(q, k, v, g, beta, state, out_state=cache.ssm)      # decode: one launch
     out, state = chunk(q, k, v, g, beta, state, chunk=64, out_state=cache.ssm)  # prefill
@@ -17,33 +17,20 @@ import torch
 from ..models import deltanet
 from . import ops
 
-_backend: str | None = None   # set by `use`
 # The kernels passed their own tests on the H200 but the whole-model logits test (16-token chunks,
 # fp32, 1e-5) failed there on 2026-11-30 (the error was not captured): torch is the default on
 # CUDA too until that is understood; `use("triton")` runs them.
-DEFAULT = "torch"
+_choice = ops.OpBackend("DeltaNet", default="torch")
+use = _choice.use       # run the DeltaNet ops on "torch" or "triton" inside a block
 
 
 def backend() -> str:
-    return _backend or DEFAULT
-
-
-@contextlib.contextmanager
-def use(name: str):
-    """Run the DeltaNet ops on `name` ("torch" or "triton") inside the block."""
-    global _backend
-    if name not in ("torch", "triton"):
-        raise ValueError(f"unknown DeltaNet backend {name!r}: use 'torch' or 'triton'")
-    old, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = old
+    return _choice.get()
 
 
 def _kernels(x: torch.Tensor):
     """The Triton module when it should run on x, else None."""
-    if backend() != "triton" or not (x.is_cuda or ops._interpret or _backend == "triton"):
+    if backend() != "triton" or not (x.is_cuda or ops._interpret or _choice.name == "triton"):
         return None
     try:
         from . import triton_deltanet

@@ -105,6 +105,27 @@ def backend() -> str:
     return _backend
 
 
+class OpBackend:
+    """One op family's backend on top of the one chosen here: `name` None follows `backend()`
+    (or `default`); `use("torch" | "triton")` overrides it inside a block (tests, benchmarks)."""
+
+    def __init__(self, what: str, default: str | None = None):
+        self.what, self.default, self.name = what, default, None
+
+    def get(self) -> str:
+        return self.name or self.default or backend()
+
+    @contextlib.contextmanager
+    def use(self, name: str):
+        if name not in ("torch", "triton"):
+            raise ValueError(f"unknown {self.what} backend {name!r}: use 'torch' or 'triton'")
+        old, self.name = self.name, name
+        try:
+            yield
+        finally:
+            self.name = old
+
+
 def _triton_importable() -> bool:
     try:
         from . import triton_moe  # noqa: F401
@@ -150,28 +171,27 @@ def _check_out(out, x):
 
 
 # ------------------------------------------------------------------ public ops
-def moe_decode(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
-    """Few tokens (T <= 8): fused GEMV kernels, two launches, no host sync (CUDA-graph capturable)."""
+def _experts(kernel_name: str, native, x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt):
+    """The Triton kernel `kernel_name` of triton_moe when it runs these inputs, else `native`."""
     (fmt, down_fmt), a = split_fmt(fmt, down_fmt), as_act(act)
     if not _use_triton(x, fmt, a, down_fmt):
-        return moe_decode_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
-    from .triton_moe import moe_decode as kernel
+        return native(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
+    from . import triton_moe
     x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases, down_fmt)
     _check_out(out, x)
     with _on_device(x):
-        return kernel(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
+        return getattr(triton_moe, kernel_name)(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
+
+
+def moe_decode(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
+    """Few tokens (T <= 8): fused GEMV kernels, two launches, no host sync (CUDA-graph capturable)."""
+    return _experts("moe_decode", moe_decode_native, x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
 
 
 def moe_grouped(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
     """Many tokens (prefill): pairs sorted by slot, grouped GEMMs on tensor cores, no host sync."""
-    (fmt, down_fmt), a = split_fmt(fmt, down_fmt), as_act(act)
-    if not _use_triton(x, fmt, a, down_fmt):
-        return moe_grouped_native(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
-    from .triton_moe import moe_grouped as kernel
-    x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases, down_fmt)
-    _check_out(out, x)
-    with _on_device(x):
-        return kernel(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
+    return _experts("moe_grouped", moe_grouped_native, x, slot_ids, w, gate_up, down, act, biases, fmt, out,
+                    down_fmt)
 
 
 def moe(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):

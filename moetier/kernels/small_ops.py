@@ -8,14 +8,14 @@ kernels on CPU tensors under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 from . import ops
 
 MAX_TOKENS = 64        # above this the step is a prefill chunk: the twins' big kernels are fine
-_backend: str | None = None
 _enabled = True
+_choice = ops.OpBackend("fused decode op")
+use = _choice.use
 
 
 def set_enabled(on: bool) -> None:
@@ -24,24 +24,12 @@ def set_enabled(on: bool) -> None:
     _enabled = bool(on)
 
 
-@contextlib.contextmanager
-def use(name: str):
-    global _backend
-    if name not in ("torch", "triton"):
-        raise ValueError(f"unknown backend {name!r}: use 'torch' or 'triton'")
-    old, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = old
-
-
 def _triton(x, tokens: int) -> bool:
     if tokens > MAX_TOKENS or not x.is_contiguous():
         return False
-    if not _enabled and _backend is None:
+    if not _enabled and _choice.name is None:
         return False
-    name = _backend or ops.backend()
+    name = _choice.get()
     return name == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 

@@ -89,33 +89,23 @@ class GraphTiers:
         self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
                        "admitted": 0}
         self._db = doorbell
-        self._setup()
-
-    def _setup(self) -> None:
-        t, lay, k = self.tiers, self.tiers.layout, self.k
-        self.req = self._db.Requests(self.L, self.dim, k, pin=True)
-        self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=t.pl.device)
+        self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
+        self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
+        # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
         gu = [[None] * self.E for _ in range(self.L)]
         dn = [[None] * self.E for _ in range(self.L)]
         for li in range(self.L):
-            for e in np.flatnonzero(t.bank.where[li] >= 0).tolist():
-                w = lay.unpack(t.bank.slots[int(t.bank.where[li, e])], li)
+            for e in np.flatnonzero(tiers.bank.where[li] >= 0).tolist():
+                w = lay.unpack(tiers.bank.slots[int(tiers.bank.where[li, e])], li)
                 gu[li][e], dn[li][e] = w["gate_up_proj"], w["down_proj"]
-        self.server = self._db.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act,
-                                          self.threads)
-
-    def weights(self, li: int):
-        fast = self.tiers.fast
-        if hasattr(fast, "kernel_weights"):
-            return fast.kernel_weights(li)
-        return "dense", fast.arena["gate_up_proj"], fast.arena["down_proj"]
+        self.server = doorbell.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act, threads)
 
     # ------------------------------------------------------------------ inside the graph
     def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
         if k != self.k:
             raise ValueError(f"the router picked {k} experts per token, the doorbell buffers hold {self.k}")
-        fmt, gu, dn = self.weights(li)
+        fmt, gu, dn = self.tiers.fast.kernel_weights(li)
         slots = self.slots[li]
         self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0)
         hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..kernels import ops
 from ..kernels.cpu import expert_ffn
+from ..models.quant_experts import DEQUANT_GROUP    # experts dequantized at a time
 from ..quant.repack import dequantize_repacked, repack
 from .layout import ExpertLayout, ParamSpec
 
@@ -65,7 +66,6 @@ def grouped_available(device: str, dtype: torch.dtype, layout: ExpertLayout) -> 
 
 
 DEQUANT_ROWS = 64      # CUDA: GGML hits with this many rows in one call run dequantized (see _run_dequant)
-DEQUANT_GROUP = 16     # experts dequantized at a time
 
 
 class Timer:
