@@ -9,6 +9,9 @@
 #               of a repeated prompt cold vs from the snapshot (bench/bench_long_context.py)
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
 #   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
+#   default     the embedded default model on real text (its real routing) at GPU budgets that cache
+#               all / about half / few of its 32 experts: tok/s, hit rate, time split
+#   kernels     Triton decode kernels' GB/s against HBM (bench/bench_gpu_kernels.py --variants)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests bench48 uniform12 longctx}
@@ -66,6 +69,27 @@ for step in $STEPS; do
       synth qwen3-30b-a3b Q4_0 12 $S .data/q30-12-skew$S.gguf 40
       bench uniform12_skew$S 45 .data/q30-12-skew$S.gguf --prompt-len 512 --gen 40 --gpu-mem 3GiB
     done ;;
+  default)
+    TEXT="$(head -c 6000 docs/perf-log.md | tr '\n' ' ')"
+    for G in none 56MiB 44MiB; do
+      B=""; [ $G != none ] && B="--gpu-mem $G"
+      timeout 60 python3 -m moetier run --device cuda --ctx 2048 --max-tokens 256 --temperature 0 $B $FLAGS --json \
+        --prompt "$TEXT" > "$OUT/default_$G.json" 2> "$OUT/default_$G.err"
+      tail -2 "$OUT/default_$G.err"
+      python3 - "$OUT/default_$G.json" "$G" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(sys.argv[2], "no json:", e); sys.exit()
+s = d.get("stats", {}); m = s.get("memory") or {}
+print(sys.argv[2], {k: s.get(k) for k in ("prompt_tokens", "completion_tokens", "decode_tok_s", "prefill_tok_s", "decode_path")},
+      {k: m.get(k) for k in ("hit_rate", "graph", "slots", "hits", "misses", "cpu_ms", "gpu_ms", "copy_ms")})
+PY
+    done ;;
+  kernels)
+    timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget 40 > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
+    tail -3 "$OUT/gpu_kernels.err"; head -c 3000 "$OUT/gpu_kernels.json"; echo ;;
   doorbell12)
     for Q in Q4_0 BF16; do
       M=.data/q30-$Q; [ $Q != BF16 ] && M=$M.gguf
