@@ -127,9 +127,21 @@ def _one_config(args, path, label, flags, ns, lens, mode, bw, results, log):
         bw = measure_bandwidths(engine.device, path, use_cache=not args.remeasure)
     r = bench_config(engine, path, fit, args.gen, args.warmup, bw, mode, log)
     results.append({"label": label, "flags": flags, "load_s": round(load_s, 3), **r})
+    log(f"[{label}] " + summary_line(results[-1]))   # a run cut short still shows the finished configs
     release(engine)
     engine = None
     return bw
+
+
+def summary_line(c: dict) -> str:
+    """One configuration's result in one line (stderr, as soon as it is measured)."""
+    from ..tools.bench_core import hit_summary
+    t = c["time_split"]
+    pre = ", ".join(f"{n}: {v:.0f}" for n, v in c["prefill_tok_s"].items())
+    frac = f" ({c['fraction_of_bound']:.0%} of {c['bound_tok_s']:.1f})" if c["fraction_of_bound"] is not None else ""
+    return (f"decode {c['decode_tok_s']:.2f} tok/s{frac}; prefill tok/s {pre}; hits {hit_summary(c['memory'])}; "
+            f"ms/token gpu {t['gpu_ms']:.2f} cpu {t['cpu_ms']:.2f} copy {t['copy_ms']:.2f} other {t['idle_ms']:.2f}; "
+            f"peak VRAM {_gib(c['peak_vram_bytes'])}")
 
 
 def _gib(n) -> str:
