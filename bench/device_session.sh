@@ -44,14 +44,15 @@ for step in $STEPS; do
   case $step in
   tests)
     timeout 90 python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
-      tests/test_memory_gpu.py -k "${TEST_K:-graphed or gguf or fused or rms or softmax or cuda_graph or deltanet}" \
+      tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py \
+      -k "${TEST_K:-graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module}" \
       -p no:cacheprovider -rf --tb=short 2>&1 | tail -60 > "$OUT/gpu_tests.txt"
     grep -E "^E |passed|failed|FAILED" "$OUT/gpu_tests.txt" | tail -14
     # a broken fused decode kernel must not spoil the measurements: bench without it then
     grep -q "FAILED tests/test_small_ops\|FAILED tests/test_gpu" "$OUT/gpu_tests.txt" && FLAGS="--no-fused-decode" ;;
   bench48)
     M=.data/q30-Q4_0-48.gguf
-    synth qwen3-30b-a3b Q4_0 48 0.5 $M 120
+    synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0.5} $M 120
     bench bench48 ${B48SECS:-280} $M --prompt-len 512,8192 --gen 40 --compare "g8:--gpu-mem 8GiB" --compare "cpu-moe:--cpu-moe"
     rm -f $M ;;
   longctx)
@@ -72,7 +73,7 @@ for step in $STEPS; do
   default)
     # bf16 on CUDA: dense 15 MiB + KV (1024 tokens) 2 MiB + prefill workspace 37 MiB, experts 32 x 576 KiB
     TEXT="$(head -c 1800 docs/perf-log.md | tr '\n' ' ')"
-    for G in none 63MiB 59MiB; do
+    for G in none 104MiB 99MiB; do
       B=""; [ $G != none ] && B="--gpu-mem $G"
       timeout 60 python3 -m moetier run --device cuda --ctx 1024 --max-tokens 200 --temperature 0 $B $FLAGS --json \
         --prompt "$TEXT" > "$OUT/default_$G.json" 2> "$OUT/default_$G.err"

@@ -41,7 +41,7 @@ def tiny_checkpoint(path: Path, hf_cls, config, seed: int = 0, fused: bool = Fal
 
 def ours_logits(model, tokens: torch.Tensor, split: int) -> torch.Tensor:
     """Prefill tokens[:split] in one call, then decode the rest one by one with the KV cache."""
-    cache = model.make_cache(len(tokens) + 4, torch.float32, "cpu")
+    cache = model.make_cache(len(tokens) + 4, torch.float32, tokens.device)
     with torch.no_grad():
         out = [model(tokens[:split], cache)]
         for i in range(split, len(tokens)):

@@ -200,6 +200,28 @@ def moe(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", ou
     return op(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
 
 
+def dequantize(fmt: str, planes: dict[str, torch.Tensor], idx: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Slots idx (int64, on the planes' device) of GGML planes (quant.repack) -> float [n, N, K] in
+    dtype: one Triton pass on CUDA (kernels.triton_dequant), else the torch dequantizer in groups
+    of DEQUANT_GROUP (which bounds its float32 temporaries). Bit-identical either way."""
+    first = next(iter(planes.values()))
+    if backend() == "triton" and first.is_cuda and fmt in KERNEL_FORMATS and fmt != "dense":
+        from .triton_dequant import dequantize as triton_dequantize
+        return triton_dequantize(fmt, planes, idx, dtype, out)
+    from moetier.quant.repack import dequantize_repacked
+    n = idx.shape[0]
+    for a in range(0, n, DEQUANT_GROUP):
+        part = dequantize_repacked(fmt, {k: v[idx[a:a + DEQUANT_GROUP]] for k, v in planes.items()})
+        if out is None:
+            out = torch.empty(n, *part.shape[1:], dtype=dtype, device=first.device)
+        out[a:a + DEQUANT_GROUP] = part
+    return out
+
+
+DEQUANT_GROUP = 16      # experts the torch dequantizer takes at a time
+
+
 # ------------------------------------------------------------------ the pure-torch twin
 def _dense_weight(weight, fmt: str, s: int) -> torch.Tensor:
     """Slot s as float32 [N, K]."""

@@ -223,6 +223,12 @@ class Tiers:
             self._conv = {n: torch.empty(v.shape, dtype=self.cpu_dtype) for n, v in src.items()}
         return {n: self._conv[n].copy_(v) for n, v in src.items()}
 
+    def admits(self) -> bool:
+        """Whether decode can admit experts into the fast tier (a dynamic policy with room in some
+        layer that does not hold all of its experts)."""
+        c = self.cache
+        return c.policy != "static" and any(0 < s < self.E for s in c.sizes)
+
     def graph_path(self, act, threads: int, k: int):
         """-> (GraphTiers, None) when a captured decode step can serve these tiers, else (None, why)."""
         if self.graphed is None:

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 from ..kernels import ops
 from ..kernels.cpu import expert_ffn
-from ..models.quant_experts import DEQUANT_GROUP    # experts dequantized at a time
-from ..quant.repack import dequantize_repacked, repack
+from ..quant.repack import repack
 from .layout import ExpertLayout, ParamSpec
 
 
@@ -357,16 +356,12 @@ class FastTier:
 
     def dequantized(self, slots: list[int], dtype: torch.dtype, li: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """GGML experts (of layer li) of `slots` as float weights: gate_up [n, 2I, D], down [n, D, I] in
-        `dtype` (DEQUANT_GROUP at a time, which bounds the float32 temporary)."""
+        `dtype` (kernels.ops.dequantize: one Triton pass on CUDA)."""
         spec = {p.name: p for p in self.layout.specs(li)}
         out = []
         idx = _to(torch.tensor(slots, dtype=torch.long), self.device)
         for name in ("gate_up_proj", "down_proj"):
-            w = torch.empty(len(slots), *spec[name].logical_shape, dtype=dtype, device=self.device)
-            for a in range(0, len(slots), DEQUANT_GROUP):
-                part = idx[a:a + DEQUANT_GROUP]
-                planes = self.planes[(name, spec[name].qtype)]
-                w[a:a + DEQUANT_GROUP] = dequantize_repacked(spec[name].qtype, {k: v[part] for k, v in planes.items()})
+            w = ops.dequantize(spec[name].qtype, self.planes[(name, spec[name].qtype)], idx, dtype)
             out.append(w)
         return out[0], out[1]
 

@@ -71,14 +71,20 @@ def default_threads() -> int:
     return max(1, n // 2)
 
 
-def miss_threads() -> int:
-    """Threads of the graphed tier step's miss server: every CPU this process may use. Measured on
-    the H200 box (16 CPUs), 48-layer Q4_0 at --gpu-mem 8GiB: 16 threads 41.6 tok/s, 8 threads 32.3
-    (the torch default below, half the CPUs, was chosen on a busy 2-vCPU box)."""
+BIG_CHUNK_FREE = 8 << 30   # CUDA without tiers: 8K-token prefill chunks when this much VRAM is free after loading
+
+
+def miss_threads(admitting: bool = False) -> int:
+    """Threads of the graphed tier step's miss server: every CPU this process may use, less one when
+    the fast tier admits experts (the step's bookkeeping thread then runs while the next step is
+    served; one preempted team thread stalls the whole team at every layer's barrier: 16 threads on
+    16 CPUs gave 5.0 tok/s at --gpu-mem 8GiB, docs/perf-log.md). Measured on the H200 box (16 CPUs),
+    48-layer Q4_0 at --gpu-mem 8GiB with inline bookkeeping: 16 threads 41.6 tok/s, 8 threads 32.3."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    return max(1, n - 1 if admitting and n > 2 else n)
 
 
 class Session:
@@ -217,6 +223,10 @@ class Engine:
         if placement is not None:
             engine.tiers = memory.install(net, placement, config)
             engine.prefill_chunk = placement.prefill_chunk
+        elif device.startswith("cuda") and torch.cuda.mem_get_info(torch.device(device))[0] >= BIG_CHUNK_FREE:
+            # every chunk dequantizes (GGUF) or reads all the experts it uses once per layer: 4x fewer
+            # passes over the expert weights for an 8K prompt than 2K chunks (docs/perf-log.md)
+            engine.prefill_chunk = memory.TIERED_PREFILL_CHUNK
         return engine
 
     def new_session(self, max_context: int | None = None) -> Session:
@@ -304,13 +314,15 @@ class Engine:
 
     def _decode_step(self, session: Session):
         """The per-token forward: a CUDA-graph replay on CUDA (captured once per session), an
-        AOT-compiled step on the CPU (runtime/cpu_compile.py: built with --cpu-compile on, used whenever
-        it is cached), else eager."""
+        AOT-compiled step on the CPU (runtime/cpu_compile.py: used whenever it is cached; auto builds it
+        in the background and switches to it at the first request after it lands), else eager."""
         from . import cpu_compile
         if cpu_compile.wanted(self.config.cpu_compile, self.device, self.tiers, session.cache):
             if getattr(self, "_cpu_decode", None) is None:  # tried once per Engine (False: unavailable)
-                self._cpu_decode = cpu_compile.CpuDecode.get(self.model, build=self.config.cpu_compile == "on") \
-                    or False
+                step, self.cpu_build = cpu_compile.compiled_step(self.model, self.path, self.config)
+                self._cpu_decode = step or False
+            elif not self._cpu_decode and getattr(self, "cpu_build", None) is not None and self.cpu_build.landed():
+                self._cpu_decode = cpu_compile.CpuDecode.get(self.model, build=False) or False   # built meanwhile
             if self._cpu_decode:
                 cpu_step, cache = self._cpu_decode, session.cache
                 return lambda tok: cpu_step(cache, tok)[-1]
@@ -334,7 +346,7 @@ class Engine:
         """The tiers' CUDA-graph decode path (memory.doorbell), or None with the reason logged once."""
         from ..memory.experts import TieredExperts
         act = next(m.act for m in self.model.modules() if isinstance(m, TieredExperts))
-        graphed, why = self.tiers.graph_path(act, self.config.cpu_threads or miss_threads(),
+        graphed, why = self.tiers.graph_path(act, self.config.cpu_threads or miss_threads(self.tiers.admits()),
                                               self.args.num_experts_per_tok)
         if why and not getattr(self, "_told_eager", False):
             log.info("tiered decode runs eagerly: %s", why)
