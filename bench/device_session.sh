@@ -53,7 +53,7 @@ for step in $STEPS; do
   bench48)
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0.5} $M 120
-    bench bench48 ${B48SECS:-280} $M --prompt-len 512,8192 --gen 40 --compare "g8:--gpu-mem 8GiB" --compare "cpu-moe:--cpu-moe"
+    bench bench48 ${B48SECS:-280} $M --prompt-len 512,8192 --gen 40 --compare "g8:--gpu-mem 8GiB" --compare "g8t12:--gpu-mem 8GiB --cpu-threads 12" --compare "cpu-moe:--cpu-moe"
     rm -f $M ;;
   longctx)
     Q=.data/qnext-4.gguf
