@@ -117,8 +117,11 @@ def main() -> int:
               "gpu": torch.cuda.get_device_name() if engine.device.startswith("cuda") else None,
               "host": platform.node(), "args": vars(a), "layers": engine.args.num_hidden_layers,
               "deltanet_backend": deltanet_ops.backend(), "prefill": []}
-    if a.warmup:
-        run(engine, stream_for(a.model, vocab, a.warmup, seed=999), engine.new_session(a.warmup + 16), 4)
+    if a.warmup:   # untimed: the prompt, then a follow-up of --tail tokens (the resumed path's shapes compile here)
+        warm = stream_for(a.model, vocab, a.warmup, seed=999)
+        ws = engine.new_session(a.warmup + a.tail + 16)
+        run(engine, warm, ws, 4)
+        run(engine, warm + stream_for(a.model, vocab, a.tail, seed=998), ws, 1)
     session = None
     for i, n in enumerate(lens):
         last = i == len(lens) - 1

@@ -1,6 +1,6 @@
 """The import surface of the gated delta rule (DeltaNet layers): Triton kernels (kernels/triton_deltanet.py)
-when asked (`use("triton")`: tests, benchmarks), else their pure-torch twins in models/deltanet.py;
-the default is torch everywhere until the whole-model check passes on CUDA (see `_choice` below).
+on CUDA (the kernel backend of kernels.ops), else their pure-torch twins in models/deltanet.py;
+`use("torch" | "triton")` overrides the choice inside a block (tests, benchmarks).
 
     out, state = recurrent(q, k, v, g, beta, state, out_state=cache.ssm)      # decode: one launch
     out, state = chunk(q, k, v, g, beta, state, chunk=64, out_state=cache.ssm)  # prefill
@@ -17,10 +17,9 @@ import torch
 from ..models import deltanet
 from . import ops
 
-# The kernels passed their own tests on the H200 but the whole-model logits test (16-token chunks,
-# fp32, 1e-5) failed there on 2026-11-30 (the error was not captured): torch is the default on
-# CUDA too until that is understood; `use("triton")` runs them.
-_choice = ops.OpBackend("DeltaNet", default="torch")
+# On by default since the whole-model logits test (16-token chunks, fp32, 1e-5) passed on the H200
+# (its earlier failure was the test's CPU-side cache, not the kernels).
+_choice = ops.OpBackend("DeltaNet")
 use = _choice.use       # run the DeltaNet ops on "torch" or "triton" inside a block
 
 
