@@ -7,6 +7,7 @@
 #               --cpu-moe, prompts 512 and 8192
 #   longctx     synthetic Qwen3-Next-80B-A3B Q4_0 GGUF, 4 layers: prefill 4K/32K/128K, decode after, TTFT
 #               of a repeated prompt cold vs from the snapshot (bench/bench_long_context.py)
+#   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
 #   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
 #   default     the embedded default model on real text (its real routing) at GPU budgets that cache
@@ -54,6 +55,11 @@ for step in $STEPS; do
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0.5} $M 120
     bench bench48 ${B48SECS:-280} $M --prompt-len 512,8192 --gen 40 --compare "g8:--gpu-mem 8GiB" --compare "g8t12:--gpu-mem 8GiB --cpu-threads 12" --compare "cpu-moe:--cpu-moe"
+    rm -f $M ;;
+  g8skew)
+    M=.data/q30-Q4_0-48-skew.gguf
+    synth qwen3-30b-a3b Q4_0 48 0.5 $M 120
+    bench g8skew ${G8SECS:-200} $M --prompt-len 512 --gen 64 --gpu-mem 8GiB --compare "lfu:--gpu-mem 8GiB --cache-policy lfu"
     rm -f $M ;;
   longctx)
     Q=.data/qnext-4.gguf
