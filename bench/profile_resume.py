@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32768)
     p.add_argument("--tail", type=int, default=64)
     p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--shapes-only", action="store_true", help="stop after the new-shape timings")
     a = p.parse_args()
     e = Engine.load(a.model, EngineConfig(max_context=a.prompt_len + 4 * a.tail + 64, progress=False))
     e.prefill_chunk = a.chunk
@@ -37,6 +38,17 @@ def main() -> None:
         t0 = time.perf_counter()
         r = run(e, prompt + stream_for(a.model, v, a.tail, seed=seed), s, 1)
         print(f"resumed (seed {seed})", r, f"{time.perf_counter() - t0:.3f} s", flush=True)
+    # a new tail length is a new attention shape: what a first call of a shape costs, per SDPA backend
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for name, backends in (("default", None), ("flash", [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])):
+        for n in (70, 90):
+            n += 1 if name == "flash" else 0
+            ctx = sdpa_kernel(backends) if backends else torch.autograd.profiler.record_function("x")
+            with ctx:
+                r = run(e, prompt + stream_for(a.model, v, n, seed=n), s, 1)
+            print(f"new tail length {n}, sdpa {name}: ttft {r['ttft_s']:.4f} s", flush=True)
+    if a.shapes_only:
+        return
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                     if torch.cuda.is_available() else [])
     with torch.profiler.profile(activities=acts) as prof:
