@@ -30,8 +30,10 @@ from moetier.kernels import cpu
 from moetier.quant.formats import get_format
 
 SHAPES = [(768, 2048), (2048, 768)]            # (N, K): a gate/up and a down projection
-TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
-FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}   # scale fields kept finite
+TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"]
+FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],   # scale fields kept finite
+                "MXFP4": [], "IQ3_XXS": [0]}
+E8M0_OFFSETS = {"MXFP4": [0]}           # shared exponent bytes kept near 2^0
 
 
 def weight_bank(qtype: str, gib: float, rng) -> torch.Tensor:
@@ -44,6 +46,8 @@ def weight_bank(qtype: str, gib: float, rng) -> torch.Tensor:
     for off in FP16_OFFSETS[qtype]:
         d = rng.uniform(0.5, 1.0, size=tile.shape[0]).astype(np.float16)
         tile[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    for off in E8M0_OFFSETS.get(qtype, []):
+        tile[:, off] = rng.integers(120, 136, size=tile.shape[0], dtype=np.uint8)
     n_blocks = n_mat * per_matrix // fmt.type_size
     bank = np.resize(tile, (n_blocks, fmt.type_size))
     return torch.from_numpy(bank.reshape(n_mat, per_matrix))

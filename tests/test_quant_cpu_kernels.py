@@ -15,10 +15,12 @@ FAST = sorted(cpu.FAST_TYPES)
 
 
 def case(qtype: str, n: int, k: int, seed: int = 0):
+    """Random rows (never zeros) in `qtype`, x, and the twin's y. The twin runs on the rows twice over:
+    the torch IQ3_XXS dequantizers cannot view a lone block's u32 words (storage offset 66)."""
     g = torch.Generator().manual_seed(seed)
     raw = quantize(torch.randn(n, k, generator=g), qtype)
     x = torch.randn(k, generator=g)
-    return raw, x, expert_matvec(qtype, repack(qtype, raw), x)
+    return raw, x, expert_matvec(qtype, repack(qtype, torch.cat([raw, raw])), x)[:n]
 
 
 def assert_close(y: torch.Tensor, ref: torch.Tensor):
@@ -91,15 +93,73 @@ def test_shape_errors_are_explained():
         cpu.matvec("Q8_0", raw, x, out=torch.empty(4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "MXFP4", "IQ3_XXS"])
 def test_dequantize_rows_is_bit_exact(qtype):
-    """The C dequantizer (CPU prefill of packed experts) equals quant.dequantize bit for bit; leading
-    dims, odd row counts; Q4_K goes through torch."""
+    """The C dequantizer (CPU prefill of packed experts) equals quant.dequantize and gguf-py's
+    dequantizer bit for bit; leading dims, odd row counts; Q4_K goes through torch."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gq
+
     from moetier.quant.formats import dequantize, get_format
     g = torch.Generator().manual_seed(7)
-    raw = quantize(torch.randn(3 * 37, 256, generator=g), qtype).view(3, 37, -1)
+    raw = quantize(torch.randn(3 * 37, 512, generator=g), qtype).view(3, 37, -1)
     fmt = get_format(qtype)
     got = cpu.dequantize_rows(qtype, raw)
-    assert got.shape == (3, 37, 256) and got.dtype == torch.float32
-    assert torch.equal(got, dequantize(raw, fmt, (3, 37, 256)))
-    assert torch.equal(cpu.dequantize_rows(qtype, raw[1]), dequantize(raw[1], fmt, (37, 256)))
+    assert got.shape == (3, 37, 512) and got.dtype == torch.float32
+    assert torch.equal(got, dequantize(raw, fmt, (3, 37, 512)))
+    assert torch.equal(got, torch.from_numpy(gq.dequantize(raw.numpy(), GGMLQuantizationType[qtype])))
+    assert torch.equal(cpu.dequantize_rows(qtype, raw[1]), dequantize(raw[1], fmt, (37, 512)))
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS"])
+def test_codebook_kernels_see_every_table_entry(qtype):
+    """Rows built so every MXFP4 nibble / IQ3_XXS grid row and sign pattern occurs (random floats
+    rarely reach all 256 grid rows), with random scales; the C matvec against the torch twin."""
+    from moetier.quant.formats import get_format
+    fmt = get_format(qtype)
+    g = torch.Generator().manual_seed(5)
+    raw = torch.randint(0, 256, (64, 4 * fmt.type_size), dtype=torch.uint8, generator=g)
+    if qtype == "MXFP4":
+        raw.view(-1, 17)[:, 0] = torch.randint(118, 136, (raw.numel() // 17,), dtype=torch.uint8, generator=g)
+    else:
+        blocks = raw.view(-1, 98)
+        blocks[:, :2] = torch.rand(blocks.shape[0], 1, generator=g).half().view(torch.uint8)
+        blocks[:, 2:66] = torch.arange(256, dtype=torch.uint8).repeat(blocks.shape[0] // 4, 1).view(-1, 64)
+    x = torch.randn(4 * fmt.block_size, generator=g)
+    ref = expert_matvec(qtype, repack(qtype, raw), x)
+    y = torch.full((64,), float("nan"))
+    assert_close(cpu.matvec(qtype, raw, x, out=y, threads=2), ref)
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS", ("IQ3_XXS", "Q6_K")])
+def test_moe_tokens_codebook_formats(qtype):
+    """The one-call MoE layer (decode) reads MXFP4 / IQ3_XXS experts through the same row kernels."""
+    from moetier.quant.formats import get_format
+    gq_, dq_ = qtype if isinstance(qtype, tuple) else (qtype, qtype)
+    e, d, i, t, k = 5, 256, 512, 3, 2
+    g = torch.Generator().manual_seed(11)
+    gate, up = (quantize(torch.randn(e * i, d, generator=g), gq_).view(e, i, -1) for _ in range(2))
+    down = quantize(torch.randn(e * d, i, generator=g), dq_).view(e, d, -1)
+    x = torch.randn(t, d, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    fmts = (get_format(gq_), get_format(dq_))
+    ref = cpu.moe_tokens_native(fmts, gate, up, down, x, ids, w)
+    assert_close(cpu.moe_tokens(fmts, gate, up, down, x, ids, w, threads=2), ref)
+
+
+def test_build_key_covers_included_files(tmp_path, monkeypatch):
+    """An edit to a file cpu_kernels.c #includes (not only cpu_kernels.c itself) builds a new library."""
+    if cpu.backend() != "c":
+        pytest.skip("needs a C compiler")
+    import shutil
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in cpu._SOURCE.parent.glob("cpu*.[ch]"):
+        shutil.copy(f, src / f.name)
+    monkeypatch.setattr(cpu, "_SOURCE", src / "cpu_kernels.c")
+    first = cpu.build_library(tmp_path / "cache", source=src / "cpu_kernels.c")
+    with open(src / "cpu_iquants.c", "a") as f:
+        f.write("\n/* an edit */\n")
+    second = cpu.build_library(tmp_path / "cache", source=src / "cpu_kernels.c")
+    assert first != second and second.exists()

@@ -31,6 +31,16 @@ def _values(cls):
     return lambda: torch.tensor(cls.kvalues, dtype=torch.float32)
 
 
+def c_tables() -> dict[str, np.ndarray]:
+    """The value tables the C kernels need (kernels/cpu.py writes them into a header at build
+    time): mxfp4_values int8 [16], iq3xxs_grid uint8 [256, 4], iq_ksigns uint8 [128] (bit j set:
+    value j of 8 is negated), taken from the same tables the dequantizers use."""
+    signs = (_ksigns_bits() < 0).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)   # [128, 8]
+    return {"mxfp4_values": _values(gq.MXFP4)().to(torch.int8).numpy(),
+            "iq3xxs_grid": _grid(gq.IQ3_XXS).to(torch.uint8).numpy(),
+            "iq_ksigns": signs.sum(-1, dtype=torch.uint8).numpy()}
+
+
 def _lookup(name: str, build, idx: torch.Tensor) -> torch.Tensor:
     return table(name, idx.device, build)[idx.long()]
 

@@ -1,0 +1,167 @@
+/* K-quant row kernels (Q4_K, Q5_K, Q6_K): part of cpu_kernels.c, which #includes this file after
+ * its SIMD vocabulary (vf / vi, vq5f / vq6f), fp16_to_f32 and PREFETCH; not compiled on its own. */
+
+/* ---- Q4_K: 144-byte super-blocks of 256 {fp16 d, fp16 dmin, u8 scales[12], u8 qs[128]};
+ * value = d * sc[j] * q - dmin * mn[j] for sub-block j (32 elements); qs chunk c (32 bytes)
+ * holds sub-block 2c in its low nibbles and 2c+1 in its high nibbles ---- */
+/* 12 scale bytes -> sc[0:8] and mn[0:8] (6-bit), each packed as 8 bytes in a u64:
+ * bytes 0-3 hold sc[0:4] low 6 bits (top 2 bits -> sc[4:8]); 4-7 likewise for mn;
+ * 8-11: sc[4:8] low nibble, mn[4:8] high nibble. Kept in registers, not stored bytewise. */
+static inline void scale_min_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    *sc = (a & 0x3F3F3F3Fu) | (uint64_t)((c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+    *mn = (b & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
+}
+
+static float row_q4_k(const uint8_t *w, const float *x, const float *xs, int64_t nsb) {
+#ifdef VW
+    vf acc = vzero();
+    __m256 off = _mm256_setzero_ps();                   /* sum_j dmin mn[j] xs[j], 8 lanes */
+    for (int64_t b = 0; b < nsb; b++, w += 144, x += 256, xs += 8) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        PREFETCH(w + 128);
+        uint64_t sc, mn;
+        scale_min_k4(w + 4, &sc, &mn);
+        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc)));
+        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn)));
+        float dsc[8];                                   /* d * sc[j] */
+        _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w)), scf));
+        off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w + 2)), mnf), _mm256_loadu_ps(xs), off);
+        const uint8_t *qs = w + 16;
+        for (int c = 0; c < 4; c++, qs += 32) {
+            const float *x0 = x + 64 * c, *x1 = x0 + 32;
+            vf s0 = vzero(), s1 = vzero();
+            for (int j = 0; j < 32; j += VW) {
+                vi q = vbytes_u8(qs + j);
+                s0 = vfma(vlo4f(q), vload(x0 + j), s0);
+                s1 = vfma(vhi4f(q), vload(x1 + j), s1);
+            }
+            acc = vfma(vset1(dsc[2 * c]), s0, acc);
+            acc = vfma(vset1(dsc[2 * c + 1]), s1, acc);
+        }
+    }
+    return vsum(acc) - hsum8(off);
+#else
+    float acc = 0.f, off = 0.f;
+    for (int64_t b = 0; b < nsb; b++, w += 144, x += 256, xs += 8) {
+        uint64_t sc64, mn64;
+        scale_min_k4(w + 4, &sc64, &mn64);
+        uint8_t sc[8], mn[8];
+        memcpy(sc, &sc64, 8);                           /* little-endian: byte j = value j */
+        memcpy(mn, &mn64, 8);
+        const float d = fp16_to_f32(w), dmin = fp16_to_f32(w + 2);
+        const uint8_t *qs = w + 16;
+        for (int c = 0; c < 4; c++, qs += 32) {
+            const float *x0 = x + 64 * c, *x1 = x0 + 32;
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < 32; j++) { s0 += (qs[j] & 0x0F) * x0[j]; s1 += (qs[j] >> 4) * x1[j]; }
+            acc += d * sc[2 * c] * s0 + d * sc[2 * c + 1] * s1;
+        }
+        for (int j = 0; j < 8; j++) off += dmin * mn[j] * xs[j];
+    }
+    return acc - off;
+#endif
+}
+
+/* ---- Q5_K: 176-byte super-blocks {fp16 d, fp16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]}: Q4_K
+ * plus a 5th bit, for element 32 s + j bit s of qh[j] (value = d sc q - dmin mn, q in [0, 32)) ---- */
+static float row_q5_k(const uint8_t *w, const float *x, const float *xs, int64_t nsb) {
+    float acc_s = 0.f, off = 0.f;
+#ifdef VW
+    vf acc = vzero();
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 176, x += 256, xs += 8) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        PREFETCH(w + 128);
+        uint64_t sc64, mn64;
+        scale_min_k4(w + 4, &sc64, &mn64);
+        uint8_t sc[8], mn[8];
+        memcpy(sc, &sc64, 8);
+        memcpy(mn, &mn64, 8);
+        const float d = fp16_to_f32(w), dmin = fp16_to_f32(w + 2);
+        const uint8_t *qh = w + 16, *qs = w + 48;
+        for (int c = 0; c < 4; c++, qs += 32) {
+            const float *x0 = x + 64 * c, *x1 = x0 + 32;
+#ifdef VW
+            vf s0 = vzero(), s1 = vzero();
+            for (int j = 0; j < 32; j += VW) {
+                vi q = vbytes_u8(qs + j), h = vbytes_u8(qh + j);
+                s0 = vfma(vq5f(q, 0, h, 2 * c), vload(x0 + j), s0);
+                s1 = vfma(vq5f(q, 4, h, 2 * c + 1), vload(x1 + j), s1);
+            }
+            acc = vfma(vset1(d * sc[2 * c]), s0, acc);
+            acc = vfma(vset1(d * sc[2 * c + 1]), s1, acc);
+#else
+            float s0 = 0.f, s1 = 0.f;
+            for (int j = 0; j < 32; j++) {
+                s0 += ((qs[j] & 0x0F) | ((qh[j] >> (2 * c)) & 1) << 4) * x0[j];
+                s1 += ((qs[j] >> 4) | ((qh[j] >> (2 * c + 1)) & 1) << 4) * x1[j];
+            }
+            acc_s += d * sc[2 * c] * s0 + d * sc[2 * c + 1] * s1;
+#endif
+        }
+        for (int j = 0; j < 8; j++) off += dmin * mn[j] * xs[j];
+    }
+#ifdef VW
+    acc_s = vsum(acc);
+#endif
+    return acc_s - off;
+}
+
+/* ---- Q6_K: 210-byte super-blocks {u8 ql[128], u8 qh[64], i8 scales[16], fp16 d}; per half h (128
+ * elements, ql + 64 h, qh + 32 h) element 32 g + l (g < 4, l < 32) is (ql[l + 32 (g & 1)] nibble g >> 1
+ * | bits 2g..2g+1 of qh[l] << 4) - 32, scaled by d * scales[8 h + 2 g + l / 16] ---- */
+static float row_q6_k(const uint8_t *w, const float *x, int64_t nsb) {
+    float acc_s = 0.f;
+#ifdef VW
+    vf acc = vzero();
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 210, x += 256) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        PREFETCH(w + 128);
+        PREFETCH(w + 192);
+        const float d = fp16_to_f32(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
+            const float *xh = x + 128 * h;
+            for (int l0 = 0; l0 < 32; l0 += 16) {      /* each byte of ql / qh widened once for its 2 / 4 values */
+#ifdef VW
+                vf s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
+                for (int l = l0; l < l0 + 16; l += VW) {
+                    vi a = vbytes_u8(ql + l), b2 = vbytes_u8(ql + 32 + l), hb = vbytes_u8(qh + l);
+                    s0 = vfma(vq6f(a, 0, hb, 0), vload(xh + l), s0);
+                    s1 = vfma(vq6f(b2, 0, hb, 2), vload(xh + 32 + l), s1);
+                    s2 = vfma(vq6f(a, 4, hb, 4), vload(xh + 64 + l), s2);
+                    s3 = vfma(vq6f(b2, 4, hb, 6), vload(xh + 96 + l), s3);
+                }
+                const int8_t *sg = sc + 8 * h + l0 / 16;  /* group g's scale: sg[2 g] */
+                acc = vfma(vset1(d * sg[0]), s0, acc);
+                acc = vfma(vset1(d * sg[2]), s1, acc);
+                acc = vfma(vset1(d * sg[4]), s2, acc);
+                acc = vfma(vset1(d * sg[6]), s3, acc);
+#else
+                for (int g = 0; g < 4; g++) {
+                    const uint8_t *qg = ql + 32 * (g & 1);
+                    const int ls = 4 * (g >> 1);
+                    float s = 0.f;
+                    for (int l = l0; l < l0 + 16; l++)
+                        s += ((((qg[l] >> ls) & 0x0F) | ((qh[l] >> (2 * g)) & 3) << 4) - 32) * xh[32 * g + l];
+                    acc_s += d * sc[8 * h + 2 * g + l0 / 16] * s;
+                }
+#endif
+            }
+        }
+    }
+#ifdef VW
+    acc_s = vsum(acc);
+#endif
+    return acc_s;
+}
+

@@ -1,0 +1,218 @@
+/* One MoE layer per call (decode) and int8 activations (llama.cpp's Q8_0 for x): part of cpu_kernels.c,
+ * which #includes this file after its row kernels and entry points; not compiled on its own. */
+
+/* ---- one MoE layer for T tokens in one call (decode): y[t] = sum_j w[t, j] down_e(silu(gate_e x_t) * up_e x_t),
+ * e = ids[t, j]. gate / up: expert e's rows at gate + e * g_estride (row r at + r * g_rstride), down likewise.
+ * q8: Q4_0 / Q8_0 rows dot an int8 copy of the activations (llama.cpp's Q8_0 for x: integer dot products,
+ * per-32 scales); else float activations as moetier_matvec. Its own names: doorbell.c has private twins. ---- */
+#include <math.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#define MOE_Q8 1
+/* x [K] -> qx [K] int8, dx [K/32] scales, sx [K/32] dx times the sum of qx per block (Q4_0's offset) */
+static void moe_quantize_q8(const float *x, int64_t K, int8_t *qx, float *dx, float *sx) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int q = (int)lrintf(x[32 * b + j] * id);
+            qx[32 * b + j] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+    }
+}
+
+static inline __m256i moe_dot_u8s8(__m256i a, __m256i b) {     /* 8 int32 partial sums of a (u8) * b (s8) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Q4_0 row . q8 x: sum_b d_b (dx_b sum_j nib_j qx_j - 8 sx_b) */
+static float moe_row_q4_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++, w += 18, qx += 32) {
+        const __m128i t = _mm_loadu_si128((const __m128i *)(w + 2));
+        const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo);
+        const __m256i p = moe_dot_u8s8(nib, _mm256_loadu_si256((const __m256i *)qx));
+        const float d = fp16_to_f32(w);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * dx[b]), acc);
+        off += d * sx[b];
+    }
+    return hsum8(acc) - 8.f * off;
+}
+
+/* Q8_0 row . q8 x (signed x signed through the sign trick) */
+static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 34, qx += 32) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i y = _mm256_loadu_si256((const __m256i *)qx);
+        const __m256i p = moe_dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(w) * dx[b]), acc);
+    }
+    return hsum8(acc);
+}
+
+/* 4 rows (at w + r * rs) . q8 x at once: 4 independent accumulator chains (one row is latency-bound) */
+static void moe_rows4_q8(int qtype, const uint8_t *w, int64_t rs, const int8_t *qx, const float *dx,
+                         const float *sx, int64_t nb, float *out) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float off[4] = {0.f, 0.f, 0.f, 0.f};
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    const int64_t bb = qtype == Q4_0 ? 18 : 34;
+    for (int64_t b = 0; b < nb; b++) {
+        const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * b));
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *wb = w + r * rs + b * bb;
+            PREFETCH(wb);
+            const float d = fp16_to_f32(wb), s = d * dx[b];
+            __m256i p;
+            if (qtype == Q4_0) {
+                const __m128i t = _mm_loadu_si128((const __m128i *)(wb + 2));
+                p = moe_dot_u8s8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo), y);
+                off[r] += d * sx[b];
+            } else {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(wb + 2));
+                p = moe_dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]) - 8.f * off[r];
+}
+#endif
+
+/* an activation vector in every form a row kernel may read */
+typedef struct { const float *x, *xs; const int8_t *qx; const float *dx, *sx; int q8; } moe_vec;
+
+static void moe_vec_fill(moe_vec *v, int qtype, const float *x, int64_t K, float *xs, int8_t *qx, float *dx,
+                         float *sx, int q8) {
+    v->x = x;
+    v->xs = xs;
+    v->qx = qx;
+    v->dx = dx;
+    v->sx = sx;
+    v->q8 = 0;
+#ifdef MOE_Q8
+    if (q8 && (qtype == Q4_0 || qtype == Q8_0)) {
+        moe_quantize_q8(x, K, qx, dx, sx);
+        v->q8 = 1;
+        return;
+    }
+#else
+    (void)qx; (void)dx; (void)sx; (void)q8;
+#endif
+    block_sums(x, K, xs);
+}
+
+static inline float moe_row(int qtype, const uint8_t *w, const moe_vec *v, int64_t K) {
+#ifdef MOE_Q8
+    if (v->q8) return qtype == Q4_0 ? moe_row_q4_0_q8(w, v->qx, v->dx, v->sx, K / 32)
+                                    : moe_row_q8_0_q8(w, v->qx, v->dx, K / 32);
+#endif
+    return row_dot(qtype, w, v->x, v->xs, K);
+}
+
+/* rows per call of moe_rows over n rows: 4 with int8 activations (n a multiple of 4), else 1 */
+static inline int64_t moe_step(const moe_vec *v, int64_t n) { return v->q8 && n % 4 == 0 ? 4 : 1; }
+
+/* out[0 .. n) = rows w + i * rs (i < n <= 4) . v */
+static inline void moe_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, const moe_vec *v, int64_t K,
+                            float *out) {
+#ifdef MOE_Q8
+    if (n == 4 && v->q8) { moe_rows4_q8(qtype, w, rs, v->qx, v->dx, v->sx, K / 32, out); return; }
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = moe_row(qtype, w + i * rs, v, K);
+}
+
+/* Returns 0, -1 for an unsupported type / shape / expert id, -2 if out of memory. */
+int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, int64_t g_estride, int64_t g_rstride,
+                       const uint8_t *down, int64_t d_estride, int64_t d_rstride, int64_t E, int64_t D, int64_t I,
+                       int64_t T, int64_t k, const int64_t *ids, const float *w, const float *x, float *y,
+                       int q8, int nthreads) {
+    if (!moetier_supported(gq) || !moetier_supported(dq) || D % block_elems(gq) || I % block_elems(dq)) return -1;
+    for (int64_t i = 0; i < T * k; i++)
+        if (ids[i] < 0 || ids[i] >= E) return -1;
+    /* scratch: h [k, 2I] floats, x sums [D/32], h sums [k, I/32], int8 copies and their scales / sums */
+    const int64_t nf = k * 2 * I + D / 32 + k * (I / 32) + D / 32 + k * (I / 32);
+    char *mem = malloc(sizeof(float) * nf + sizeof(int32_t) * (D / 32 + k * (I / 32)) + D + k * I + 64);
+    if (!mem) return -2;
+    float *h = (float *)mem, *xs = h + k * 2 * I, *hs = xs + D / 32, *dx = hs + k * (I / 32), *dh = dx + D / 32;
+    float *sx = dh + k * (I / 32), *sh = sx + D / 32;
+    int8_t *qx = (int8_t *)(sh + k * (I / 32)), *qh = qx + D;
+    const int64_t gbytes = 2 * k * I * (D / block_elems(gq)) * block_bytes(gq);
+    const int64_t dbytes = k * D * (I / block_elems(dq)) * block_bytes(dq);
+    if (nthreads > 1 + (gbytes + dbytes) / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + (gbytes + dbytes) / MIN_BYTES_PER_THREAD);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *e = ids + t * k;
+        moe_vec vx;
+        moe_vec_fill(&vx, gq, x + t * D, D, xs, qx, dx, sx, q8);
+        /* rows r < k I: gate of pair r / I; the rest: up */
+        const int64_t step = moe_step(&vx, I);       /* rows per task: 4 share x loads (q8) */
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int64_t r = 0; r < 2 * k * I; r += step) {
+            const int64_t j = (r / I) % k, row = r % I;
+            const uint8_t *base = r < k * I ? gate : up;
+            moe_rows(gq, base + e[j] * g_estride + row * g_rstride, g_rstride, step, &vx, D, h + r);
+        }
+        moe_vec vh[k > 0 ? k : 1];
+        for (int64_t j = 0; j < k; j++) {
+            float *a = h + j * I;                         /* silu(gate) * up, in place of the gates */
+            const float *u = h + k * I + j * I;
+            for (int64_t i = 0; i < I; i++) a[i] = a[i] / (1.f + expf(-a[i])) * u[i];
+            moe_vec_fill(&vh[j], dq, a, I, hs + j * (I / 32), qh + j * I, dh + j * (I / 32), sh + j * (I / 32), q8);
+        }
+        float *yt = y + t * D;
+        const float *wt = w + t * k;
+        const int64_t dstep = moe_step(&vh[0], D);
+        #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (int64_t d = 0; d < D; d += dstep) {
+            float s[4] = {0.f, 0.f, 0.f, 0.f}, r[4];
+            for (int64_t j = 0; j < k; j++) {
+                moe_rows(dq, down + e[j] * d_estride + d * d_rstride, d_rstride, dstep, &vh[j], I, r);
+                for (int64_t i = 0; i < dstep; i++) s[i] += wt[j] * r[i];
+            }
+            for (int64_t i = 0; i < dstep; i++) yt[d + i] = s[i];
+        }
+    }
+    free(mem);
+    return 0;
+}
+
+/* y[N] = W[N, K] @ x[K] for Q4_0 / Q8_0 W with x rounded to int8 per 32 values (llama.cpp's Q8_0
+ * activations; ~1% relative error): integer dot products. Other types: as moetier_matvec.
+ * Returns 0, -1 for an unsupported type / K, -2 if out of memory. */
+int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
+                      const float *x, float *y, int nthreads) {
+#ifdef MOE_Q8
+    if (qtype != Q4_0 && qtype != Q8_0) return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
+    if (K % 32) return -1;
+    char *mem = malloc((sizeof(float) + sizeof(int32_t)) * (K / 32) + K + 64);
+    if (!mem) return -2;
+    float *dx = (float *)mem;
+    float *sx = dx + K / 32;
+    int8_t *qx = (int8_t *)(sx + K / 32);
+    moe_quantize_q8(x, K, qx, dx, sx);
+    const int64_t bytes = N * (K / 32) * block_bytes(qtype);
+    if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t n = 0; n < N; n += 4) {
+        if (n + 4 <= N) { moe_rows4_q8(qtype, w + n * row_stride, row_stride, qx, dx, sx, K / 32, y + n); continue; }
+        for (int64_t r = n; r < N; r++)
+            y[r] = qtype == Q4_0 ? moe_row_q4_0_q8(w + r * row_stride, qx, dx, sx, K / 32)
+                                 : moe_row_q8_0_q8(w + r * row_stride, qx, dx, K / 32);
+    }
+    free(mem);
+    return 0;
+#else
+    return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
+#endif
+}
