@@ -139,7 +139,8 @@ class EngineConfig:
     cuda_graphs: bool = True        # decode step as one CUDA graph (off: eager, for debugging)
     fused_decode: bool = True       # CUDA decode step: fused Triton norm / router / attention (kernels/small_ops.py)
     cpu_compile: str = "auto"       # CPU decode step built by AOTInductor: on (build once, cached) | off |
-                                    # auto (use the cached build, never build: 15-25 s; docs/perf-log.md)
+                                    # auto (use the cached build, else build it in a background process
+                                    # for the next run/request; MOETIER_NO_BACKGROUND_BUILD=1 stops that)
     kv_dtype: str = "auto"          # KV cache storage: auto (the model dtype) | bf16 | fp16 | fp32 | int8
     kv_offload: bool = False        # KV in (pinned) host memory, copied to the GPU each step (no-op on CPU)
     snapshot_every: int = 0         # recurrent models: also snapshot their state every N prompt tokens (0: off)

@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 # before anything imports triton (torch's and transformers' own imports can), so it is set here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# --cpu-compile auto would start background builds of the compiled CPU step; tests that want one unset this
+os.environ.setdefault("MOETIER_NO_BACKGROUND_BUILD", "1")
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

@@ -1,7 +1,13 @@
-"""The torch.compile'd CPU decode step (runtime/cpu_compile.py) against eager decode."""
+"""The AOT-compiled CPU decode step (runtime/cpu_compile.py) against eager decode, and its background build."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import logging
+import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -33,7 +39,7 @@ def test_wanted_modes(tiny_model_dir):
     eng = Engine.load(tiny_model_dir, EngineConfig(device="cpu", progress=False, max_context=64))
     cache = eng.new_session().cache
     assert cpu_compile.wanted("on", "cpu", None, cache)
-    assert cpu_compile.wanted("auto", "cpu", None, cache)   # auto: used when already built (never builds)
+    assert cpu_compile.wanted("auto", "cpu", None, cache)   # auto: used when built, else built in the background
     assert not cpu_compile.wanted("off", "cpu", None, cache)
     assert not cpu_compile.wanted("on", "cuda", None, cache)
     with pytest.raises(ValueError, match="auto, on or off"):
@@ -70,3 +76,137 @@ def test_compiled_decode_matches_eager_tiny(tiny_model_dir):
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_default():
     _compare(None, [(i * 7919) % 8000 + 100 for i in range(120)], 24)
+
+
+# ---- background builds under --cpu-compile auto (the real build is mocked: it takes 15-25 s) ----
+
+class _FakeProc:
+    pid, returncode = 4242, None
+
+    def poll(self):
+        return self.returncode
+
+
+@pytest.fixture
+def background(tmp_path, monkeypatch):
+    """Background builds allowed, into tmp_path; `spawned` lists the specs a real run would have built."""
+    monkeypatch.delenv(cpu_compile.NO_BACKGROUND_ENV, raising=False)
+    monkeypatch.setattr(cpu_compile, "CACHE_DIR", tmp_path)
+    spawned = []
+    monkeypatch.setattr(cpu_compile, "_spawn", lambda spec, log_path: spawned.append(spec) or _FakeProc())
+    return spawned
+
+
+def _engine(path, mode="auto"):
+    return Engine.load(path, EngineConfig(device="cpu", progress=False, max_context=64, cpu_compile=mode))
+
+
+def _decode_path(eng):
+    done = eng.complete(prompt_ids=[3, 4, 5], max_tokens=3, params=SamplingParams(temperature=0), ignore_eos=True)
+    assert len(done.token_ids) == 3
+    return done.stats["decode_path"]
+
+
+def test_background_build_started_in_auto_and_picked_up(tiny_model_dir, background, monkeypatch):
+    """auto without a package: eager now, one build started (for this model and thread count); once the
+    package lands the same engine decodes with it from the next request."""
+    eng = _engine(tiny_model_dir)
+    assert _decode_path(eng) == "eager" and len(background) == 1
+    spec = background[0]
+    assert spec["model"] == str(tiny_model_dir) and spec["config"]["threads"] == torch.get_num_threads()
+    path = cpu_compile.package_path(eng.model)
+    assert spec["path"] == str(path)
+    assert _decode_path(eng) == "eager" and len(background) == 1       # still building: not started again
+    path.write_bytes(b"package")                                        # the build lands
+    model = eng.model
+    monkeypatch.setattr(cpu_compile.CpuDecode, "get", classmethod(
+        lambda cls, m, build: (lambda cache, tok: model(torch.tensor([tok]), cache))))
+    assert _decode_path(eng) == "cpu-compiled"
+
+
+@pytest.mark.parametrize("why", ["off", "env", "cached", "failed", "building"])
+def test_background_build_not_started(tiny_model_dir, background, monkeypatch, caplog, why):
+    eng = _engine(tiny_model_dir, "off" if why == "off" else "auto")
+    path = cpu_compile.package_path(eng.model)
+    cpu_compile._drop_quantized_copies(eng.model)
+    if why == "env":
+        monkeypatch.setenv(cpu_compile.NO_BACKGROUND_ENV, "1")
+    elif why == "cached":   # a package that does not load (as if from another torch): warned, never rebuilt
+        path.write_bytes(b"not a package")
+    elif why == "failed":
+        cpu_compile._record_failure(path, RuntimeError("no compiler"))
+    with contextlib.ExitStack() as stack:
+        if why == "building":   # another process holds the lock: watch for its package, start nothing
+            assert stack.enter_context(cpu_compile._locked(path, wait=False))
+        with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert _decode_path(eng) == "eager"
+            assert _decode_path(eng) == "eager"
+            assert _decode_path(_engine(tiny_model_dir, "off" if why == "off" else "auto")) == "eager"  # next run
+        assert background == []
+        assert (getattr(eng, "cpu_build", None) is not None) == (why == "building")
+    if why == "failed":     # said once, then remembered as said (another process stays quiet too)
+        assert sum("step failed (RuntimeError: no compiler" in r.getMessage() for r in caplog.records) == 1
+        assert json.loads(path.with_suffix(".failed").read_text())["reported"]
+    if why == "building":   # the other process gave up without a package: stop watching
+        assert not eng.cpu_build.landed()
+    if why == "off":
+        assert not list(background) and not any(p.suffix in (".lock", ".log") for p in path.parent.iterdir())
+
+
+def _spec(eng, tiny_model_dir, path):
+    cfg = eng.config.replace(device="cpu", threads=torch.get_num_threads(), progress=False)
+    return {"model": str(tiny_model_dir), "config": dataclasses.asdict(cfg), "path": str(path)}
+
+
+def test_build_process_lock_partial_and_failure(tiny_model_dir, tmp_path, monkeypatch):
+    """build_from_spec (the build process's body): nothing while another holds the lock; a half-written
+    package of a killed build is never loaded and is cleared; a failure is recorded, not raised."""
+    monkeypatch.setattr(cpu_compile, "CACHE_DIR", tmp_path)
+    eng = _engine(tiny_model_dir)
+    path = cpu_compile.package_path(eng.model)
+    cpu_compile._drop_quantized_copies(eng.model)
+    spec = _spec(eng, tiny_model_dir, path)
+    built = []
+
+    def fake_build(model, p):
+        built.append(p)
+        p.with_suffix(".1.tmp.pt2").write_bytes(b"half")    # as the real one: a temporary file, then a rename
+        p.with_suffix(".1.tmp.pt2").replace(p)
+    monkeypatch.setattr(cpu_compile, "_build", fake_build)
+    partial = path.with_suffix(".999.tmp.pt2")
+    partial.write_bytes(b"half a package")                  # left by a build that was killed
+    assert cpu_compile.CpuDecode.get(eng.model, build=False) is None
+    with cpu_compile._locked(path, wait=False):              # a second build waits its turn: none here
+        assert cpu_compile.build_from_spec(spec) == 0 and built == []
+    assert cpu_compile.build_from_spec(spec) == 0 and built == [path] and not partial.exists()
+    assert cpu_compile.build_from_spec(spec) == 0 and built == [path]   # built: not again
+    path.unlink()
+    monkeypatch.setattr(cpu_compile, "_build", lambda model, p: 1 / 0)
+    assert cpu_compile.build_from_spec(spec) == 1
+    assert "ZeroDivisionError" in json.loads(path.with_suffix(".failed").read_text())["error"]
+    assert not path.exists()
+
+
+def test_build_process_detached_and_failure_recorded(tiny_model_dir, tmp_path, monkeypatch):
+    """The real spawn: its own session (it outlives a short `moetier run`); a model path that cannot load
+    ends it quickly with a failure record (the real build is not run here: 15-25 s)."""
+    monkeypatch.setattr(cpu_compile, "CACHE_DIR", tmp_path)
+    eng = _engine(tiny_model_dir)
+    path = cpu_compile.package_path(eng.model)
+    cpu_compile._drop_quantized_copies(eng.model)
+    spec = _spec(eng, tmp_path / "no-such-model", path)
+    proc = cpu_compile._spawn(spec, path.with_suffix(".log"))
+    build = cpu_compile.BackgroundBuild(path, proc)
+    assert os.getsid(proc.pid) == proc.pid != os.getsid(0)
+    assert proc.wait(timeout=120) == 1
+    assert not build.landed() and not path.exists()
+    assert "no-such-model" in json.loads(path.with_suffix(".failed").read_text())["error"]
+    assert "no such model" in path.with_suffix(".log").read_text()
+
+
+def test_run_note_names_the_background_build(tiny_model_dir, background, capsys):
+    from moetier.cli import main
+    assert main(["run", str(tiny_model_dir), "--prompt-ids", "3,4,5", "-n", "2", "--device", "cpu", "-v"]) == 0
+    err = capsys.readouterr().err
+    assert "being built in the background (pid 4242" in err and str(cpu_compile.CACHE_DIR) in err

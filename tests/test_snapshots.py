@@ -86,6 +86,19 @@ def test_snapshot_beyond_the_common_prefix_is_not_used(engine):
     same_as_fresh(engine, back, d)
 
 
+def test_a_shared_prefix_snapshot_outlives_many_follow_ups(engine):
+    """The same long prompt with a different tail, more times than snapshots are kept: each one
+    resumes from the prompt's snapshot (used snapshots are kept first), never from 0."""
+    s = engine.new_session()
+    p = ids(40, 11)
+    run(engine, p, s, n=2)
+    for i in range(Session.MAX_SNAPSHOTS + 3):
+        q = p + ids(3 + i, 100 + i)
+        d = run(engine, q, s, n=2)
+        assert d.stats["cached_tokens"] == len(p), f"follow-up {i} resumed from {d.stats['cached_tokens']}"
+    same_as_fresh(engine, q, d, n=2)
+
+
 def test_restored_logits_are_bit_identical(engine):
     """Cache.snapshot / restore: prefill a, snapshot, run something else, restore, continue with b:
     the same logits as a + b on a fresh cache, bit for bit (on the CPU)."""

@@ -36,9 +36,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
                    help="CUDA decode without the fused Triton RMSNorm / router / attention kernels (debugging)")
     g.add_argument("--cpu-compile", default="auto", choices=("auto", "on", "off"),
-                   help="CPU decode step compiled ahead of time (AOTInductor): on = build it once "
-                        "(15-25 s, cached in ~/.cache/moetier/cpu_decode) and use it; auto (default) = use "
-                        "it when already cached; off = eager. ~1.8x faster decode on the default model")
+                   help="CPU decode step compiled ahead of time (AOTInductor, cached in ~/.cache/moetier/"
+                        "cpu_decode): on = build it now if needed (15-25 s) and use it; auto (default) = use it "
+                        "when cached, else decode eagerly and build it in the background for later requests "
+                        "and runs (MOETIER_NO_BACKGROUND_BUILD=1: never); off = eager. ~1.7x faster decode "
+                        "on the default model")
     g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "int8"),
                    help="KV cache storage; int8 (+ an fp16 scale per 32 values) takes ~53%% of bf16 "
                         "(default: auto, the model dtype)")

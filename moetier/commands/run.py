@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--system", default=None, help="system message (with --chat)")
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print exactly one JSON object: text, token ids, stats")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also print the notes meant for a terminal (such as a background build) when stderr is not one")
     p.set_defaults(func=main)
 
 
@@ -65,8 +67,21 @@ def main(args) -> int:
         print(f"\n\n[{s['prompt_tokens']} prompt tokens at {s['prefill_tok_s']:.1f} tok/s, "
               f"{s['generated_tokens']} generated at {s['decode_tok_s']:.1f} tok/s, "
               f"ttft {s['ttft_s'] * 1000:.0f} ms, finish: {done.finish_reason}]", file=sys.stderr)
-        if s.get("decode_path") == "eager" and s.get("device") == "cpu" and getattr(args, "cpu_compile", "auto") == "auto" \
-                and sys.stderr.isatty():
-            print("[decoded eagerly: run once with --cpu-compile on to build a ~2x faster step for this model "
-                  "(15-25 s, cached; later runs use it)]", file=sys.stderr)
+    if sys.stderr.isatty() or args.verbose:
+        note = cpu_compile_note(engine, done.stats, getattr(args, "cpu_compile", "auto"))
+        if note:
+            print(f"[{note}]", file=sys.stderr)
     return 0
+
+
+def cpu_compile_note(engine, stats: dict, mode: str) -> str | None:
+    """One line on the CPU decode path after an eager auto run: the background build, else how to build."""
+    if stats.get("decode_path") != "eager" or stats.get("device") != "cpu" or mode != "auto":
+        return None
+    build = getattr(engine, "cpu_build", None)
+    if build is not None:
+        return f"decoded eagerly; {build.describe()}"
+    if getattr(engine, "_cpu_decode", None) is False:   # not started: turned off, failed before, short of RAM
+        return ("decoded eagerly: run once with --cpu-compile on to build a ~2x faster step for this model "
+                "(15-25 s, cached; later runs use it)")
+    return None

@@ -130,14 +130,18 @@ class Session:
     def _best_snapshot(self, prompt: list[int], n: int) -> dict | None:
         """The longest snapshot of a prefix of `prompt` no longer than n: its recurrent states hold
         those tokens, and the KV positions [0, length) still do too (they equal self.tokens[:n])."""
-        fits = [snap for tokens, snap in self.snapshots + self.periodic
+        fits = [(kept, i) for kept in (self.snapshots, self.periodic) for i, (tokens, _) in enumerate(kept)
                 if len(tokens) <= n and tokens == prompt[:len(tokens)]]
-        return max(fits, key=lambda snap: snap["length"], default=None)
+        if not fits:
+            return None
+        kept, i = max(fits, key=lambda f: f[0][f[1]][1]["length"])
+        kept.append(kept.pop(i))   # most recently used last: a shared prefix outlives its follow-ups' snapshots
+        return kept[-1][1]
 
     def save_snapshot(self, periodic: bool = False) -> None:
         """Remember the state of the cache as it is now (call at a turn boundary, or with periodic
-        inside a prefill). In memory only caches that cannot truncate need it; the last
-        MAX_SNAPSHOTS (MAX_PERIODIC) are kept. The disk copy holds the KV too."""
+        inside a prefill). In memory only caches that cannot truncate need it; the MAX_SNAPSHOTS
+        (MAX_PERIODIC) most recently taken or resumed from are kept. The disk copy holds the KV too."""
         n = self.cache.length
         if n == 0 or len(self.tokens) < n:
             return
