@@ -96,13 +96,16 @@ def main() -> int:
     p.add_argument("--kv-dtype", default="auto", help="auto | bf16 | fp16 | fp32 | int8")
     p.add_argument("--snapshot-every", type=int, default=0, help="periodic recurrent snapshots (tokens; 0: off)")
     p.add_argument("--tail", type=int, default=64, help="new tokens of the follow-up prompts")
-    p.add_argument("--warmup", type=int, default=256, help="prompt tokens of an untimed warm-up run (0: none)")
+    p.add_argument("--warmup", type=int, default=None, help="prompt tokens of an untimed warm-up run (0: none; "
+                   "default: the shortest --prompt-len, at most 4096, so its timing has no first-call compiles)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-cuda-graph", action="store_true")
     a = p.parse_args()
     lens = sorted(int(x) for x in a.prompt_len.split(",") if x)
+    if a.warmup is None:
+        a.warmup = min(lens[0], 4096)
     ctx = lens[-1] + a.gen + a.tail + 8
     cfg = EngineConfig(device=a.device, dtype=a.dtype, max_context=ctx, kv_dtype=a.kv_dtype, threads=a.threads,
                        snapshot_every=a.snapshot_every, cuda_graphs=not a.no_cuda_graph, progress=False)
