@@ -15,7 +15,7 @@ from helpers import max_rel_err
 
 from moetier import EngineConfig, SamplingParams
 from moetier.models.layers import DenseExperts, grouped_experts
-from moetier.runtime import cpu_compile
+from moetier.runtime import cpu_build, cpu_compile
 from moetier.runtime.engine import Engine
 
 
@@ -90,10 +90,10 @@ class _FakeProc:
 @pytest.fixture
 def background(tmp_path, monkeypatch):
     """Background builds allowed, into tmp_path; `spawned` lists the specs a real run would have built."""
-    monkeypatch.delenv(cpu_compile.NO_BACKGROUND_ENV, raising=False)
+    monkeypatch.delenv(cpu_build.NO_BACKGROUND_ENV, raising=False)
     monkeypatch.setattr(cpu_compile, "CACHE_DIR", tmp_path)
     spawned = []
-    monkeypatch.setattr(cpu_compile, "_spawn", lambda spec, log_path: spawned.append(spec) or _FakeProc())
+    monkeypatch.setattr(cpu_build, "_spawn", lambda spec, log_path: spawned.append(spec) or _FakeProc())
     return spawned
 
 
@@ -130,14 +130,14 @@ def test_background_build_not_started(tiny_model_dir, background, monkeypatch, c
     path = cpu_compile.package_path(eng.model)
     cpu_compile._drop_quantized_copies(eng.model)
     if why == "env":
-        monkeypatch.setenv(cpu_compile.NO_BACKGROUND_ENV, "1")
+        monkeypatch.setenv(cpu_build.NO_BACKGROUND_ENV, "1")
     elif why == "cached":   # a package that does not load (as if from another torch): warned, never rebuilt
         path.write_bytes(b"not a package")
     elif why == "failed":
-        cpu_compile._record_failure(path, RuntimeError("no compiler"))
+        cpu_build._record_failure(path, RuntimeError("no compiler"))
     with contextlib.ExitStack() as stack:
         if why == "building":   # another process holds the lock: watch for its package, start nothing
-            assert stack.enter_context(cpu_compile._locked(path, wait=False))
+            assert stack.enter_context(cpu_build.locked(path, wait=False))
         with caplog.at_level(logging.WARNING), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert _decode_path(eng) == "eager"
@@ -177,13 +177,13 @@ def test_build_process_lock_partial_and_failure(tiny_model_dir, tmp_path, monkey
     partial = path.with_suffix(".999.tmp.pt2")
     partial.write_bytes(b"half a package")                  # left by a build that was killed
     assert cpu_compile.CpuDecode.get(eng.model, build=False) is None
-    with cpu_compile._locked(path, wait=False):              # a second build waits its turn: none here
-        assert cpu_compile.build_from_spec(spec) == 0 and built == []
-    assert cpu_compile.build_from_spec(spec) == 0 and built == [path] and not partial.exists()
-    assert cpu_compile.build_from_spec(spec) == 0 and built == [path]   # built: not again
+    with cpu_build.locked(path, wait=False):              # a second build waits its turn: none here
+        assert cpu_build.build_from_spec(spec) == 0 and built == []
+    assert cpu_build.build_from_spec(spec) == 0 and built == [path] and not partial.exists()
+    assert cpu_build.build_from_spec(spec) == 0 and built == [path]   # built: not again
     path.unlink()
     monkeypatch.setattr(cpu_compile, "_build", lambda model, p: 1 / 0)
-    assert cpu_compile.build_from_spec(spec) == 1
+    assert cpu_build.build_from_spec(spec) == 1
     assert "ZeroDivisionError" in json.loads(path.with_suffix(".failed").read_text())["error"]
     assert not path.exists()
 
@@ -196,8 +196,8 @@ def test_build_process_detached_and_failure_recorded(tiny_model_dir, tmp_path, m
     path = cpu_compile.package_path(eng.model)
     cpu_compile._drop_quantized_copies(eng.model)
     spec = _spec(eng, tmp_path / "no-such-model", path)
-    proc = cpu_compile._spawn(spec, path.with_suffix(".log"))
-    build = cpu_compile.BackgroundBuild(path, proc)
+    proc = cpu_build._spawn(spec, path.with_suffix(".log"))
+    build = cpu_build.BackgroundBuild(path, proc)
     assert os.getsid(proc.pid) == proc.pid != os.getsid(0)
     assert proc.wait(timeout=120) == 1
     assert not build.landed() and not path.exists()
