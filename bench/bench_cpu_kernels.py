@@ -12,7 +12,10 @@ Two views, because the dev box is shared (other processes often keep both cores 
   wall       threads=N, wall clock, best round (contention only ever slows a round down).
              Yardstick: the best of the N-thread sums in the same rounds.
 
-    python bench/bench_cpu_kernels.py [--gib 1.0] [--rounds 3] [--threads 2] [--types Q5_K,Q6_K]
+  --q8       activations rounded to int8 per 32 values (cpu.matvec(q8=True): the integer kernels of
+             cpu.MOE_Q8_TYPES, float ones for the rest), one matrix per call.
+
+    python bench/bench_cpu_kernels.py [--gib 1.0] [--rounds 3] [--threads 2] [--types Q5_K,Q6_K] [--q8]
 """
 from __future__ import annotations
 
@@ -60,14 +63,14 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.thread_time() - c0
 
 
-def kernel_pass(qtype, bank, shape, threads, batch):
-    """Time one pass over all matrices of `bank`, `batch` matrices per call."""
+def kernel_pass(qtype, bank, shape, threads, batch, q8=False):
+    """Time one pass over all matrices of `bank`, `batch` matrices per call (q8: int8 activations, batch 1)."""
     n, k = shape
     mats = [m.view(n, -1) for m in bank]
     x = torch.randn(batch, k)
     y = torch.empty(batch, n)
     if batch == 1:
-        return timed(lambda: [cpu.matvec(qtype, w, x[0], out=y[0], threads=threads) for w in mats])
+        return timed(lambda: [cpu.matvec(qtype, w, x[0], out=y[0], threads=threads, q8=q8) for w in mats])
     groups = [mats[i:i + batch] for i in range(0, len(mats) - batch + 1, batch)]
     return timed(lambda: [cpu.matvec_batch(qtype, g, x, out=y, threads=threads) for g in groups])
 
@@ -78,6 +81,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated GGML types")
+    ap.add_argument("--q8", action="store_true", help="int8 activations (cpu.matvec(q8=True)), batch 1 only")
     args = ap.parse_args()
     types = args.types.split(",")
     nt = args.threads
@@ -85,7 +89,8 @@ def main():
     rng = np.random.default_rng(0)
     ref = torch.from_numpy(rng.standard_normal(2**28, dtype=np.float32))      # 1 GiB
     banks = {t: weight_bank(t, args.gib, rng) for t in types}
-    cases = [(t, s, th, b) for t in types for s in SHAPES for th, b in ((1, 1), (nt, 1), (nt, 8))]
+    runs = ((1, 1), (nt, 1)) if args.q8 else ((1, 1), (nt, 1), (nt, 8))
+    cases = [(t, s, th, b) for t in types for s in SHAPES for th, b in runs]
     ram = {"c_stream_sum_1t_per_cpu_s": [], f"c_stream_sum_{nt}t": [], f"torch_sum_{nt}t": [], "numpy_sum": []}
     res = {c: [] for c in cases}
     gb = ref.nbytes / 1e9
@@ -98,7 +103,7 @@ def main():
         for c in cases:
             t, shape, th, batch = c
             used = banks[t].shape[0] // batch * batch * banks[t].shape[1] / 1e9
-            wall, cpu_s = kernel_pass(t, banks[t], shape, th, batch)
+            wall, cpu_s = kernel_pass(t, banks[t], shape, th, batch, args.q8)
             res[c].append(used / (cpu_s if th == 1 else wall))
     ram = {k: v[1:] for k, v in ram.items()}
     per_core_ref = statistics.median(ram["c_stream_sum_1t_per_cpu_s"])
@@ -106,6 +111,7 @@ def main():
     out = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": nt,
                     "backend": cpu.backend(), "bank_gib": args.gib, "rounds": args.rounds,
+                    "activations": "int8 per 32" if args.q8 else "float32",
                     "loadavg_1min_before_after": [load0, round(os.getloadavg()[0], 2)]},
         "ram_read_gbps": {k: {"median": round(statistics.median(v), 2), "max": round(max(v), 2)}
                           for k, v in ram.items()},

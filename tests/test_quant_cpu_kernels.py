@@ -15,12 +15,11 @@ FAST = sorted(cpu.FAST_TYPES)
 
 
 def case(qtype: str, n: int, k: int, seed: int = 0):
-    """Random rows (never zeros) in `qtype`, x, and the twin's y. The twin runs on the rows twice over:
-    the torch IQ3_XXS dequantizers cannot view a lone block's u32 words (storage offset 66)."""
+    """Random rows (never zeros) in `qtype`, x, and the twin's y."""
     g = torch.Generator().manual_seed(seed)
     raw = quantize(torch.randn(n, k, generator=g), qtype)
     x = torch.randn(k, generator=g)
-    return raw, x, expert_matvec(qtype, repack(qtype, torch.cat([raw, raw])), x)[:n]
+    return raw, x, expert_matvec(qtype, repack(qtype, raw), x)
 
 
 def assert_close(y: torch.Tensor, ref: torch.Tensor):
@@ -163,3 +162,78 @@ def test_build_key_covers_included_files(tmp_path, monkeypatch):
         f.write("\n/* an edit */\n")
     second = cpu.build_library(tmp_path / "cache", source=src / "cpu_kernels.c")
     assert first != second and second.exists()
+
+
+Q8_TYPES = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS"]      # moetier_matvec_q8's integer row kernels
+
+
+def assert_q8_close(y: torch.Tensor, ref: torch.Tensor):
+    """int8 activations (one scale per 32 values, llama.cpp's Q8_0 for x): ~0.5% relative error."""
+    assert torch.isfinite(y).all(), "output not fully written (NaN poison left)"
+    assert ((y - ref).norm() / ref.norm()).item() < 0.02
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 0.03
+
+
+def matvec_q8(lib, qtype, raw, x, threads):
+    y = torch.full((raw.shape[0],), float("nan"))
+    assert cpu.matvec(qtype, raw, x, out=y, threads=threads, lib=lib, q8=True) is y
+    return y
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(37, 512), (129, 768), (1, 256)])
+@pytest.mark.parametrize("qtype", Q8_TYPES)
+def test_matvec_q8_matches_reference(qtype, n, k, threads):
+    if cpu.backend() != "c":
+        pytest.skip("needs the C kernels")
+    raw, x, ref = case(qtype, n, k, seed=4)
+    assert_q8_close(matvec_q8(cpu._lib, qtype, raw, x, threads), ref)
+
+
+@pytest.mark.parametrize("qtype", Q8_TYPES)
+def test_other_c_builds_matvec_q8(qtype, other_build):
+    """haswell: the AVX2 integer kernels (the native build may take AVX-512 ones); x86-64: float fallback."""
+    raw, x, ref = case(qtype, 37, 768, seed=6)
+    assert_q8_close(matvec_q8(other_build, qtype, raw, x, 2), ref)
+
+
+def table_rows(qtype: str, seed: int = 5):
+    """64 rows of 4 blocks in which every MXFP4 nibble / IQ3_XXS grid row and sign pattern occurs, random scales."""
+    from moetier.quant.formats import get_format
+    fmt = get_format(qtype)
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (64, 4 * fmt.type_size), dtype=torch.uint8, generator=g)
+    if qtype == "MXFP4":
+        raw.view(-1, 17)[:, 0] = torch.randint(118, 136, (raw.numel() // 17,), dtype=torch.uint8, generator=g)
+    else:
+        blocks = raw.view(-1, 98)
+        blocks[:, :2] = torch.rand(blocks.shape[0], 1, generator=g).half().view(torch.uint8)
+        blocks[:, 2:66] = torch.arange(256, dtype=torch.uint8).repeat(blocks.shape[0] // 4, 1).view(-1, 64)
+    return raw, torch.randn(4 * fmt.block_size, generator=g)
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS"])
+def test_codebook_q8_kernels_see_every_table_entry(qtype, other_build):
+    """Every grid row / sign pattern / nibble through the integer kernels: the native build and haswell's AVX2."""
+    raw, x = table_rows(qtype)
+    ref = expert_matvec(qtype, repack(qtype, raw), x)
+    for lib in (cpu._lib, other_build):
+        assert_q8_close(matvec_q8(lib, qtype, raw, x, 2), ref)
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS", ("IQ3_XXS", "Q6_K"), ("Q4_0", "MXFP4")])
+def test_moe_tokens_codebook_int8_activations(qtype):
+    """moe_tokens(q8=True) on the codebook formats: x and the activation rounded to int8 per 32 values."""
+    from moetier.quant.formats import get_format
+    gq_, dq_ = qtype if isinstance(qtype, tuple) else (qtype, qtype)
+    e, d, i, t, k = 5, 256, 512, 3, 2
+    g = torch.Generator().manual_seed(12)
+    gate, up = (quantize(torch.randn(e * i, d, generator=g), gq_).view(e, i, -1) for _ in range(2))
+    down = quantize(torch.randn(e * d, i, generator=g), dq_).view(e, d, -1)
+    x = torch.randn(t, d, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    fmts = (get_format(gq_), get_format(dq_))
+    ref = cpu.moe_tokens_native(fmts, gate, up, down, x, ids, w)
+    y = cpu.moe_tokens(fmts, gate, up, down, x, ids, w, q8=True, threads=2)
+    assert torch.isfinite(y).all() and ((y - ref).norm() / ref.norm()).item() < 0.03

@@ -90,6 +90,17 @@ def test_repack_is_lossless(name):
     assert_bits_equal(w, gguf_dequant(name, raw.numpy()))
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_lone_block_row(name):
+    """One row of one block: its fields are contiguous slices at odd byte offsets (IQ3_XXS's u32 words at
+    66, Q5_0's at 2), which a dtype view cannot take in place; dequantize and repack still read them."""
+    fmt = get_format(name)
+    shape = (1, fmt.block_size)
+    raw = random_blocks(name, shape, seed=3)
+    assert_bits_equal(dequantize(torch.from_numpy(raw), name, shape), gguf_dequant(name, raw))
+    assert_bits_equal(dequantize_repacked(name, repack(name, torch.from_numpy(raw))), gguf_dequant(name, raw))
+
+
 def test_errors_say_what_to_do():
     with pytest.raises(ValueError, match="unsupported GGML quantization type"):
         get_format("Q9_9")

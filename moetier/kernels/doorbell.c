@@ -45,7 +45,7 @@ typedef struct {
     float *y;                             /* [L, D] */
     float *scratch;                       /* >= k * 2I + k * I + (D + k * I) / 32 + 64 floats */
     double *timing;                       /* out: [0] compute s, [1] wait-for-bell s, [2] misses */
-    int32_t q8_act;                       /* Q4_0 / Q8_0: int8 activations, integer dot products */
+    int32_t q8_act;                       /* Q4_0 / Q8_0 / MXFP4 / IQ3_XXS: int8 activations, integer dots */
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
     const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
     const int64_t *layer_row_bytes;       /* [L, 2] gate_up, down row bytes per layer; NULL: the above */
@@ -130,8 +130,7 @@ static float any_row(int qtype, const uint8_t *w, const float *x, const float *x
 
 static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K) {
 #ifdef MOE_Q8
-    if (q8 && qtype == Q4_0) return moe_row_q4_0_q8(w, a.qx, a.dx, a.sx, K / 32);
-    if (q8 && qtype == Q8_0) return moe_row_q8_0_q8(w, a.qx, a.dx, K / 32);
+    if (q8 && moe_q8_type(qtype)) return moe_row_q8(qtype, w, a.qx, a.dx, a.sx, K);
 #else
     (void)q8;
 #endif
@@ -140,7 +139,7 @@ static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K) 
 
 static int q8_ok(int qtype) {
 #ifdef MOE_Q8
-    return qtype == Q4_0 || qtype == Q8_0;
+    return moe_q8_type(qtype);
 #else
     (void)qtype;
     return 0;

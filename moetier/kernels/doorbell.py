@@ -177,8 +177,9 @@ class MissServer:
 
     gate_up / down: [L][E] CPU tensors (rows contiguous) or None where an expert is not in RAM;
     qtype_id: GGML type id of the weights (0 f32, 1 f16, 30 bf16, 8 Q8_0, 2 Q4_0, 12 Q4_K, 13 Q5_K,
-    14 Q6_K), or (gate_up id, down id) when they differ (Q4_K_M: (12, 14)), or a list of L such
-    pairs when they vary by layer (Q4_K_M's down: Q6_K in some layers); act: ops.Act. q8_act: Q4_0 / Q8_0 weights meet int8 activations (one scale per 32 values, as
+    14 Q6_K, 39 MXFP4, 18 IQ3_XXS), or (gate_up id, down id) when they differ (Q4_K_M: (12, 14)), or
+    a list of L such pairs when they vary by layer (Q4_K_M's down: Q6_K in some layers); act: ops.Act.
+    q8_act: Q4_0 / Q8_0 / MXFP4 / IQ3_XXS weights meet int8 activations (one scale per 32 values, as
     llama.cpp does) in integer dot products; otherwise float32 activations."""
 
     def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,

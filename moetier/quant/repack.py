@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from gguf import quants as gq
 
-from .bits import shifts, table
+from .bits import shifts, table, view_bytes
 from .formats import dequantize, get_format
 from .iquants import _grid, _values, e8m0_half
 from .kquants import scale_min_k4
@@ -65,7 +65,7 @@ def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
         return _repack_iq3_xxs(blocks, lead)
     out = {}
     for name, (off, size, dtype) in _FIELDS[fmt.name].items():
-        field = blocks[..., off:off + size].contiguous().view(dtype)     # [..., nb, size / itemsize]
+        field = view_bytes(blocks[..., off:off + size], dtype)          # [..., nb, size / itemsize]
         out[name] = field.reshape(*lead, -1).contiguous()
     if fmt.name in ("Q4_K", "Q5_K"):
         sc, mn = scale_min_k4(blocks[..., 4:16].reshape(-1, 12))
@@ -75,11 +75,11 @@ def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _repack_iq3_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
     """[..., nb, 98] blocks -> d, sc, sg, qs planes (module doc)."""
-    w = blocks[..., 66:98].contiguous().view(torch.int32)                  # [..., nb, 8] u32 bit patterns
+    w = view_bytes(blocks[..., 66:98], torch.int32)                        # [..., nb, 8] u32 bit patterns
     idx = shifts(w.unsqueeze(-1), [0, 7, 14, 21], 0x7F)                    # [..., nb, 8, 4, 1]
     ks = torch.tensor([i | (i.bit_count() & 1) << 7 for i in range(128)], dtype=torch.int32)
     sg = ks.to(w.device)[idx.long()].squeeze(-1) << torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=w.device)
-    return {"d": blocks[..., 0:2].contiguous().view(torch.float16).reshape(*lead, -1),
+    return {"d": view_bytes(blocks[..., 0:2], torch.float16).reshape(*lead, -1),
             "sc": ((w >> 28) & 0xF).to(torch.uint8).reshape(*lead, -1),
             "sg": sg.sum(-1, dtype=torch.int32).reshape(*lead, -1).contiguous(),
             "qs": blocks[..., 2:66].reshape(*lead, -1).contiguous()}
