@@ -114,17 +114,7 @@ def test_dequantize_rows_is_bit_exact(qtype):
 def test_codebook_kernels_see_every_table_entry(qtype):
     """Rows built so every MXFP4 nibble / IQ3_XXS grid row and sign pattern occurs (random floats
     rarely reach all 256 grid rows), with random scales; the C matvec against the torch twin."""
-    from moetier.quant.formats import get_format
-    fmt = get_format(qtype)
-    g = torch.Generator().manual_seed(5)
-    raw = torch.randint(0, 256, (64, 4 * fmt.type_size), dtype=torch.uint8, generator=g)
-    if qtype == "MXFP4":
-        raw.view(-1, 17)[:, 0] = torch.randint(118, 136, (raw.numel() // 17,), dtype=torch.uint8, generator=g)
-    else:
-        blocks = raw.view(-1, 98)
-        blocks[:, :2] = torch.rand(blocks.shape[0], 1, generator=g).half().view(torch.uint8)
-        blocks[:, 2:66] = torch.arange(256, dtype=torch.uint8).repeat(blocks.shape[0] // 4, 1).view(-1, 64)
-    x = torch.randn(4 * fmt.block_size, generator=g)
+    raw, x = table_rows(qtype)
     ref = expert_matvec(qtype, repack(qtype, raw), x)
     y = torch.full((64,), float("nan"))
     assert_close(cpu.matvec(qtype, raw, x, out=y, threads=2), ref)
