@@ -59,7 +59,8 @@ def reference(x, ids, w, slots, gu, dn, act):
                                       ("Q4_0", False), ("Q4_K", False), ("Q8_0", True), ("Q4_0", True),
                                       ("Q5_K", False), ("Q6_K", False), ("Q4_K+Q6_K", False), ("Q4_0+Q6_K", True),
                                       ("MXFP4", False), ("IQ3_XXS", False), ("IQ3_XXS+Q4_K", False),
-                                      ("MXFP4", True), ("IQ3_XXS", True), ("IQ3_XXS+Q4_K", True)])
+                                      ("MXFP4", True), ("IQ3_XXS", True), ("IQ3_XXS+Q4_K", True),
+                                      ("Q4_K+Q6_K", True), ("Q5_K", True)])
 @pytest.mark.parametrize("act", [Act(), Act("clamped_swiglu", 1.702, 0.3)])
 def test_miss_server_answers_every_layer(qtype, q8, act):
     """Float activations: float32 rounding of the reference. int8 activations (q8, one scale per 32
@@ -90,14 +91,15 @@ def test_miss_server_answers_every_layer(qtype, q8, act):
         assert int(req.done[1 * db.BELL_STRIDE]) != seq       # no misses: no answer, the GPU does not wait
 
 
-def test_miss_server_formats_per_layer():
+@pytest.mark.parametrize("q8", [False, True])
+def test_miss_server_formats_per_layer(q8):
     """Q4_K_M: gate_up Q4_K in every layer, down Q4_K in layer 0 and Q6_K in layers 1, 2 (row bytes
-    differ per layer): one [L, 2] table of type ids; float activations, float32 rounding."""
+    differ per layer): one [L, 2] table of type ids; float activations: float32 rounding; int8 (cpu_kq_q8.c): 3%."""
     gu, dn4, f_gu, f_dn4, (gid, d4) = experts("Q4_K+Q4_K")
     _, dn6, _, f_dn6, (_, d6) = experts("Q4_K+Q6_K")
     s_dn, f_dn = [dn4[0], dn6[1], dn6[2]], [f_dn4[0], f_dn6[1], f_dn6[2]]
     req = db.Requests(L, D, K, pin=False)
-    srv = db.MissServer(req, gu, s_dn, [(gid, d4), (gid, d6), (gid, d6)], D, I, Act(), threads=2)
+    srv = db.MissServer(req, gu, s_dn, [(gid, d4), (gid, d6), (gid, d6)], D, I, Act(), threads=2, q8_act=q8)
     g = torch.Generator().manual_seed(4)
     req.x[:] = torch.randn(L, D, generator=g)
     req.ids[:] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).int()
@@ -108,7 +110,7 @@ def test_miss_server_formats_per_layer():
     assert srv.serve(1)[2] == L * K
     for li in range(L):
         want = reference(req.x[li], req.ids[li], req.w[li], req.slots[li], f_gu[li], f_dn[li], Act())
-        assert ((req.y[li] - want).abs().max() / want.abs().max()).item() <= 2e-5
+        assert ((req.y[li] - want).abs().max() / want.abs().max()).item() <= (3e-2 if q8 else 2e-5)
 
 
 def test_miss_server_times_out_with_a_clear_error():

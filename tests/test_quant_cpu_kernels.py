@@ -121,7 +121,7 @@ def test_codebook_kernels_see_every_table_entry(qtype):
 
 
 @pytest.mark.parametrize("q8", [False, True])
-@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS", ("IQ3_XXS", "Q6_K"), ("Q4_0", "MXFP4")])
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS", ("IQ3_XXS", "Q6_K"), ("Q4_0", "MXFP4"), ("Q4_K", "Q6_K"), "Q5_K"])
 def test_moe_tokens_codebook_formats(qtype, q8):
     """The one-call MoE layer (decode) reads MXFP4 / IQ3_XXS experts through the same row kernels; with
     q8 x and the activation are rounded to int8 per 32 values (integer dot products)."""
@@ -160,7 +160,7 @@ def test_build_key_covers_included_files(tmp_path, monkeypatch):
     assert first != second and second.exists()
 
 
-Q8_TYPES = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS"]      # moetier_matvec_q8's integer row kernels
+Q8_TYPES = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS", "Q4_K", "Q5_K", "Q6_K"]   # moetier_matvec_q8's integer row kernels
 
 
 def assert_q8_close(y: torch.Tensor, ref: torch.Tensor):
@@ -217,3 +217,34 @@ def test_codebook_q8_kernels_see_every_table_entry(qtype, other_build):
         assert_q8_close(matvec_q8(lib, qtype, raw, x, 2), ref)
 
 
+
+
+K_SCALE_OFFSETS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}     # fp16 d / dmin fields
+
+
+def random_byte_rows(qtype: str, n: int = 37, nsb: int = 3, seed: int = 8):
+    """n rows of nsb K-quant super-blocks of random bytes (every qs / qh bit pattern, every 6-bit scale and min,
+    Q6_K's negative scales) with random finite fp16 d / dmin, and x."""
+    from moetier.quant.formats import get_format
+    fmt = get_format(qtype)
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, nsb * fmt.type_size), dtype=torch.uint8, generator=g)
+    blocks = raw.view(-1, fmt.type_size)
+    for off in K_SCALE_OFFSETS[qtype]:
+        d = (torch.rand(blocks.shape[0], generator=g) * 2 - 1).half()
+        blocks[:, off:off + 2] = d.view(torch.uint8).view(-1, 2)
+    return raw, torch.randn(nsb * fmt.block_size, generator=g)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_kernels_see_every_bit_pattern(qtype, threads, other_build):
+    """Random-byte super-blocks (not only what the quantizer emits) through the native build (AVX-512 VBMI byte
+    construction where the CPU has it) and the other builds (AVX2, scalar), odd row count, NaN-poisoned out;
+    and through the int8-activation kernels (cpu_kq_q8.c; the x86-64 build's q8 falls back to the float rows)."""
+    raw, x = random_byte_rows(qtype)
+    ref = expert_matvec(qtype, repack(qtype, raw), x)
+    for lib in (cpu._lib, other_build):
+        y = torch.full((raw.shape[0],), float("nan"))
+        assert_close(cpu.matvec(qtype, raw, x, out=y, threads=threads, lib=lib), ref)
+        assert_q8_close(matvec_q8(lib, qtype, raw, x, threads), ref)

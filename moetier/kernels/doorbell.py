@@ -179,8 +179,8 @@ class MissServer:
     qtype_id: GGML type id of the weights (0 f32, 1 f16, 30 bf16, 8 Q8_0, 2 Q4_0, 12 Q4_K, 13 Q5_K,
     14 Q6_K, 39 MXFP4, 18 IQ3_XXS), or (gate_up id, down id) when they differ (Q4_K_M: (12, 14)), or
     a list of L such pairs when they vary by layer (Q4_K_M's down: Q6_K in some layers); act: ops.Act.
-    q8_act: Q4_0 / Q8_0 / MXFP4 / IQ3_XXS weights meet int8 activations (one scale per 32 values, as
-    llama.cpp does) in integer dot products; otherwise float32 activations."""
+    q8_act: Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 / IQ3_XXS weights meet int8 activations (one scale
+    per 32 values, as llama.cpp does) in integer dot products; otherwise float32 activations."""
 
     def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,
                  threads: int, timeout_s: float = 10.0, q8_act: bool = True):
