@@ -13,6 +13,8 @@ compares the two on random inputs. `expert_ffn` runs one whole expert (gate_up m
 activation in float32, down matvecs; gate_up and down may differ in format, as llama.cpp's
 Q4_K_M stores some layers' down in Q6_K) for the memory tiers' CPU misses; its twin is
 `expert_ffn_native` (tests/test_memory_gguf.py).
+Prefill op (tests/test_cpu_grouped.py): `moe_grouped`, moe_tokens expert-major (each weight row read once per
+call for all its tokens; twin moe_tokens_native).
 Decode ops (tests/test_cpu_moe_fused.py): `moe_tokens` (a SwiGLU MoE layer's k experts for a few tokens
 in one C call; twin moe_tokens_native) and `qlinear` (twin qlinear_native), also the torch ops
 moetier::moe_tokens / moetier::qlinear so torch.export keeps them whole in the compiled CPU decode step;
@@ -130,6 +132,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_matvec_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.moetier_moe_tokens.argtypes = [c_int, c_int, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                        ptr, ptr, ptr, ptr, c_int, c_int]
+    lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
     return lib
 
 
@@ -257,8 +260,8 @@ def expert_ffn(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor
                threads: int | None = None) -> torch.Tensor:
     """One expert on rows x [n, D] -> [n, D] float32, straight from its GGML blocks: gate_up uint8
     [2I, row_bytes(D)] (gate rows, then up rows), down uint8 [D, row_bytes(I)]. qtype: one format,
-    or (gate_up format, down format). The weights are never dequantized (n matvecs per projection;
-    the activation runs in float32)."""
+    or (gate_up format, down format). SwiGLU without biases, n > 1: moe_grouped (each row read once for
+    the n rows); else n matvecs per projection (the activation in float32)."""
     fmt, dfmt = _formats(qtype)
     if _kernel(fmt, None) == "torch" or _kernel(dfmt, None) == "torch":   # no C / numba kernel: the twin
         return expert_ffn_native((fmt, dfmt), gate_up, down, x, act, gate_up_bias, down_bias)
@@ -266,6 +269,11 @@ def expert_ffn(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor
     n = x.shape[0]
     if n == 0:
         return x.new_empty(0, down.shape[0])
+    from moetier.models.layers import swiglu
+    if n > 1 and act is swiglu and gate_up_bias is None and down_bias is None and backend() == "c":
+        i = gate_up.shape[0] // 2            # one expert of moe_grouped: each row read once for the n rows
+        return moe_grouped((fmt, dfmt), gate_up[None, :i], gate_up[None, i:], down[None], x,
+                           torch.zeros(n, 1, dtype=torch.int64), torch.ones(n, 1), threads=threads)
     h = matvec_batch(fmt, [gate_up] * n, x, threads=threads)           # [n, 2I]
     if gate_up_bias is not None:
         h += gate_up_bias.float()
@@ -330,6 +338,34 @@ def moe_tokens_native(qtype, gate, up, down, x, ids, w) -> torch.Tensor:
         wg, wu = (dequantize(r[ex].contiguous(), fmt, (i, d)) for r in (gate, up))
         h = torch.nn.functional.silu(wg @ x[t].float()) * (wu @ x[t].float())
         y[t] += w[t, j].float() * (dequantize(down[ex].contiguous(), dfmt, (d, i)) @ h)
+    return y
+
+
+def moe_grouped(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+                ids: torch.Tensor, w: torch.Tensor, q8: bool = False, threads: int | None = None,
+                lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """moe_tokens for many tokens (prefill), llama.cpp's way: the (token, expert) pairs bucketed by expert,
+    each weight row read once per call and dotted with every pair routed to its expert (cpu_grouped.c).
+    Same arguments and result as moe_tokens. Float activations: every format's rows dequantized per tile
+    (products as the dequantized model's); q8: x and the activation rounded to int8 per 32 values for the
+    types with int8 row kernels (cpu_moe.c moe_q8_type; llama.cpp's way, ~1% relative error).
+    `lib`: another build (tests); out: optional float32 [T, D]. Twin: moe_tokens_native."""
+    fmt, dfmt = _formats(qtype)
+    if lib is None and (backend() != "c" or _kernel(fmt, None) != "c" or _kernel(dfmt, None) != "c"):
+        return moe_tokens_native((fmt, dfmt), gate, up, down, x, ids, w)
+    e, i, d = gate.shape[0], gate.shape[1], down.shape[1]
+    if gate.stride() != up.stride() or gate.stride(-1) != 1 or down.stride(-1) != 1 or gate.dtype != torch.uint8:
+        raise ValueError("moe_grouped needs uint8 gate/up of one stride and rows of contiguous bytes")
+    x, ids, w = _as_f32(x), ids.to(torch.int64).contiguous(), _as_f32(w)
+    y = _out(out, (x.shape[0], d))
+    rc = (lib or _lib).moetier_moe_grouped(
+        fmt.type_id, dfmt.type_id, gate.data_ptr(), up.data_ptr(), gate.stride(0), gate.stride(1), down.data_ptr(),
+        down.stride(0), down.stride(1), e, d, i, x.shape[0], ids.shape[1], ids.data_ptr(), w.data_ptr(),
+        x.data_ptr(), y.data_ptr(), int(q8), threads or torch.get_num_threads())
+    if rc:
+        why = "out of memory" if rc == -2 else (f"D={d}, I={i} must be multiples of the block sizes and expert ids "
+                                                 f"in [0, {e}); got ids in [{int(ids.min())}, {int(ids.max())}]")
+        raise RuntimeError(f"CPU grouped MoE kernel failed ({fmt.name}/{dfmt.name}): {why}")
     return y
 
 

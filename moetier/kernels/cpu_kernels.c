@@ -306,3 +306,4 @@ int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, 
 }
 
 #include "cpu_moe.c"
+#include "cpu_grouped.c"

@@ -6,9 +6,10 @@ Same call as DenseExperts: forward(x [T, D], ids [T, k], w [T, k]) -> [T, D]. Tw
   "planes" (CUDA): `quant.repack(fmt, raw)` planes on the device, run by kernels.ops (fused Triton
            GEMVs for T <= ops.MAX_DECODE_TOKENS, grouped GEMMs above; no host sync).
   "raw"    (CPU):  the GGUF blocks as stored (zero-copy views of the file's mmap), run by the C
-           kernels (kernels/cpu.py): decode (SwiGLU, no biases) one moe_tokens call per layer
-           (forward_fused), other few-token calls matvecs; prefill dequantizes each used expert
-           once per call and runs F.linear, exactly as the dequantized model would.
+           kernels (kernels/cpu.py): SwiGLU without biases: decode one moe_tokens call per layer
+           (forward_fused), more tokens one moe_grouped call (forward_grouped: expert-major, each
+           weight row read once per call). Other experts (biases, gpt-oss's activation): few-token
+           calls matvecs; prefill dequantizes each used expert once per call and runs F.linear.
 `forward_native` is the pure-torch twin: every used expert dequantized, then grouped_experts.
 """
 from __future__ import annotations
@@ -30,6 +31,11 @@ from .layers import DenseExperts, grouped_experts, grouped_mm_experts, swiglu
 # MXFP4 / IQ3_XXS (8 experts all used, D 512, I 256, 1 thread, float-activation matvecs): MXFP4 8: 2.5 vs 3.7 ms,
 # 16: 4.9 vs 4.4; IQ3_XXS 24: 15.6 vs 17.1, 32: 21.0 vs 17.6 (its dequantizer is slower; Q4_0 then: 8: 2.7 vs 3.7).
 CPU_MATVEC_PAIRS_PER_EXPERT = {"Q8_0": 12, "Q4_0": 24, "Q4_K": 24, "Q5_K": 24, "Q6_K": 24, "MXFP4": 12, "IQ3_XXS": 24}
+# CPU prefill of SwiGLU experts without biases: moe_grouped (forward_grouped) unless a format has more pairs per used
+# expert than this (then dequantize + F.linear, MKL's GEMM, wins). Measured (1 thread, default model's experts: 8, D 384,
+# I 256, k 2; grouped vs dequantize+linear per call): Q8_0 16 pairs/expert 1.22 vs 2.74 ms, 48: 4.11 vs 3.86, 128: 11.1
+# vs 7.1; Q4_0 64: 5.38 vs 5.80 (its dequantizer is slower: no limit). 30B-A3B shape (8 pairs/expert): grouped 2.5-3x.
+CPU_GROUPED_MAX_PAIRS_PER_EXPERT = {"Q8_0": 32}
 
 
 def cpu_formats() -> set[str]:
@@ -68,7 +74,7 @@ class QuantExperts(DenseExperts):
         self.fmt, self.down_fmt = fmt.name, dfmt.name      # gate_up's, down's
         self.num_experts, self.hidden, self.dim = gate.shape[0], gate.shape[1], down.shape[1]
         self.act, self.layout = act, layout
-        self.fused_cpu = False
+        self.fused_cpu = self.grouped_cpu = False
         self.q8_act = False    # forward_fused: int8 activations for Q4_0 / Q8_0 (llama.cpp's way; not exact)
         if layout == "planes":
             planes = {"gate_up": repack(fmt, torch.cat([gate, up], dim=1)), "down": repack(dfmt, down)}
@@ -83,6 +89,8 @@ class QuantExperts(DenseExperts):
             self.matvec_pairs = min(CPU_MATVEC_PAIRS_PER_EXPERT.get(f, 0) for f in (self.fmt, self.down_fmt)) if ok else 0
             # the whole layer in one C call (kernels/cpu.moe_tokens) for decode: SwiGLU without biases
             self.fused_cpu = ok and act is swiglu and biases is None
+            # prefill (T > FUSED_CPU_TOKENS): the same layer expert-major in one C call (kernels/cpu.moe_grouped)
+            self.grouped_cpu = self.fused_cpu and _cpu.backend() == "c"
         else:
             raise ValueError(f"QuantExperts layout must be 'planes' or 'raw', got {layout!r}")
         gb, db = biases or (None, None)
@@ -121,6 +129,10 @@ class QuantExperts(DenseExperts):
             return self._forward_planes(x, ids, w)
         if self.fused_cpu and ids.shape[0] <= FUSED_CPU_TOKENS:
             return self.forward_fused(x, ids, w)
+        if self.grouped_cpu:
+            limit = CPU_GROUPED_MAX_PAIRS_PER_EXPERT.get(self.fmt)
+            if limit is None or ids.numel() <= limit or ids.numel() <= limit * ids.unique().numel():
+                return self.forward_grouped(x, ids, w)
         if self.matvec_pairs and (ids.numel() <= self.matvec_pairs
                                   or ids.numel() <= self.matvec_pairs * ids.unique().numel()):
             return self._forward_matvec(x, ids, w)
@@ -175,6 +187,15 @@ class QuantExperts(DenseExperts):
         if self.down_bias is not None:
             y = y + self.down_bias[flat].float()
         return (y * w.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
+
+    def forward_grouped(self, x, ids, w, q8: bool | None = None):
+        """CPU, many tokens, SwiGLU without biases: one C call (kernels/cpu.moe_grouped) that reads each used
+        expert's rows once for all its tokens (llama.cpp's way). Float activations unless q8 / self.q8_act:
+        Q8_0 / Q4_0 / MXFP4 / IQ3_XXS rows dequantized to float per tile (exact products), K-quants the row dot.
+        x [T, D] -> [T, D]."""
+        y = _cpu.moe_grouped((self.fmt, self.down_fmt), self.gate_raw, self.up_raw, self.down_raw, x, ids, w,
+                             q8=self.q8_act if q8 is None else q8, threads=torch.get_num_threads())
+        return y.to(x.dtype)
 
     def forward_fused(self, x, ids, w, q8: bool | None = None):
         """CPU, few tokens, SwiGLU without biases: the layer as one C call through the torch op

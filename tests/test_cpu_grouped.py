@@ -1,0 +1,171 @@
+"""The expert-major CPU MoE layer for prefill (kernels/cpu.moe_grouped, cpu_grouped.c) against the float
+reference (dequantized weights, F.linear, SwiGLU, weighted sum), in every format and build, and inside
+QuantExperts and the memory tiers' expert_ffn."""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import max_rel_err
+
+from moetier.kernels import cpu
+from moetier.models.layers import swiglu
+from moetier.models.quant_experts import QuantExperts
+from moetier.quant.formats import dequantize, get_format
+from moetier.quant.pack import quantize as pack
+
+needs_c = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
+FORMATS = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS", "Q4_K", "Q5_K", "Q6_K", ("Q4_K", "Q6_K"), ("Q4_0", "Q8_0"),
+           ("Q8_0", "Q6_K")]
+Q8_FORMATS = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS", ("Q4_0", "Q6_K")]
+
+
+def sizes(qtype):
+    """odd-ish D, I the formats allow: 256-blocks need multiples of 256, 32-blocks get 96 / 160."""
+    big = any(get_format(q).block_size == 256 for q in (qtype if isinstance(qtype, tuple) else (qtype,)))
+    return (256, 512) if big else (96, 160)
+
+
+def layer(qtype, e, d, i, seed=0):
+    gq, dq = qtype if isinstance(qtype, tuple) else (qtype, qtype)
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((gq, (i, d)), (gq, (i, d)), (dq, (d, i)))
+    return [pack(torch.randn(e, r, c, generator=g) * 0.1, q) for q, (r, c) in shapes]
+
+
+def skewed_route(t, e, k, d, seed=1):
+    """expert 0 in every token (many pairs), the last two experts never used, the rest random."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g)
+    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(e - 3, generator=g)[:k - 1]])
+                       for _ in range(t)])
+    return x, ids, torch.rand(t, k, generator=g) + 0.1
+
+
+def reference(qtype, gate, up, down, x, ids, w):
+    """float64: each pair's expert dequantized, F.linear, SwiGLU, weighted sum."""
+    gq, dq = (get_format(q) for q in (qtype if isinstance(qtype, tuple) else (qtype, qtype)))
+    e, i, d = gate.shape[0], gate.shape[1], down.shape[1]
+    wg, wu = (dequantize(r.contiguous(), gq, (e, i, d)).double() for r in (gate, up))
+    wd = dequantize(down.contiguous(), dq, (e, d, i)).double()
+    y = torch.zeros(x.shape[0], d, dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            ex, xt = int(ids[t, j]), x[t].double()
+            h = F.silu(F.linear(xt, wg[ex])) * F.linear(xt, wu[ex])
+            y[t] += w[t, j].double() * F.linear(h, wd[ex])
+    return y.float()
+
+
+def run(qtype, gate, up, down, x, ids, w, **kw):
+    out = torch.full((x.shape[0], down.shape[1]), float("nan"))     # every element must be written
+    y = cpu.moe_grouped(qtype, gate, up, down, x, ids, w, out=out, **kw)
+    assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
+    return y
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("t,k", [(1, 2), (3, 8), (17, 4), (64, 6)])
+def test_grouped_matches_float_reference(qtype, t, k):
+    d, i = sizes(qtype)
+    gate, up, down = layer(qtype, 12, d, i)
+    x, ids, w = skewed_route(t, 12, k, d)
+    ref = reference(qtype, gate, up, down, x, ids, w)
+    y1 = run(qtype, gate, up, down, x, ids, w, threads=1)
+    assert max_rel_err(y1, ref) < 1e-5
+    assert torch.equal(run(qtype, gate, up, down, x, ids, w, threads=2), y1)     # no dependence on threads
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", Q8_FORMATS)
+@pytest.mark.parametrize("t,k", [(3, 8), (64, 6)])
+def test_grouped_int8_activations_close(qtype, t, k):
+    """q8: x and the activation rounded to int8 per 32 values (llama.cpp's way): ~1% relative error, as moe_tokens."""
+    d, i = sizes(qtype)
+    gate, up, down = layer(qtype, 12, d, i)
+    x, ids, w = skewed_route(t, 12, k, d)
+    ref = reference(qtype, gate, up, down, x, ids, w)
+    y1 = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1)
+    assert (y1 - ref).norm() / ref.norm() < 0.03
+    assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2), y1)
+    tok = cpu.moe_tokens(qtype, gate, up, down, x, ids, w, q8=True)          # the same int8 activations
+    assert (y1 - tok).norm() / ref.norm() < 0.01
+
+
+@needs_c
+@pytest.mark.parametrize("q8", [False, True])
+def test_grouped_long_rows(q8):
+    """D = 2048: the float tile runs K in GRP_KC chunks, the q8 tile over 64 blocks; 96 tokens on 4 of 40 experts."""
+    gate, up, down = layer("Q4_0", 40, 2048, 256)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(96, 2048, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] * 10 for _ in range(96)])
+    w = torch.rand(96, 2, generator=g)
+    ref = reference("Q4_0", gate, up, down, x, ids, w)
+    y = run("Q4_0", gate, up, down, x, ids, w, q8=q8, threads=2)
+    assert ((y - ref).norm() / ref.norm() < 0.03) if q8 else max_rel_err(y, ref) < 1e-5
+
+
+@needs_c
+def test_grouped_rejects_bad_ids():
+    gate, up, down = layer("Q8_0", 6, 96, 160)
+    x, ids, w = skewed_route(4, 6, 2, 96)
+    with pytest.raises(RuntimeError, match="expert ids"):
+        cpu.moe_grouped("Q8_0", gate, up, down, x, ids + 6, w)
+
+
+@pytest.fixture(scope="module", params=["x86-64", "haswell"])
+def other_build(request, tmp_path_factory):
+    """x86-64: the scalar path; haswell: AVX2 without VNNI (the maddubs / sign-trick int8 dots)."""
+    if cpu.backend() != "c" or platform.machine() != "x86_64":
+        pytest.skip("needs gcc on x86-64")
+    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    return cpu.open_library(cpu.build_library(tmp_path_factory.mktemp("kernels"), march=request.param))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ3_XXS", ("Q4_K", "Q6_K")])
+@pytest.mark.parametrize("q8", [False, True])
+def test_other_builds_match_reference(qtype, q8, other_build):
+    d, i = sizes(qtype)
+    gate, up, down = layer(qtype, 12, d, i)
+    x, ids, w = skewed_route(17, 12, 4, d)
+    ref = reference(qtype, gate, up, down, x, ids, w)
+    y = run(qtype, gate, up, down, x, ids, w, q8=q8, threads=2, lib=other_build)
+    assert ((y - ref).norm() / ref.norm() < 0.03) if q8 else max_rel_err(y, ref) < 1e-5
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q4_0", ("Q4_K", "Q6_K")])
+def test_quant_experts_prefill_takes_the_grouped_kernel(qtype, monkeypatch):
+    d, i = sizes(qtype)
+    gate, up, down = layer(qtype, 12, d, i)
+    ex = QuantExperts(qtype, gate, up, down)
+    assert ex.grouped_cpu
+    x, ids, w = skewed_route(17, 12, 4, d)
+    want = ex.forward_native(x, ids, w)
+    real, calls = cpu.moe_grouped, []
+
+    def spy(*a, **kw):
+        calls.append(a[4].shape[0])
+        return real(*a, **kw)
+    monkeypatch.setattr(cpu, "moe_grouped", spy)
+    assert max_rel_err(ex(x, ids, w), want) < 1e-5 and calls == [17]
+    assert max_rel_err(ex(x.bfloat16(), ids, w).float(), ex.forward_native(x.bfloat16(), ids, w).float()) < 2e-2
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q4_0", "IQ3_XXS", ("Q4_K", "Q6_K")])
+def test_expert_ffn_rows_take_the_grouped_kernel(qtype):
+    """The memory tiers' CPU misses: one expert on n rows (expert_ffn) is moe_grouped with E = 1."""
+    d, i = sizes(qtype)
+    gu, dn = (get_format(q) for q in (qtype if isinstance(qtype, tuple) else (qtype, qtype)))
+    g = torch.Generator().manual_seed(7)
+    gate_up = pack(torch.randn(2 * i, d, generator=g) * 0.1, gu.name)
+    down = pack(torch.randn(d, i, generator=g) * 0.1, dn.name)
+    x = torch.randn(9, d, generator=g)
+    got = cpu.expert_ffn(qtype, gate_up, down, x, swiglu)
+    assert max_rel_err(got, cpu.expert_ffn_native(qtype, gate_up, down, x, swiglu)) < 1e-5
