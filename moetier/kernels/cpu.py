@@ -300,7 +300,7 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
     return y + down_bias.float() if down_bias is not None else y
 
 
-MOE_Q8_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS"}     # q8=True quantizes activations to int8 for these
+MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"}   # q8=True: int8 activations for these
 
 
 def moe_tokens(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
