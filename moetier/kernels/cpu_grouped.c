@@ -156,12 +156,9 @@ static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 
 /* K-quant super-blocks (256 values) -> float, layouts as cpu_kquants.c's row kernels (d sc q - dmin mn) */
 static void grp_dequant_q45_k(const uint8_t *w, float *o, int q5) {
-    uint64_t sc64, mn64;
-    scale_min_k4(w + 4, &sc64, &mn64);
     uint8_t sc[8], mn[8];
-    memcpy(sc, &sc64, 8);
-    memcpy(mn, &mn64, 8);
-    const float d = fp16_to_f32(w), dmin = fp16_to_f32(w + 2);
+    float d, dmin;
+    kq_unpack(w, sc, mn, &d, &dmin);
     const uint8_t *qh = w + 16, *qs = w + (q5 ? 48 : 16);
     PREFETCH(w);
     PREFETCH(w + 64);

@@ -16,21 +16,39 @@ static inline void scale_min_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
     *mn = (b & 0x3F3F3F3Fu) | (uint64_t)(((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)) << 32;
 }
 
+/* A Q4_K / Q5_K super-block's scales: sc[j], mn[j] (6 bits each, 8 sub-blocks), d and dmin. */
+static inline void kq_unpack(const uint8_t *w, uint8_t *sc, uint8_t *mn, float *d, float *dmin) {
+    uint64_t sc64, mn64;
+    scale_min_k4(w + 4, &sc64, &mn64);
+    memcpy(sc, &sc64, 8);                               /* little-endian: byte j = value j */
+    memcpy(mn, &mn64, 8);
+    *d = fp16_to_f32(w);
+    *dmin = fp16_to_f32(w + 2);
+}
+
+#ifdef VW
+/* A Q4_K / Q5_K super-block's prologue: prefetch it, dsc[j] = d * sc[j], and off += dmin * mn[j] * xs[j]
+ * (8 lanes; the min term through x's block sums). */
+static inline __m256 kq_scales(const uint8_t *w, const float *xs, float *dsc, __m256 off) {
+    PREFETCH(w);
+    PREFETCH(w + 64);
+    PREFETCH(w + 128);
+    uint64_t sc, mn;
+    scale_min_k4(w + 4, &sc, &mn);
+    __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc)));
+    __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn)));
+    _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w)), scf));
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w + 2)), mnf), _mm256_loadu_ps(xs), off);
+}
+#endif
+
 static float row_q4_k(const uint8_t *w, const float *x, const float *xs, int64_t nsb) {
 #ifdef VW
     vf acc = vzero();
     __m256 off = _mm256_setzero_ps();                   /* sum_j dmin mn[j] xs[j], 8 lanes */
     for (int64_t b = 0; b < nsb; b++, w += 144, x += 256, xs += 8) {
-        PREFETCH(w);
-        PREFETCH(w + 64);
-        PREFETCH(w + 128);
-        uint64_t sc, mn;
-        scale_min_k4(w + 4, &sc, &mn);
-        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc)));
-        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn)));
         float dsc[8];                                   /* d * sc[j] */
-        _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w)), scf));
-        off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w + 2)), mnf), _mm256_loadu_ps(xs), off);
+        off = kq_scales(w, xs, dsc, off);
         const uint8_t *qs = w + 16;
         for (int c = 0; c < 4; c++, qs += 32) {
             const float *x0 = x + 64 * c, *x1 = x0 + 32;
@@ -48,12 +66,9 @@ static float row_q4_k(const uint8_t *w, const float *x, const float *xs, int64_t
 #else
     float acc = 0.f, off = 0.f;
     for (int64_t b = 0; b < nsb; b++, w += 144, x += 256, xs += 8) {
-        uint64_t sc64, mn64;
-        scale_min_k4(w + 4, &sc64, &mn64);
         uint8_t sc[8], mn[8];
-        memcpy(sc, &sc64, 8);                           /* little-endian: byte j = value j */
-        memcpy(mn, &mn64, 8);
-        const float d = fp16_to_f32(w), dmin = fp16_to_f32(w + 2);
+        float d, dmin;
+        kq_unpack(w, sc, mn, &d, &dmin);
         const uint8_t *qs = w + 16;
         for (int c = 0; c < 4; c++, qs += 32) {
             const float *x0 = x + 64 * c, *x1 = x0 + 32;
@@ -84,16 +99,8 @@ static float row_q5_k(const uint8_t *w, const float *x, const float *xs, int64_t
     __m512 acc = _mm512_setzero_ps();
     __m256 off = _mm256_setzero_ps();                   /* sum_j dmin mn[j] xs[j], 8 lanes */
     for (int64_t b = 0; b < nsb; b++, w += 176, x += 256, xs += 8) {
-        PREFETCH(w);
-        PREFETCH(w + 64);
-        PREFETCH(w + 128);
-        uint64_t sc, mn;
-        scale_min_k4(w + 4, &sc, &mn);
-        __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc)));
-        __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn)));
         float dsc[8];                                   /* d * sc[j] */
-        _mm256_storeu_ps(dsc, _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w)), scf));
-        off = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w + 2)), mnf), _mm256_loadu_ps(xs), off);
+        off = kq_scales(w, xs, dsc, off);
         const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 16)));
         const uint8_t *qs = w + 48;
         for (int c = 0; c < 4; c++, qs += 32) {
@@ -123,12 +130,9 @@ static float row_q5_k(const uint8_t *w, const float *x, const float *xs, int64_t
         PREFETCH(w);
         PREFETCH(w + 64);
         PREFETCH(w + 128);
-        uint64_t sc64, mn64;
-        scale_min_k4(w + 4, &sc64, &mn64);
         uint8_t sc[8], mn[8];
-        memcpy(sc, &sc64, 8);
-        memcpy(mn, &mn64, 8);
-        const float d = fp16_to_f32(w), dmin = fp16_to_f32(w + 2);
+        float d, dmin;
+        kq_unpack(w, sc, mn, &d, &dmin);
         const uint8_t *qh = w + 16, *qs = w + 48;
         for (int c = 0; c < 4; c++, qs += 32) {
             const float *x0 = x + 64 * c, *x1 = x0 + 32;
