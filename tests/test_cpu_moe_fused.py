@@ -123,6 +123,52 @@ def test_compiled_step_on_quantized_gguf(tmp_path, qtype):
     on quantized copies, decodes through the AOT step, and follows the same file with its experts
     dequantized (eager, float activations) up to the int8 activations (Q8_ACTIVATIONS)."""
     path = quantize(build_qwen3_moe(tmp_path / "model"), qtype, tmp_path / f"m-{qtype}.gguf")
+    fast = compiled_follows_eager(path)
+    assert any(isinstance(m, QuantExperts) for m in fast.model.modules())
+    assert getattr(fast.model.lm_head, "weight_q", None) is not None       # its quantized copy
+    assert fast.model.model.layers[0].self_attn._quant_copies == {"qkv_weight": get_format(qtype).type_id}
+
+
+K_QUANT_MODEL = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512, "mlp_only_layers": [1]}
+
+
+@needs_c
+def test_compiled_step_on_k_quant_gguf(tmp_path):
+    """Q4_K_M keeps the lm_head as Q6_K, attn_q and the dense MLP as Q4_K/Q6_K, attn_k/v as Q8_0 (tiny rows): the
+    compiled step multiplies each on the file's own blocks (q/k/v differ, so they stay three products),
+    attn_output (Q5_1, no C kernel) in float; and follows eager decode."""
+    path = quantize(build_qwen3_moe(tmp_path / "model", **K_QUANT_MODEL), "Q4_K_M", tmp_path / "m-Q4_K_M.gguf")
+    fast = compiled_follows_eager(path)
+    tid = {n: get_format(n).type_id for n in ("Q4_K", "Q6_K", "Q8_0")}
+    copies = {name: m._quant_copies for name, m in fast.model.named_modules() if getattr(m, "_quant_copies", None)}
+    assert copies["lm_head"] == {"weight": tid["Q6_K"]}
+    for i in (0, 1):
+        att = f"model.layers.{i}.self_attn"
+        assert copies[f"{att}.q_proj"] == {"weight": tid["Q4_K"]} and f"{att}.o_proj" not in copies
+        assert copies[f"{att}.k_proj"] == copies[f"{att}.v_proj"] == {"weight": tid["Q8_0"]}
+    mlp = {p: copies[f"model.layers.1.mlp.{p}"]["weight"] for p in ("gate_proj", "up_proj", "down_proj")}
+    assert mlp == {"gate_proj": tid["Q4_K"], "up_proj": tid["Q4_K"], "down_proj": tid["Q6_K"]}   # last layer: more bits
+
+
+@needs_c
+def test_edited_gguf_weight_loses_its_blocks(tmp_path):
+    """A GGUF weight edited in place or replaced after load is no longer its file blocks: no `_q` copy from them."""
+    from moetier.weights.loader import load_model
+    path = quantize(build_qwen3_moe(tmp_path / "model", **K_QUANT_MODEL), "Q4_K_M", tmp_path / "m-Q4_K_M.gguf")
+    model, _, _ = load_model(path)
+    att = model.model.layers[0].self_attn
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+        att.q_proj.weight = torch.nn.Parameter(att.q_proj.weight * 1.5, requires_grad=False)
+    cpu_compile._quantized_copies(model)
+    assert not hasattr(model.lm_head, "weight_q") and not hasattr(att.q_proj, "weight_q")
+    assert hasattr(att.k_proj, "weight_q") and hasattr(model.model.layers[1].self_attn.q_proj, "weight_q")
+
+
+def compiled_follows_eager(path):
+    """Generate with the compiled step (experts packed) and eagerly (experts dequantized); teacher-forced on
+    the compiled step's tokens, its logits follow eager's up to the int8 activations (Q8_ACTIVATIONS).
+    -> the compiled engine."""
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 24
     engs = {}
     for mode, deq in (("off", True), ("on", False)):
@@ -133,8 +179,6 @@ def test_compiled_step_on_quantized_gguf(tmp_path, qtype):
         assert len(toks) == n
     fast = engs["on"]
     assert fast._cpu_decode, "the compiled step could not be built (see the warning) and the engine decoded eagerly"
-    assert any(isinstance(m, QuantExperts) for m in fast.model.modules())
-    assert getattr(fast.model.lm_head, "weight_q", None) is not None       # its quantized copy
     ref_cache, cache = engs["off"].new_session().cache, fast.new_session().cache
     agree = []
     with torch.inference_mode():
@@ -147,6 +191,7 @@ def test_compiled_step_on_quantized_gguf(tmp_path, qtype):
             assert kl < 0.01, kl
             agree.append(int(ours.argmax() == ref.argmax()))
     assert sum(agree) >= 0.9 * n
+    return fast
 
 
 @needs_c

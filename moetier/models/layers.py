@@ -204,8 +204,14 @@ class Attention(nn.Module):
 
     def fuse_qkv(self) -> None:
         """One GEMM for q, k and v: the three weights (and biases) become views of one stacked
-        tensor, so names, values and memory stay as they were. Call once the weights are loaded."""
+        tensor, so names, values and memory stay as they were. Call once the weights are loaded.
+        GGUF blocks the loader kept (weights.loader._keep_blocks) are joined row-wise when q, k and v
+        share a format; when they differ (Q4_K_M's Q6_K attn_v) the three stay apart on their own blocks."""
         lins = (self.q_proj, self.k_proj, self.v_proj)
+        blocks = [getattr(lin.weight, "ggml_blocks", None) for lin in lins]
+        blocks = [b if b is not None and b[2] == lin.weight._version else None for b, lin in zip(blocks, lins)]
+        if any(blocks) and len({b and (b[1], b[0].shape[1]) for b in blocks}) > 1:
+            return
         with torch.no_grad():
             w = torch.cat([lin.weight for lin in lins])                      # [(H + 2 Hkv) Dh, D]
             b = None if lins[0].bias is None else torch.cat([lin.bias for lin in lins])
@@ -218,6 +224,8 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", w, persistent=False)
         self.register_buffer("qkv_bias", b, persistent=False)
         self.qkv_rows = n
+        if blocks[0] is not None:
+            w.ggml_blocks = (torch.cat([b[0] for b in blocks]), blocks[0][1], w._version)
 
     def _fused_qkv(self, x: torch.Tensor, rope: tuple) -> tuple:
         """The forward's q/k/v after fuse_qkv: one GEMM, and q and k (adjacent heads of its output,

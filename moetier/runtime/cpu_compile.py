@@ -129,10 +129,24 @@ def _exact_blocks(w: torch.Tensor):
     return None
 
 
+def _stored_blocks(w: torch.Tensor):
+    """(uint8 blocks, GGML type id) the GGUF loader kept for `w` (weights.loader._keep_blocks) while they
+    still are `w`: not edited in place since (version counter) and its first rows dequantize to them."""
+    from ..quant.formats import dequantize
+    kept = getattr(w, "ggml_blocks", None)
+    if kept is None or kept[2] != w._version or kept[0].shape[0] != w.shape[0]:
+        return None
+    rows = min(64, w.shape[0])
+    if not torch.equal(dequantize(kept[0][:rows].contiguous(), kept[1], (rows, w.shape[1])), w[:rows]):
+        return None
+    return kept[0], kept[1]
+
+
 def _quantized_copies(model: torch.nn.Module) -> None:
-    """Float weights of Linear modules (and 2-D `*weight` buffers: Attention.qkv_weight) that are exactly
-    Q4_0 / Q8_0 values get those blocks as a buffer `<name>_q`; the compiled step multiplies on them with
-    the C kernels (3.8-7x fewer bytes than float32, the same products). Once per model."""
+    """Float weights of Linear modules (and 2-D `*weight` buffers: Attention.qkv_weight) get their GGML
+    blocks as a buffer `<name>_q`: the blocks a GGUF file stored them in (any C-kernel format: Q6_K
+    lm_heads, Q4_K attention), else the Q4_0 / Q8_0 blocks they are exactly the values of. The compiled
+    step multiplies on them with the C kernels (3.8-7x fewer bytes than float32). Once per model."""
     if cpu_kernels.backend() != "c" or getattr(model, "_quant_copies_done", False):
         return
     model._quant_copies_done = True
@@ -152,7 +166,7 @@ def _quantized_copies(model: torch.nn.Module) -> None:
     for m, a, w in found:
         if w.numel() < largest[w.untyped_storage().data_ptr()]:
             continue                                    # part of a fused weight (fuse_qkv's q/k/v views)
-        hit = _exact_blocks(w.detach())
+        hit = _stored_blocks(w) or _exact_blocks(w.detach())
         if hit is not None:
             m.register_buffer(f"{a}_q", hit[0], persistent=False)
             m._quant_copies[a] = hit[1]

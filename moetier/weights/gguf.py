@@ -177,6 +177,19 @@ class GGUFCheckpoint:
         spec, prefix = found
         return spec.read([self.ckpt.tensor(prefix + n) for n in spec.names], self.args)
 
+    def blocks(self, name: str) -> tuple[torch.Tensor, int] | None:
+        """Our 2-D weight `name` in its stored block format: (uint8 [rows, bytes per row], a zero-copy
+        view of the mmap; GGML type id), when it is one GGUF tensor read as is (no permute or join)
+        and not F32/F16/BF16; else None."""
+        found = self._spec(name)
+        if found is None or found[0].to_ours is not None or len(found[0].names) != 1:
+            return None
+        gname = found[1] + found[0].names[0]
+        qtype, shape = self.ckpt.qtype(gname), self.ckpt.shape(gname)
+        if qtype in FLOAT_TYPES or qtype in INT_TYPES or len(shape) != 2:
+            return None
+        return self.ckpt.raw(gname).view(torch.uint8).reshape(shape[0], -1), qtype
+
     # -- experts: blk.N.ffn_{gate,up,down}_exps [E, rows, cols] hold every expert of a layer
     def _expert_names(self, prefix: str, name: str) -> list[str] | None:
         m = re.match(r"^model\.layers\.(\d+)\." + re.escape(self.arch.experts_prefix) + "$", prefix)

@@ -137,6 +137,8 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
                                   f"but config.json implies {tuple(p.shape)}; the config and weights disagree")
         t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
         _set_param(model, name, t.contiguous())
+        if is_gguf(directory) and str(device) == "cpu":
+            _keep_blocks(ckpt, model, name)
         bar.update(1)
     bar.close()
     for mod in model.modules():  # buffers were computed on the CPU at construction
@@ -145,6 +147,21 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
                 mod._buffers[bname] = buf.to(device)
     model.eval()
     return model, args, ckpt
+
+
+def _keep_blocks(ckpt, model: nn.Module, name: str) -> None:
+    """A dense 2-D GGUF weight stored in a format the C kernels multiply on (kernels.cpu.FAST_TYPES)
+    keeps its file blocks beside the float copy: `param.ggml_blocks = (uint8 [rows, bytes/row], type id,
+    param._version)`; the compiled CPU decode step reads those (runtime.cpu_compile._quantized_copies).
+    The blocks are views of the mmapped file: no copy."""
+    from ..kernels.cpu import FAST_TYPES
+    from .gguf import qtype_name
+    if not name.endswith("weight"):
+        return
+    p = model.get_parameter(name)
+    found = ckpt.blocks(name) if p.dim() == 2 else None
+    if found is not None and qtype_name(found[1]) in FAST_TYPES:
+        p.ggml_blocks = (*found, p._version)
 
 
 def _fetch(ckpt: NamedCheckpoint, args: ModelArgs, name: str) -> torch.Tensor:
