@@ -39,10 +39,11 @@ def tiny_checkpoint(path: Path, hf_cls, config, seed: int = 0, fused: bool = Fal
     return model
 
 
-def ours_logits(model, tokens: torch.Tensor, split: int) -> torch.Tensor:
-    """Prefill tokens[:split] in one call, then decode the rest one by one with the KV cache."""
-    cache = model.make_cache(len(tokens) + 4, torch.float32, tokens.device)
-    with torch.no_grad():
+def ours_logits(model, tokens: torch.Tensor, split: int, ctx: int | None = None) -> torch.Tensor:
+    """Prefill tokens[:split] in one call, then decode the rest one by one with the KV cache (of ctx
+    positions; default: just enough)."""
+    cache = model.make_cache(ctx or len(tokens) + 4, torch.float32, tokens.device)
+    with torch.inference_mode():
         out = [model(tokens[:split], cache)]
         for i in range(split, len(tokens)):
             out.append(model(tokens[i:i + 1], cache))
@@ -71,3 +72,10 @@ def check_against_reference(path: Path, ref, vocab: int, seed: int = 1, n_greedy
     ours = greedy_tokens(model, prompt.tolist(), n_greedy)
     assert ours == ref_out, f"greedy tokens differ:\n ours {ours}\n ref  {ref_out}"
     return model
+
+
+def bandwidths_home(monkeypatch, tmp_path, bw: dict) -> None:
+    """A fresh HOME whose moetier bandwidth cache holds `bw` (plan then measures nothing)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".cache" / "moetier").mkdir(parents=True)
+    (tmp_path / ".cache" / "moetier" / "bandwidth.json").write_text(json.dumps(bw))

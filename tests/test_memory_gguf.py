@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import bandwidths_home, ours_logits
 from test_gguf import build_qwen3_moe
 
 from moetier.cli import main
@@ -52,11 +53,7 @@ def gguf(request, model_dir):
 
 
 def logits(model, tokens):
-    cache = model.make_cache(CTX, torch.float32, "cpu")
-    with torch.inference_mode():
-        out = [model(tokens[:SPLIT], cache)]
-        out += [model(tokens[i:i + 1], cache) for i in range(SPLIT, len(tokens))]
-    return torch.cat(out)
+    return ours_logits(model, tokens, SPLIT, CTX)
 
 
 def sizes(path):
@@ -193,11 +190,9 @@ def test_plan_reads_only_gguf_headers(gguf, monkeypatch, tmp_path, capsys):
         raise AssertionError("plan read weight data")
     monkeypatch.setattr(GGUFFile, "raw", boom)
     monkeypatch.setattr(GGUFFile, "tensor", boom)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    (tmp_path / ".cache" / "moetier").mkdir(parents=True)
-    (tmp_path / ".cache" / "moetier" / "bandwidth.json").write_text(json.dumps(
+    bandwidths_home(monkeypatch, tmp_path,
         {"ram_gbs": 20.0, "hbm_gbs": 4000.0, "pcie_gbs": 24.0, "ssd_gbs": 2.0, "cpu_gbs_bfloat16": 10.0,
-         "cpu_gflops_bfloat16": 100.0, "cpu_gbs_float32": 10.0, "cpu_gflops_float32": 100.0}))
+         "cpu_gflops_bfloat16": 100.0, "cpu_gbs_float32": 10.0, "cpu_gflops_float32": 100.0})
     kind = KINDS[_file_type(gguf[0])]
     from moetier.quant.formats import get_format
     raw = get_format(kind).nbytes((3 * 256, 256))          # gate + up + down rows of one expert

@@ -1,14 +1,13 @@
 """Placement never changes results: on CPU the tiered model gives bit-identical logits and the same
 greedy tokens as the dense model, wherever the experts are (fast tier, RAM bank, SSD)."""
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from helpers import tiny_checkpoint
+from helpers import ours_logits, tiny_checkpoint
 from moetier.config import EngineConfig
-from moetier.memory.plan import inspect, make_placement
+from moetier.memory.plan import make_placement
 from moetier.memory.profile import Recorder
 from moetier.runtime.engine import Engine
 from moetier.runtime.generate import greedy_tokens
@@ -40,11 +39,7 @@ def tiny(tmp_path_factory):
 
 
 def logits(model, tokens):
-    cache = model.make_cache(CTX, torch.float32, "cpu")
-    with torch.inference_mode():
-        out = [model(tokens[:SPLIT], cache)]
-        out += [model(tokens[i:i + 1], cache) for i in range(SPLIT, len(tokens))]
-    return torch.cat(out)
+    return ours_logits(model, tokens, SPLIT, CTX)
 
 
 def sizes(path, **kw):

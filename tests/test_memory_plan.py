@@ -6,6 +6,7 @@ import struct
 import pytest
 import torch
 
+from helpers import bandwidths_home
 from moetier.cli import main
 from moetier.weights.safetensors import SafetensorsFile
 
@@ -65,9 +66,7 @@ def no_reads(monkeypatch, tmp_path):
         raise AssertionError("plan read weight data")
     monkeypatch.setattr(SafetensorsFile, "_map", boom)
     monkeypatch.setattr(SafetensorsFile, "tensor", boom)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    (tmp_path / ".cache" / "moetier").mkdir(parents=True)
-    (tmp_path / ".cache" / "moetier" / "bandwidth.json").write_text(json.dumps(BW))
+    bandwidths_home(monkeypatch, tmp_path, BW)
 
 
 def plan_json(capsys, *argv) -> tuple[int, dict]:
