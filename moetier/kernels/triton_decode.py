@@ -263,6 +263,31 @@ def _rows(s, n, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, 
 
 
 @triton.jit
+def pair_rows(ids_ptr, I, BN: tl.constexpr):
+    """A decode gate_up program (grid: pairs x I/BN): its pair p, rows n, slot s (0 for a skipped pair,
+    -1 in ids; then masked), the mask, and the int64 rows of gate (ng) and up (nu = ng + I)."""
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.load(ids_ptr + p).to(tl.int64)
+    mask = (n < I) & (s >= 0)
+    s = tl.maximum(s, 0)
+    ng = n.to(tl.int64)
+    return p, n, s, mask, ng, ng + I
+
+
+@triton.jit
+def gate_up_act(acc_g, acc_u, b_ptr, sb_s, s, ng, nu, mask, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, alpha, limit):
+    """The partial sums [BN, *] of gate and up rows -> act(gate (+ bias), up (+ bias)) [BN] (0 for a
+    skipped pair: act(0, 0) == 0)."""
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if HAS_BIAS:
+        gate += tl.load(b_ptr + s * sb_s + ng, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + s * sb_s + nu, mask=mask, other=0.0).to(tl.float32)
+    return _act(gate, up, ACT, alpha, limit)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr,
                     sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
                     b_ptr, sb_s, out_ptr, alpha, limit, one,
@@ -273,13 +298,7 @@ def _gate_up_kernel(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
     PDL: let the down kernel (launched as a programmatic dependent) be scheduled now."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    p = tl.program_id(0)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    s = tl.load(ids_ptr + p).to(tl.int64)
-    mask = (n < I) & (s >= 0)
-    s = tl.maximum(s, 0)
-    ng = n.to(tl.int64)
-    nu = ng + I
+    p, n, s, mask, ng, nu = pair_rows(ids_ptr, I, BN)
     gq, gd, gm, gsc, gmn, gh = _rows(s, ng, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n)
     uq, ud, um, usc, umn, uh = _rows(s, nu, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n)
     xo = (p // KTOP).to(tl.int64) * stride_x
@@ -290,12 +309,7 @@ def _gate_up_kernel(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_pt
                       g0, D // BS, x_ptr, xo, one, FMT, NB)
         acc_u += _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, uq, ud, um, usc, umn, uh, mask,
                       g0, D // BS, x_ptr, xo, one, FMT, NB)
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
-    if HAS_BIAS:
-        gate += tl.load(b_ptr + s * sb_s + ng, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(b_ptr + s * sb_s + nu, mask=mask, other=0.0).to(tl.float32)
-    h = _act(gate, up, ACT, alpha, limit)              # 0 for a skipped pair (act(0, 0) == 0)
+    h = gate_up_act(acc_g, acc_u, b_ptr, sb_s, s, ng, nu, mask, HAS_BIAS, ACT, alpha, limit)
     h = h.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)   # rounded to x's dtype, stored as out's
     tl.store(out_ptr + p.to(tl.int64) * I + n, h, mask=n < I)
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import triton_decode as v2
-from .triton_decode import _act
+from .triton_decode import _act, gate_up_act, pair_rows
 from .triton_tiles import deq_tile
 from .triton_weights import BLOCK, FMT_CODES, PLANE_DIV, Weights  # noqa: F401 (re-exported)
 
@@ -259,13 +259,7 @@ def _decode_gate_up_kernel(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                            I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                            HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WORDS: tl.constexpr,
                            NS: tl.constexpr):
-    p = tl.program_id(0)                               # pair t*k + j
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    s = tl.load(ids_ptr + p).to(tl.int64)
-    mask = (n < I) & (s >= 0)
-    s = tl.maximum(s, 0)
-    ng = n.to(tl.int64)
-    nu = ng + I
+    p, n, s, mask, ng, nu = pair_rows(ids_ptr, I, BN)  # pair t*k + j
     gq, gd, gm, gsc, gmn = _row_offsets(s, ng, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n)
     uq, ud, um, usc, umn = _row_offsets(s, nu, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n)
     xo = (p // KTOP).to(tl.int64) * stride_x
@@ -276,12 +270,7 @@ def _decode_gate_up_kernel(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                             x_ptr, xo, 1.0, k0, D, FMT, BK, WORDS)
         acc_u += _gemv_step(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, uq, ud, um, usc, umn, mask,
                             x_ptr, xo, 1.0, k0, D, FMT, BK, WORDS)
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
-    if HAS_BIAS:
-        gate += tl.load(b_ptr + s * sb_s + ng, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(b_ptr + s * sb_s + nu, mask=mask, other=0.0).to(tl.float32)
-    h = _act(gate, up, ACT, alpha, limit)              # 0 for a skipped pair (act(0, 0) == 0)
+    h = gate_up_act(acc_g, acc_u, b_ptr, sb_s, s, ng, nu, mask, HAS_BIAS, ACT, alpha, limit)
     tl.store(h_ptr + p.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=n < I)
 
 
