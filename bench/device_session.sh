@@ -13,6 +13,7 @@
 #   default     the embedded default model on real text (its real routing) at GPU budgets that cache
 #               all / about half / few of its 32 experts: tok/s, hit rate, time split
 #   kernels     Triton decode kernels' GB/s against HBM (bench/bench_gpu_kernels.py --variants)
+#   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests bench48 uniform12 longctx}
@@ -43,6 +44,9 @@ PY
 for step in $STEPS; do
   echo "== $step"
   case $step in
+  pcie)
+    timeout ${PSECS:-120} python3 bench/bench_pcie_read.py > "$OUT/pcie.json" 2> "$OUT/pcie.err"
+    tail -3 "$OUT/pcie.err"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, d[k]) for k in d if k!='gather']" "$OUT/pcie.json" ;;
   tests)
     timeout 90 python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
       tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py \
