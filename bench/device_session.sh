@@ -7,6 +7,7 @@
 #               --cpu-moe, prompts 512 and 8192
 #   longctx     synthetic Qwen3-Next-80B-A3B Q4_0 GGUF, 4 layers: prefill 4K/32K/128K, decode after, TTFT
 #               of a repeated prompt cold vs from the snapshot (bench/bench_long_context.py)
+#   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.35 / 0.5 / 0.65, at 8 GiB and --cpu-moe
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
 #   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
@@ -59,6 +60,12 @@ for step in $STEPS; do
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0.5} $M 120
     bench bench48 ${B48SECS:-280} $M --prompt-len 512,8192 --gen 40 --compare "g8:--gpu-mem 8GiB" --compare "g8t12:--gpu-mem 8GiB --cpu-threads 12" --compare "cpu-moe:--cpu-moe"
+    rm -f $M ;;
+  pcie48)
+    # the PCIe share of decode misses (memory.doorbell): off vs shares, at 8 GiB and with all experts in RAM
+    M=.data/q30-Q4_0-48.gguf
+    synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p35:--gpu-mem 8GiB --pcie-share 0.35" --compare "g8p65:--gpu-mem 8GiB --pcie-share 0.65" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p65:--cpu-moe --pcie-share 0.65"}
     rm -f $M ;;
   g8skew)
     M=.data/q30-Q4_0-48-skew.gguf

@@ -159,6 +159,9 @@ class EngineConfig:
     prefetch: str = "auto"          # on | off | auto (on only where measured to help)
     cpu_threads: int | None = None  # threads for CPU expert work (torch intra-op threads)
     direct_io: bool = False         # O_DIRECT reads of streamed experts (bypass the page cache)
+    pcie_share: float | None = None  # CUDA graphed decode: share of each layer's misses the GPU reads from
+                                     # pinned RAM over PCIe instead of the CPU computing them (None: the
+                                     # measured default, memory.doorbell.PCIE_SHARE; 0: off)
     prefill_copy_tokens: int | None = None  # copy a missed expert to the fast tier in prefill from this
                                             # many tokens per chunk on (None: the measured rule; 0: never)
 

@@ -175,6 +175,71 @@ def test_ring_hits_wait_add_round_trip(monkeypatch):
         assert slots[li].tolist() == table[li][ids[li][0]].tolist()
 
 
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+@pytest.mark.parametrize("share,n_p", [(0.5, 2), (1.0, 2), (1.0, 4), (0.3, 4)])
+def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
+    """The PCIe share (interpreted): the ring gives the first round(share * misses) misses (at most
+    n_p) stage slots and their bank offsets, `gather` copies those experts' bytes from the bank into
+    staging rows, the experts op computes hits + stage slots, the C server the remaining misses
+    (it skips stage slots as it skips hits), wait_add sums: equal to the dense computation."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreted variant runs on CPU-only machines; tests/test_memory_gpu.py covers CUDA")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    s_gu, s_dn, f_gu, f_dn, tid = experts("F32", seed=7)
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=2)
+    g = torch.Generator().manual_seed(8)
+    # the bank: every expert's bytes (gate_up then down) in one buffer; expert 5 of each layer is not there
+    eb = (2 * I * D + D * I) * 4
+    bank = torch.zeros(L * E * eb, dtype=torch.uint8)
+    poff = torch.full((L, E), -1, dtype=torch.int64)
+    for li in range(L):
+        for e in range(E - 1):
+            o = (li * E + e) * eb
+            bank[o:o + eb] = torch.cat([s_gu[li][e].reshape(-1), s_dn[li][e].reshape(-1)]).view(torch.uint8)
+            poff[li, e] = o
+    table = torch.full((L, E), -1, dtype=torch.int32)
+    table[:, 0] = torch.arange(L, dtype=torch.int32)               # expert 0 cached in slot li
+    n_slots = L + n_p
+    arena_gu, arena_dn = torch.zeros(n_slots, 2 * I, D), torch.zeros(n_slots, D, I)
+    for li in range(L):
+        arena_gu[li], arena_dn[li] = f_gu[li][0], f_dn[li][0]
+    seq = torch.zeros(1, dtype=torch.int64)
+    slots = torch.zeros(L, K, dtype=torch.int64)
+    stage_off = torch.zeros(n_p, dtype=torch.int64)
+    staging = torch.zeros(n_p, eb, dtype=torch.uint8)
+    xs = [torch.randn(1, D, generator=g) for _ in range(L)]
+    ids = [torch.tensor([[0, 1, 2, 3]]), torch.tensor([[5, 4, 0, 3]]), torch.tensor([[1, 2, 3, 4]])]
+    ws = [torch.rand(1, K, generator=g) for _ in range(L)]
+    server = threading.Thread(target=srv.serve, args=(1,))
+    server.start()
+    outs, staged = [], []
+    for li in range(L):
+        db.ring(xs[li], ids[li], ws[li], table[li], seq, slots[li], req, li, bump=li == 0,
+                pcie=(poff[li], stage_off, share, L))
+        staging.fill_(0xFF)
+        db.gather(bank, stage_off, staging)
+        for j in range(n_p):            # the repack step of the real path: raw rows -> stage slots
+            if stage_off[j] >= 0:
+                assert torch.equal(staging[j], bank[int(stage_off[j]):int(stage_off[j]) + eb])
+                row = staging[j].view(torch.float32)
+                arena_gu[L + j], arena_dn[L + j] = row[:2 * I * D].view(2 * I, D), row[2 * I * D:].view(D, I)
+        staged.append(int((slots[li] >= L).sum()))
+        hits = ops.moe_decode(xs[li], slots[li].view(1, K), ws[li], arena_gu, arena_dn, Act(), fmt="f32")
+        out = torch.full_like(xs[li], float("nan"))
+        db.wait_add(hits, slots[li], seq, req, li, out, max_spin=1 << 30)
+        outs.append(out)
+    server.join()
+    assert int(req.err[0]) == 0
+    misses = [3, 3, 4]      # layer 1: expert 5 is not in the bank, so only 4 and 3 can go over PCIe
+    can = [3, 2, 4]
+    assert staged == [min(n_p, c, int(m * share + 0.5)) for m, c in zip(misses, can)]
+    for li in range(L):
+        want = sum(ws[li][0, j] * (f_dn[li][e] @ Act()(*(f_gu[li][e] @ xs[li][0]).chunk(2)))
+                   for j, e in enumerate(ids[li][0].tolist()))
+        torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 def test_step_bookkeeping_thread_runs_in_inference_mode():
     """The graphed step's bookkeeping runs on a thread, and inference mode is thread-local: without
     entering it there, the first admission into a buffer made under inference mode failed on the H200

@@ -121,7 +121,9 @@ def test_graphed_tiered_decode_gives_the_eager_tokens(tiny, tmp_path, dtype):
     big = 1 << 32
     cases = {"all_resident": dict(gpu_mem=big, ram_mem=big), "few_gpu_slots": dict(gpu_mem=few, ram_mem=big),
              "few_slots_lfu": dict(gpu_mem=few, ram_mem=big, cache_policy="lfu"),
-             "n_cpu_moe": dict(gpu_mem=big, ram_mem=big, n_cpu_moe=3)}
+             "n_cpu_moe": dict(gpu_mem=big, ram_mem=big, n_cpu_moe=3),
+             "few_slots_cpu_only": dict(gpu_mem=few, ram_mem=big, pcie_share=0.0),
+             "few_slots_all_pcie": dict(gpu_mem=few, ram_mem=big, pcie_share=1.0)}
     prompt = tokens[:SPLIT].tolist()
     for name, kw in cases.items():
         got = {}
@@ -131,6 +133,9 @@ def test_graphed_tiered_decode_gives_the_eager_tokens(tiny, tmp_path, dtype):
             done = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
                                 ignore_eos=True)
             assert (eng.tiers.graphed is not None) == graphs, name
+            if graphs:      # the PCIe share (default on) serves some misses unless it is off or none miss
+                pcie = eng.memory_stats()["graph"]["pcie_per_step"]
+                assert (pcie > 0) == (name not in ("all_resident", "few_slots_cpu_only")), (name, pcie)
             torch.cuda.synchronize()
             eng.tiers.cache.check()
             st = eng.memory_stats()["cumulative"]

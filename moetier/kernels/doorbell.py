@@ -59,9 +59,9 @@ if triton is not None:
 
     @triton.jit
     def _ring_kernel(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
-                     hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
+                     hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
                      D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
-                     BD: tl.constexpr, BK: tl.constexpr):
+                     BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr):
         seq = tl.load(seq_ptr)
         if BUMP:            # layer 0 starts a new step
             seq = seq + 1
@@ -70,6 +70,19 @@ if triton is not None:
         km = kk < K
         e = tl.load(ids_ptr + kk, mask=km, other=0)
         s = tl.load(table_ptr + e, mask=km, other=0)
+        if NP > 0:      # the first round(share * misses) misses (at most NP) go to stage slots over PCIe
+            miss = km & (s < 0)
+            off = tl.load(poff_ptr + e, mask=miss, other=-1)
+            cand = miss & (off >= 0)
+            n_miss = tl.sum(miss.to(tl.int32), axis=0)
+            m = tl.minimum((n_miss.to(tl.float32) * share + 0.5).to(tl.int32), NP)
+            rank = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+            take = cand & (rank < m)
+            s = tl.where(take, stage0 + rank, s)
+            jj = tl.arange(0, BNP)
+            tl.store(soff_ptr + jj, tl.full([BNP], -1, tl.int64), mask=jj < NP)
+            tl.debug_barrier()
+            tl.store(soff_ptr + rank, off.to(tl.int64), mask=take)
         w = tl.load(w_ptr + kk, mask=km, other=0.0).to(tl.float32)
         tl.store(slots_ptr + kk, s.to(tl.int64), mask=km)
         tl.store(hids_ptr + kk, e.to(tl.int32), mask=km)
@@ -109,16 +122,51 @@ if triton is not None:
         tl.store(out_ptr + dd, acc.to(out_ptr.dtype.element_ty), mask=dm)
 
 
+    @triton.jit
+    def _gather_kernel(base_ptr, soff_ptr, dst_ptr, N_EL: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
+        """Stage j: N_EL int32 from base + soff[j] bytes (pinned host memory, read over PCIe) to dst[j];
+        soff[j] < 0: nothing. Offsets are multiples of 16 bytes, so the loads are 16 bytes wide (4-byte
+        loads from host memory ran at 12.7 GB/s on the H200 box, 16-byte ones at 49: bench_pcie_read.py)."""
+        j = tl.program_id(1)
+        off = tl.load(soff_ptr + j)
+        if off >= 0:
+            src = base_ptr + tl.multiple_of(off // 4, 4)
+            b = tl.program_id(0) * CHUNK
+            for c in range(0, CHUNK, VEC):
+                o = b + c + tl.arange(0, VEC)
+                m = o < N_EL
+                tl.store(dst_ptr + j * N_EL + o, tl.load(src + o, mask=m), mask=m)
+
+
+GATHER_CHUNK = 16384        # bytes per program of the PCIe gather (bench_pcie_read.py: 16 KiB, 4 warps)
+
+
+def gather(base: torch.Tensor, stage_off: torch.Tensor, staging: torch.Tensor) -> None:
+    """staging[j] (device uint8 [NP, B]) = B bytes at base + stage_off[j] (pinned host memory; byte
+    offsets, multiples of 16; -1: row j untouched). One launch, no host sync."""
+    n_el = staging.shape[1] // 4
+    _gather_kernel[(triton.cdiv(n_el, GATHER_CHUNK // 4), staging.shape[0])](
+        base.view(torch.int32), stage_off, staging.view(torch.int32), N_EL=n_el, CHUNK=GATHER_CHUNK // 4,
+        VEC=1024, num_warps=4)
+
+
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool) -> None:
-    """x [1, D], ids / w [1, k] (device) -> slots [k] int64 (device) and the request of layer li."""
+def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool, pcie=None) -> None:
+    """x [1, D], ids / w [1, k] (device) -> slots [k] int64 (device) and the request of layer li.
+    pcie: None, or (offsets [E] int64: byte offset of each expert in the pinned bank from its base,
+    -1 where it is not there; stage_off [NP] int64 out; share; first stage slot): then the first
+    round(share * misses) misses (at most NP) get stage slots (stage0 + j, their bank offsets in
+    stage_off[j], -1 in unused rows), which the CPU skips as it skips hits."""
     d, k = x.shape[-1], ids.numel()
+    poff, soff, share, stage0 = pcie if pcie is not None else (ids, ids, 0.0, 0)
+    n_p = soff.numel() if pcie is not None else 0
     _ring_kernel[(1,)](x, ids, w, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
-                       req.bell[li * BELL_STRIDE:], d, k, BUMP=bump, SYS=not _interpret(),
-                       BD=min(4096, triton.next_power_of_2(d)), BK=triton.next_power_of_2(k), num_warps=4)
+                       req.bell[li * BELL_STRIDE:], poff, soff, float(share), int(stage0), d, k, BUMP=bump,
+                       SYS=not _interpret(), BD=min(4096, triton.next_power_of_2(d)), BK=triton.next_power_of_2(k),
+                       NP=n_p, BNP=triton.next_power_of_2(max(1, n_p)), num_warps=4)
 
 
 def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 << 40,

@@ -24,8 +24,10 @@ import numpy as np
 import torch
 
 from ..kernels import ops
+from .plan import PCIE_MAX
 
 MAX_ADMIT_PER_STEP = 8      # decode misses copied into the GPU cache per token (PCIe work per step)
+PCIE_SHARE = 0.5            # default share of each layer's misses the GPU reads over PCIe (docs/perf-log.md)
 
 
 def unavailable(tiers, act) -> str | None:
@@ -71,7 +73,7 @@ def _qtype_id(layout) -> tuple[int, int] | list[tuple[int, int]] | None:
 
 
 class GraphTiers:
-    def __init__(self, tiers, act, threads: int, k: int):
+    def __init__(self, tiers, act, threads: int, k: int, share: float | None = None):
         from ..kernels import doorbell
         self.tiers, self.act = tiers, ops.as_act(act)
         lay, dev = tiers.layout, tiers.pl.device
@@ -99,6 +101,43 @@ class GraphTiers:
                 w = lay.unpack(tiers.bank.slots[int(tiers.bank.where[li, e])], li)
                 gu[li][e], dn[li][e] = w["gate_up_proj"], w["down_proj"]
         self.server = doorbell.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act, threads)
+        self.timing["pcie"] = 0
+        self.share = PCIE_SHARE if share is None else float(share)
+        self.n_pcie, self.pcie_why = 0, self._pcie_setup()
+
+    def _pcie_setup(self) -> str | None:
+        """The PCIe share (issue #3 item 6): per layer the GPU reads round(share * misses) missed experts
+        (at most n_pcie) straight from the pinned RAM bank into staging rows (one gather kernel, 16-byte
+        loads over PCIe), repacks them into stage slots and computes them with the hits, while the CPU
+        computes the rest. -> why it is off (None: on)."""
+        t = self.tiers
+        fast, bank, lay = t.fast, t.bank, t.layout
+        if self.share <= 0:
+            return "--pcie-share 0"
+        if not fast.stage:
+            return "no stage slots on the GPU"
+        if all(s >= self.E for s in t.cache.sizes):
+            return "every expert is on the GPU"
+        if not bank.slots or not bank.slots[0].is_pinned():
+            return "the RAM bank is not pinned"
+        where = bank.where
+        offs = np.full(where.shape, -1, dtype=np.int64)
+        base = bank.slots[0]
+        for li, e in zip(*np.nonzero(where >= 0)):
+            offs[li, e] = bank.slots[int(where[li, e])].data_ptr() - base.data_ptr()
+        if lay.expert_bytes % 16 or (offs[offs >= 0] % 16).any():
+            return "the bank's expert buffers are not 16-byte aligned"
+        dev = t.pl.device
+        n = min(PCIE_MAX, self.k, len(fast.stage))
+        self.base, self.stage0 = base, fast.stage[0]
+        self.pcie_off = torch.from_numpy(offs).to(dev)
+        self.stage_off = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.staging = torch.zeros(n, lay.expert_bytes, dtype=torch.uint8, device=dev)
+        self.stage_idx = torch.arange(self.stage0, self.stage0 + n, device=dev)
+        for li in {id(lay.specs(li)): li for li in range(self.L)}.values():   # warm the repack's tables
+            fast.repack_into(self.staging, self.stage_idx, lay.specs(li))
+        self.n_pcie = n
+        return None
 
     # ------------------------------------------------------------------ inside the graph
     def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -107,7 +146,11 @@ class GraphTiers:
             raise ValueError(f"the router picked {k} experts per token, the doorbell buffers hold {self.k}")
         fmt, gu, dn = self.tiers.fast.kernel_weights(li)
         slots = self.slots[li]
-        self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0)
+        pcie = (self.pcie_off[li], self.stage_off, self.share, self.stage0) if self.n_pcie else None
+        self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0, pcie=pcie)
+        if self.n_pcie:     # this layer's PCIe share: bank -> staging rows -> stage slots
+            self._db.gather(self.base, self.stage_off, self.staging)
+            self.tiers.fast.repack_into(self.staging, self.stage_idx, self.tiers.layout.specs(li))
         hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt)
         out = torch.empty_like(x)
         self._db.wait_add(hits, slots, self.seq, self.req, li, out)
@@ -158,13 +201,17 @@ class GraphTiers:
         """Mean host milliseconds per graphed decode step."""
         tm, n = self.timing, max(1, self.timing["steps"])
         return {"steps": tm["steps"], "admitted": tm["admitted"], "threads": self.threads,
+                "pcie_share": self.share if self.n_pcie else 0.0, "pcie_off_why": self.pcie_why,
+                "pcie_per_step": round(tm["pcie"] / n, 3),
                 # account_ms: time the next step waited for the bookkeeping thread (0 when hidden)
                 **{k.removesuffix("_s") + "_ms": round(tm[k] / n * 1e3, 4)
                    for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s")}}
 
     def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
         t = self.tiers
-        hit = slots >= 0
+        pcie = slots >= self.stage0 if self.n_pcie else np.zeros_like(slots, dtype=bool)
+        hit = (slots >= 0) & ~pcie      # a PCIe-read expert is a miss served from the RAM bank
+        self.timing["pcie"] += int(pcie.sum())
         st, c = t.stats, t.cache
         st.tokens["decode"] += 1
         n_hit = int(hit.sum())

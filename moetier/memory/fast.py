@@ -246,15 +246,21 @@ class FastTier:
             src = self._staging[:n]
         else:
             src = self._staging[_to(torch.tensor(rows, dtype=torch.long), self.device)]
-        idx = _to(torch.tensor(slots, dtype=torch.long), self.device)
+        self.repack_into(src, _to(torch.tensor(slots, dtype=torch.long), self.device), specs)
+
+    def repack_into(self, src: torch.Tensor, idx: torch.Tensor, specs: list[ParamSpec]) -> None:
+        """Raw experts src (device uint8 [n, expert_bytes], laid out as `specs`) -> slots idx (device
+        int64 [n]): float params cast, GGML params repacked. Fixed shapes and no host sync, so a CUDA
+        graph can hold it (memory.doorbell's PCIe share, see `graph_repackable`)."""
+        n = src.shape[0]
         for p in specs:
-            raw = src[:, p.offset:p.offset + p.nbytes].view(n, *p.shape)
+            raw = src[:, p.offset:p.offset + p.nbytes]
             if p.qtype is None:
                 dst = self.arena[p.name]
                 dst.index_copy_(0, idx, raw.view(p.dtype).view(n, *p.shape).to(dst.dtype))
                 continue
             dst = self.planes[(p.name, p.qtype)]
-            for k, plane in repack(p.qtype, raw).items():
+            for k, plane in repack(p.qtype, raw.view(n, *p.shape)).items():
                 dst[k].index_copy_(0, idx, plane)
 
     def wait(self, li: int) -> None:

@@ -25,10 +25,23 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="guess the next layer's experts and start their reads/copies early "
                         "(auto: on only for a GPU fast tier with the mix policy, where it was measured to help)")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N", help="threads for CPU expert work")
+    g.add_argument("--pcie-share", type=_share, default=None, metavar="F",
+                   help="CUDA decode: share of each layer's cache misses the GPU reads straight from pinned RAM "
+                        "over PCIe while the CPU computes the rest (0: CPU only; default: the measured share)")
     g.add_argument("--direct-io", action="store_true", help="read streamed experts with O_DIRECT (no page cache)")
     g.add_argument("--prefill-copy-tokens", type=int, default=None, metavar="N",
                    help="in prefill, copy a missed expert to the fast tier when a chunk routes >= N tokens to it "
                         "(default: the measured rule; 0: never)")
+
+
+def _share(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share between 0 and 1 (e.g. 0.5)")
+    return v
 
 
 def memory_fields(args) -> dict:
@@ -41,5 +54,5 @@ def memory_fields(args) -> dict:
         "override_tensor": tuple(parse_override(o) for o in (g("override_tensor", []) or [])),
         "cache_policy": g("cache_policy"), "expert_profile": g("expert_profile"), "save_profile": g("save_profile"),
         "prefetch": g("prefetch", "auto") or "auto", "cpu_threads": g("cpu_threads"),
-        "direct_io": bool(g("direct_io", False)), "prefill_copy_tokens": g("prefill_copy_tokens"),
+        "direct_io": bool(g("direct_io", False)), "pcie_share": g("pcie_share"), "prefill_copy_tokens": g("prefill_copy_tokens"),
     }

@@ -31,6 +31,7 @@ TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "vram": "gpu", "cpu": "cpu", "ram": "
               "disk": "disk", "ssd": "disk"}
 MIX_PIN_FRACTION = 0.75     # mix: share of the fast slots pinned from the profile; the rest is LRU
 SCRATCH_BUFFERS = 4         # RAM buffers for streamed reads (= read-ahead depth)
+PCIE_MAX = 8                # stage slots (and device staging rows) the graphed decode's PCIe share may use per layer
 STAGE_SLOTS = (32, 2)       # fast-tier buffers for prefill copies: two batches of 16 (double buffering) when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
@@ -118,6 +119,7 @@ class Placement:
     pinned: list[list[int]]
     fast_preload: list[list[int]]
     stage_slots: int
+    staging_bytes: int
     bank_slots: int
     bank_candidates: int
     bank_order: list[tuple[int, int]]
@@ -188,7 +190,7 @@ class Placement:
             "budgets": {"gpu": self.gpu_budget, "ram": self.ram_budget, **self.budget_notes},
             "tiers": {
                 "gpu": {"slots": sum(self.fast_slots), "per_layer": self.fast_slots,
-                        "pinned": sum(len(p) for p in self.pinned), "stage_slots": self.stage_slots,
+                        "pinned": sum(len(p) for p in self.pinned), "stage_slots": self.stage_slots, "staging_bytes": self.staging_bytes,
                         "bytes": sum(self.fast_slots) * self.expert_fast_bytes, "expected_share": cov["gpu"]},
                 "ram": {"slots": self.bank_slots, "all_experts": self.bank_all, "scratch": self.scratch,
                         "bytes": (self.bank_slots + self.scratch) * self.expert_bytes, "expected_share": cov["ram"]},
@@ -302,8 +304,10 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     big, small = STAGE_SLOTS      # the batch only where it leaves most of the budget to the cache
     stage = (big if gpu_left >= 4 * big * fb else small if gpu_left >= small * fb else 0) if copy_tokens else 0
     gpu_left -= stage * fb
-    if cuda and layout.qtype:   # fast.FastTier's device staging buffer + repack temporaries
-        gpu_left -= eb + fb
+    staging = eb + fb if cuda and layout.qtype else 0   # fast.FastTier's device staging buffer + repack temporaries
+    if cuda and stage:          # the graphed decode step's PCIe share: its staging rows (memory.doorbell)
+        staging += min(PCIE_MAX, args.num_experts_per_tok, stage) * eb
+    gpu_left -= staging
     n_fast = max(0, gpu_left // fb) if fb else 0
     # CPU conversion buffer (float experts in another dtype; block formats are read as stored)
     conv = layout.fast_bytes(dtype) if not cuda and layout.params[0].dtype != dtype and not layout.qtype else 0
@@ -339,7 +343,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         prefill_chunk=prefill_chunk, layout=layout, top_k=args.num_experts_per_tok,
         storage_dtype=layout.params[0].dtype, expert_bytes=eb, expert_fast_bytes=fb, groups=groups,
         dense_bytes=dense, embed_bytes=embed, kv_bytes=kv, workspace_bytes=workspace, layer_tiers=tiers,
-        fast_slots=sizes, pinned=pinned, fast_preload=preload, stage_slots=stage, bank_slots=bank,
+        fast_slots=sizes, pinned=pinned, fast_preload=preload, stage_slots=stage, staging_bytes=staging, bank_slots=bank,
         bank_candidates=len(candidates), bank_order=candidates, scratch=scratch, gpu_budget=gpu_budget,
         ram_budget=ram_budget, budget_notes=notes, policy=policy, prefetch=prefetch,
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",

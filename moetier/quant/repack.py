@@ -77,8 +77,10 @@ def _repack_iq3_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
     """[..., nb, 98] blocks -> d, sc, sg, qs planes (module doc)."""
     w = view_bytes(blocks[..., 66:98], torch.int32)                        # [..., nb, 8] u32 bit patterns
     idx = shifts(w.unsqueeze(-1), [0, 7, 14, 21], 0x7F)                    # [..., nb, 8, 4, 1]
-    ks = torch.tensor([i | (i.bit_count() & 1) << 7 for i in range(128)], dtype=torch.int32)
-    sg = ks.to(w.device)[idx.long()].squeeze(-1) << torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=w.device)
+    ks = table("iq3xxs_ksigns", w.device,      # cached per device: no H2D copy per call (CUDA-graph safe)
+               lambda: torch.tensor([i | (i.bit_count() & 1) << 7 for i in range(128)], dtype=torch.int32))
+    sh = table("iq3xxs_shift", w.device, lambda: torch.tensor([0, 8, 16, 24], dtype=torch.int32))
+    sg = ks[idx.long()].squeeze(-1) << sh
     return {"d": view_bytes(blocks[..., 0:2], torch.float16).reshape(*lead, -1),
             "sc": ((w >> 28) & 0xF).to(torch.uint8).reshape(*lead, -1),
             "sg": sg.sum(-1, dtype=torch.int32).reshape(*lead, -1).contiguous(),
