@@ -103,7 +103,8 @@ class GraphTiers:
         self.server = doorbell.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act, threads)
         self.timing["pcie"] = 0
         self.share = PCIE_SHARE if share is None else float(share)
-        self.n_pcie, self.pcie_why = 0, self._pcie_setup()
+        self.n_pcie = 0     # set by _pcie_setup when the share is on
+        self.pcie_why = self._pcie_setup()
 
     def _pcie_setup(self) -> str | None:
         """The PCIe share (issue #3 item 6): per layer the GPU reads round(share * misses) missed experts
