@@ -123,7 +123,7 @@ class GraphTiers:
             return "the RAM bank is not pinned"
         where = bank.where
         offs = np.full(where.shape, -1, dtype=np.int64)
-        base = bank.slots[0]
+        base = min(bank.slots, key=lambda b: b.data_ptr())     # the bank's chunks: every offset >= 0
         for li, e in zip(*np.nonzero(where >= 0)):
             offs[li, e] = bank.slots[int(where[li, e])].data_ptr() - base.data_ptr()
         if lay.expert_bytes % 16 or (offs[offs >= 0] % 16).any():
