@@ -65,7 +65,7 @@ for step in $STEPS; do
     # the PCIe share of decode misses (memory.doorbell): off vs shares, at 8 GiB and with all experts in RAM
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
-    bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p35:--gpu-mem 8GiB --pcie-share 0.35" --compare "g8p65:--gpu-mem 8GiB --pcie-share 0.65" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p65:--cpu-moe --pcie-share 0.65"}
+    bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p25:--gpu-mem 8GiB --pcie-share 0.25" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p35:--cpu-moe --pcie-share 0.35"}
     rm -f $M ;;
   g8skew)
     M=.data/q30-Q4_0-48-skew.gguf

@@ -17,6 +17,7 @@ graph). Otherwise decode stays eager (`unavailable` says why).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -129,7 +130,8 @@ class GraphTiers:
         if lay.expert_bytes % 16 or (offs[offs >= 0] % 16).any():
             return "the bank's expert buffers are not 16-byte aligned"
         dev = t.pl.device
-        n = min(PCIE_MAX, self.k, len(fast.stage))
+        # rows: what the share can take of k misses (the repack runs over every row, used or not)
+        n = min(PCIE_MAX, len(fast.stage), max(1, math.ceil(self.share * self.k - 1e-9)))
         self.base, self.stage0 = base, fast.stage[0]
         self.pcie_off = torch.from_numpy(offs).to(dev)
         self.stage_off = torch.full((n,), -1, dtype=torch.int64, device=dev)
