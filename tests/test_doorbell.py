@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,6 +239,24 @@ def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
         want = sum(ws[li][0, j] * (f_dn[li][e] @ Act()(*(f_gu[li][e] @ xs[li][0]).chunk(2)))
                    for j, e in enumerate(ids[li][0].tolist()))
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_bank_offsets_are_from_the_lowest_buffer():
+    """The PCIe share addresses the bank as one base + byte offsets: buffers from separate allocations,
+    some below the first, all get offsets >= 0 that land on their bytes; experts not held get -1."""
+    from moetier.memory.doorbell import bank_offsets
+    from moetier.memory.store import alloc_buffers
+    chunks = [alloc_buffers(3, 4096, pin=False) for _ in range(4)]
+    bufs = [b for c in reversed(chunks) for b in c]              # the first buffer is not the lowest
+    for i, b in enumerate(bufs):
+        b.fill_(i)
+    where = np.array([[0, 5, -1, 11], [3, -1, 7, 1]])
+    base, offs = bank_offsets(bufs, where)
+    assert base.data_ptr() == min(b.data_ptr() for b in bufs)
+    assert (offs[where < 0] == -1).all() and (offs[where >= 0] >= 0).all()
+    for (li, e), idx in np.ndenumerate(where):
+        if idx >= 0:
+            assert offs[li, e] == bufs[idx].data_ptr() - base.data_ptr()
 
 
 def test_step_bookkeeping_thread_runs_in_inference_mode():

@@ -25,10 +25,9 @@ import numpy as np
 import torch
 
 from ..kernels import ops
-from .plan import PCIE_MAX
+from .plan import PCIE_MAX, PCIE_SHARE
 
 MAX_ADMIT_PER_STEP = 8      # decode misses copied into the GPU cache per token (PCIe work per step)
-PCIE_SHARE = 0.35           # default share of each layer's misses the GPU reads over PCIe (measured, docs/perf-log.md)
 
 
 def unavailable(tiers, act) -> str | None:
@@ -103,7 +102,7 @@ class GraphTiers:
                 gu[li][e], dn[li][e] = w["gate_up_proj"], w["down_proj"]
         self.server = doorbell.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act, threads)
         self.timing["pcie"] = 0
-        self.share = PCIE_SHARE if share is None else float(share)
+        self.share = float(getattr(tiers.pl, "pcie_share", PCIE_SHARE) if share is None else share)
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
 
@@ -114,19 +113,15 @@ class GraphTiers:
         computes the rest. -> why it is off (None: on)."""
         t = self.tiers
         fast, bank, lay = t.fast, t.bank, t.layout
-        if self.share <= 0:
-            return "--pcie-share 0"
         if not fast.stage:
             return "no stage slots on the GPU"
+        if self.share <= 0:
+            return "--pcie-share 0"
         if all(s >= self.E for s in t.cache.sizes):
             return "every expert is on the GPU"
         if not bank.slots or not bank.slots[0].is_pinned():
             return "the RAM bank is not pinned"
-        where = bank.where
-        offs = np.full(where.shape, -1, dtype=np.int64)
-        base = min(bank.slots, key=lambda b: b.data_ptr())     # the bank's chunks: every offset >= 0
-        for li, e in zip(*np.nonzero(where >= 0)):
-            offs[li, e] = bank.slots[int(where[li, e])].data_ptr() - base.data_ptr()
+        base, offs = bank_offsets(bank.slots, bank.where)
         if lay.expert_bytes % 16 or (offs[offs >= 0] % 16).any():
             return "the bank's expert buffers are not 16-byte aligned"
         dev = t.pl.device
@@ -266,6 +261,19 @@ class GraphTiers:
             li_t, e_t, s_t = _to_device([(li, e, s) for s, (li, e) in placed.items()], dev)
             c.table.index_put_((li_t, e_t), s_t.to(c.table.dtype))
         self.timing["admitted"] += len(placed)
+
+def bank_offsets(bufs: list[torch.Tensor], where: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """-> (base, offsets [L, E] int64): the bank buffer at the lowest address, and each expert's byte offset
+    from it (-1 where `where` says the bank does not hold it). The bank is carved from separate ~1 GiB
+    allocations, some below the first one: from the lowest, every offset is >= 0 (a negative one would
+    read as 'not in the bank', as it once did for most of a 48-layer model)."""
+    base = min(bufs, key=lambda b: b.data_ptr())
+    offs = np.full(where.shape, -1, dtype=np.int64)
+    held = where >= 0
+    ptrs = np.array([b.data_ptr() for b in bufs], dtype=np.int64)
+    offs[held] = ptrs[where[held]] - base.data_ptr()
+    return base, offs
+
 
 def _to_device(rows: list[tuple], dev) -> torch.Tensor:
     """Small index columns to the device without blocking the host (a pageable copy would wait for

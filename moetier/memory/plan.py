@@ -32,6 +32,8 @@ TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "vram": "gpu", "cpu": "cpu", "ram": "
 MIX_PIN_FRACTION = 0.75     # mix: share of the fast slots pinned from the profile; the rest is LRU
 SCRATCH_BUFFERS = 4         # RAM buffers for streamed reads (= read-ahead depth)
 PCIE_MAX = 8                # stage slots (and device staging rows) the graphed decode's PCIe share may use per layer
+PCIE_SHARE = 0.35           # default share of a decode layer's misses the GPU reads over PCIe (docs/perf-log.md:
+                            # H200 box, 48-layer Q4_0: --cpu-moe 40.4 -> 58.5 tok/s, --gpu-mem 8GiB 48.3 -> 62.5)
 STAGE_SLOTS = (32, 2)       # fast-tier buffers for prefill copies: two batches of 16 (double buffering) when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
@@ -120,6 +122,7 @@ class Placement:
     fast_preload: list[list[int]]
     stage_slots: int
     staging_bytes: int
+    pcie_share: float               # share of each decode layer's RAM misses the GPU reads over PCIe (0: none)
     bank_slots: int
     bank_candidates: int
     bank_order: list[tuple[int, int]]
@@ -191,6 +194,7 @@ class Placement:
             "tiers": {
                 "gpu": {"slots": sum(self.fast_slots), "per_layer": self.fast_slots,
                         "pinned": sum(len(p) for p in self.pinned), "stage_slots": self.stage_slots, "staging_bytes": self.staging_bytes,
+                        "pcie_share": self.pcie_share,
                         "bytes": sum(self.fast_slots) * self.expert_fast_bytes, "expected_share": cov["gpu"]},
                 "ram": {"slots": self.bank_slots, "all_experts": self.bank_all, "scratch": self.scratch,
                         "bytes": (self.bank_slots + self.scratch) * self.expert_bytes, "expected_share": cov["ram"]},
@@ -305,8 +309,10 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     stage = (big if gpu_left >= 4 * big * fb else small if gpu_left >= small * fb else 0) if copy_tokens else 0
     gpu_left -= stage * fb
     staging = eb + fb if cuda and layout.qtype else 0   # fast.FastTier's device staging buffer + repack temporaries
-    if cuda and stage:          # the graphed decode step's PCIe share: its staging rows (memory.doorbell)
-        staging += min(PCIE_MAX, args.num_experts_per_tok, stage) * eb
+    share_cfg = PCIE_SHARE if config.pcie_share is None else config.pcie_share
+    pcie_share = share_cfg if cuda and stage else 0.0
+    if pcie_share:              # the graphed decode step's PCIe share: its staging rows (memory.doorbell)
+        staging += min(PCIE_MAX, stage, max(1, math.ceil(pcie_share * args.num_experts_per_tok - 1e-9))) * eb
     gpu_left -= staging
     n_fast = max(0, gpu_left // fb) if fb else 0
     # CPU conversion buffer (float experts in another dtype; block formats are read as stored)
@@ -343,7 +349,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         prefill_chunk=prefill_chunk, layout=layout, top_k=args.num_experts_per_tok,
         storage_dtype=layout.params[0].dtype, expert_bytes=eb, expert_fast_bytes=fb, groups=groups,
         dense_bytes=dense, embed_bytes=embed, kv_bytes=kv, workspace_bytes=workspace, layer_tiers=tiers,
-        fast_slots=sizes, pinned=pinned, fast_preload=preload, stage_slots=stage, staging_bytes=staging, bank_slots=bank,
+        fast_slots=sizes, pinned=pinned, fast_preload=preload, stage_slots=stage, staging_bytes=staging, pcie_share=pcie_share, bank_slots=bank,
         bank_candidates=len(candidates), bank_order=candidates, scratch=scratch, gpu_budget=gpu_budget,
         ram_budget=ram_budget, budget_notes=notes, policy=policy, prefetch=prefetch,
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",
@@ -446,8 +452,11 @@ def decode_ceiling(pl: Placement, bw: dict) -> dict:
     ssd_bytes = routes * cov["ssd"] * pl.layout.raw_bytes
     fast_bw = bw["hbm_gbs"] if cuda else bw["ram_gbs"]
     cpu_rate = min(bw["ram_gbs"], bw.get(f"cpu_gbs_{cpu_dt}", bw["ram_gbs"]))
-    t = {"gpu": fast_bytes / (fast_bw * 1e9), "ram": cpu_bytes / (bw["ram_gbs"] * 1e9),
-         "ram_torch": cpu_bytes / (cpu_rate * 1e9), "ssd": ssd_bytes / (bw["ssd_gbs"] * 1e9)}
+    # with the PCIe share the GPU reads part of the RAM misses over PCIe while the CPU reads the rest: the
+    # two rates add (H200 box: CPU 80 GB/s + a PCIe gather 44 GB/s at once, bench/bench_pcie_read.py)
+    pcie = bw.get("pcie_gbs", 0.0) if cuda and getattr(pl, "pcie_share", 0.0) else 0.0
+    t = {"gpu": fast_bytes / (fast_bw * 1e9), "ram": cpu_bytes / ((bw["ram_gbs"] + pcie) * 1e9),
+         "ram_torch": cpu_bytes / ((cpu_rate + pcie) * 1e9), "ssd": ssd_bytes / (bw["ssd_gbs"] * 1e9)}
     if cuda:
         bound, achievable = max(t["gpu"], t["ram"], t["ssd"]), max(t["gpu"], t["ram_torch"], t["ssd"])
     else:   # one memory bus: the "fast tier", the bank and the dense weights share RAM bandwidth
