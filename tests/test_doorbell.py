@@ -92,6 +92,44 @@ def test_miss_server_answers_every_layer(qtype, q8, act):
         assert int(req.done[1 * db.BELL_STRIDE]) != seq       # no misses: no answer, the GPU does not wait
 
 
+@pytest.mark.parametrize("qtype,q8", [("F32", False), ("BF16", False), ("MXFP4", False), ("MXFP4", True),
+                                      ("Q8_0", True)])
+def test_miss_server_adds_expert_biases(qtype, q8):
+    """gpt-oss experts carry biases: gate_up's [2I] before the (clamped) activation, down's [D] on each
+    expert's output before its routing weight. Same tolerances as without biases."""
+    act = Act("clamped_swiglu", 1.702, 7.0)
+    s_gu, s_dn, f_gu, f_dn, tid = experts(qtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    b_gu = [[torch.randn(2 * I, generator=g) for _ in range(E)] for _ in range(L)]
+    b_dn = [[torch.randn(D, generator=g) * 0.1 for _ in range(E)] for _ in range(L)]
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, act, threads=2, q8_act=q8, biases=(b_gu, b_dn))
+    req.x[:] = torch.randn(L, D, generator=g)
+    req.ids[:] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).int()
+    req.w[:] = torch.rand(L, K, generator=g)
+    req.slots[:] = torch.tensor([-1, 2, -1, -1], dtype=torch.int32)
+    req.y.fill_(float("nan"))
+    req.bell[::db.BELL_STRIDE] = 1
+    assert srv.serve(1)[2] == L * 3
+    for li in range(L):
+        want = torch.zeros(D)
+        for j in range(K):
+            if req.slots[li, j] < 0:
+                e = int(req.ids[li, j])
+                gate, up = (f_gu[li][e] @ req.x[li] + b_gu[li][e]).chunk(2)
+                want += req.w[li, j] * (f_dn[li][e] @ act(gate, up) + b_dn[li][e])
+        err = ((req.y[li] - want).abs().max() / want.abs().max()).item()
+        assert err <= (3e-2 if q8 else 2e-5), (qtype, q8, err)
+
+
+def test_miss_server_rejects_bad_biases():
+    s_gu, s_dn, _, _, tid = experts("F32")
+    req = db.Requests(L, D, K, pin=False)
+    bad = [[torch.zeros(2 * I, dtype=torch.bfloat16) for _ in range(E)] for _ in range(L)]
+    with pytest.raises(ValueError, match="contiguous float32"):
+        db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=1, biases=(bad, None))
+
+
 @pytest.mark.parametrize("q8", [False, True])
 def test_miss_server_formats_per_layer(q8):
     """Q4_K_M: gate_up Q4_K in every layer, down Q4_K in layer 0 and Q6_K in layers 1, 2 (row bytes

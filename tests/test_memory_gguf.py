@@ -205,3 +205,24 @@ def test_plan_reads_only_gguf_headers(gguf, monkeypatch, tmp_path, capsys):
     assert p["tiers"]["gpu"]["slots"] == 10
     rc = main(["plan", str(gguf[0]), "--ram-mem", "1GiB", "--ctx", str(CTX)])
     assert rc == 0 and kind in capsys.readouterr().out
+
+
+def test_gpt_oss_gguf_experts_with_biases_in_the_tiers(tmp_path):
+    """gpt-oss (expert biases, clamped SwiGLU) from an F32 GGUF: a few fast slots or every expert in RAM
+    give the untiered model's greedy tokens, with misses computed from the RAM bank."""
+    from test_gguf import other_arch
+
+    from moetier import SamplingParams
+    path = quantize(other_arch("gpt_oss", tmp_path / "model"), "F32", tmp_path / "m.gguf")
+    fixed, _, fb = sizes(path)
+    got = {}
+    for name, kw in {"untiered": {}, "few_slots": dict(gpu_mem=5 * fb, ram_mem=1 << 32),
+                     "cpu_moe": dict(cpu_moe=True, ram_mem=1 << 32)}.items():
+        eng = Engine.load(path, EngineConfig(progress=False, device="cpu", dtype="float32", max_context=CTX, **kw))
+        got[name] = eng.complete(prompt_ids=list(range(3, 27)), max_tokens=10, params=SamplingParams(temperature=0),
+                                 ignore_eos=True).token_ids
+        if eng.tiers is not None:
+            assert {p.name for p in eng.tiers.layout.params} >= {"gate_up_bias", "down_bias"}
+            assert eng.memory_stats()["hit_rate"] < 1.0, name
+            eng.tiers.close()
+    assert got["few_slots"] == got["untiered"] and got["cpu_moe"] == got["untiered"]

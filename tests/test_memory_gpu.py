@@ -151,6 +151,37 @@ def test_graphed_tiered_decode_gives_the_eager_tokens(tiny, tmp_path, dtype):
             assert got[True][:4] == got[False][:4] and agree >= 0.5, (name, agree)
 
 
+def test_graphed_tiered_decode_with_expert_biases(tmp_path):
+    """gpt-oss experts (biases, clamped SwiGLU; an F32 GGUF: the tiers read its per-projection tensors)
+    in the graphed tier step: the C server adds the misses' biases, the hits kernel those of the GPU
+    and PCIe-share slots. fp32: the eager tiered step's tokens, and the untiered model's."""
+    from test_gguf import other_arch
+
+    from moetier import SamplingParams
+    from moetier.commands.quantize import quantize
+    path = quantize(other_arch("gpt_oss", tmp_path / "model"), "F32", tmp_path / "m.gguf")
+    prompt = torch.randint(0, 300, (SPLIT,), generator=torch.Generator().manual_seed(5)).tolist()
+    pl = make_placement(path, EngineConfig(max_context=CTX, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
+                        torch.float32, CTX, bw={"pcie_gbs": 12.0})
+    few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + pl.staging_bytes \
+        + 12 * pl.expert_fast_bytes
+    got = {}
+    for name, kw in {"untiered": {}, "eager": dict(cuda_graphs=False, gpu_mem=few, ram_mem=1 << 32),
+                     "graphed": dict(gpu_mem=few, ram_mem=1 << 32),
+                     "graphed_cpu_moe": dict(cpu_moe=True, ram_mem=1 << 32)}.items():
+        eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype="float32", max_context=CTX, **kw))
+        done = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
+                            ignore_eos=True)
+        if name.startswith("graphed"):
+            assert eng.tiers.graphed is not None, name
+        got[name] = done.token_ids
+        if eng.tiers is not None:
+            eng.tiers.close()
+        del eng
+        torch.cuda.empty_cache()
+    assert got["eager"] == got["untiered"] and got["graphed"] == got["eager"] and got["graphed_cpu_moe"] == got["eager"]
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_gguf_tiers_on_cuda(tmp_path, qtype):
     """GGUF experts kept in their format in the tiers on CUDA: repacked on the device when admitted,

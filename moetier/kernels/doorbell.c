@@ -49,6 +49,8 @@ typedef struct {
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
     const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
     const int64_t *layer_row_bytes;       /* [L, 2] gate_up, down row bytes per layer; NULL: the above */
+    const float *const *gu_bias;          /* NULL, or [L * E] float32 [2I] (gpt-oss), added before the activation */
+    const float *const *dn_bias;          /* NULL, or [L * E] float32 [D], added to each expert's output */
 } serve_ctx;
 
 static int is_quant(int qtype) { return qtype != F32 && qtype != BF16 && qtype != F16; }
@@ -213,7 +215,9 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     for (int j = 0; j < k; j++) {
                         if (sl[j] >= 0) continue;
                         int64_t e = ids[j];
-                        if (e < 0 || e >= c->E || !c->gate_up[li * (int64_t)c->E + e]) { status = -100 - li; break; }
+                        const int64_t at = li * (int64_t)c->E + e;
+                        if (e < 0 || e >= c->E || !c->gate_up[at] || (c->gu_bias && !c->gu_bias[at])
+                            || (c->dn_bias && !c->dn_bias[at])) { status = -100 - li; break; }
                         miss_e[li][m] = (int32_t)e;
                         miss_w[li][m++] = w[j];
                     }
@@ -233,11 +237,14 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             double tb = tid == 0 ? now_s() : 0.0;
             const float *x = c->x + (int64_t)li * D;
             const uint8_t *const *gu = c->gate_up + li * (int64_t)c->E, *const *dn = c->down + li * (int64_t)c->E;
+            const float *const *gub = c->gu_bias ? c->gu_bias + li * (int64_t)c->E : NULL;
+            const float *const *dnb = c->dn_bias ? c->dn_bias + li * (int64_t)c->E : NULL;
             const act_vec ax = {x, xs, qxv, dx, sxv};
             #pragma omp for schedule(dynamic, 16)
             for (int64_t r = 0; r < (int64_t)m * 2 * I; r++) {
                 int64_t j = r / (2 * I), row = r % (2 * I);
-                hpre[r] = act_row(gq, q8g, gu[miss_e[li][j]] + row * gu_rb, ax, D);
+                hpre[r] = act_row(gq, q8g, gu[miss_e[li][j]] + row * gu_rb, ax, D)
+                          + (gub ? gub[miss_e[li][j]][row] : 0.f);
             }
             #pragma omp for schedule(static)
             for (int j = 0; j < m; j++) {
@@ -256,7 +263,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 for (int j = 0; j < m; j++) {
                     const act_vec ah = {h + (int64_t)j * I, hs + (int64_t)j * (I / 32), qhv + (int64_t)j * I,
                                         dh + (int64_t)j * (I / 32), shv + (int64_t)j * (I / 32)};
-                    s += miss_w[li][j] * act_row(dq, q8d, dn[miss_e[li][j]] + d * dn_rb, ah, I);
+                    s += miss_w[li][j] * (act_row(dq, q8d, dn[miss_e[li][j]] + d * dn_rb, ah, I)
+                                          + (dnb ? dnb[miss_e[li][j]][d] : 0.f));
                 }
                 y[d] = s;
             }

@@ -202,7 +202,8 @@ class _Ctx(ctypes.Structure):
         ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("bell", ctypes.c_void_p), ("done", ctypes.c_void_p),
         ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("w", ctypes.c_void_p),
         ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32),
-        ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p)]
+        ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p),
+        ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p)]
 
 
 def library() -> ctypes.CDLL:
@@ -231,7 +232,7 @@ class MissServer:
     per 32 values, as llama.cpp does) in integer dot products; otherwise float32 activations."""
 
     def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,
-                 threads: int, timeout_s: float = 10.0, q8_act: bool = True):
+                 threads: int, timeout_s: float = 10.0, q8_act: bool = True, biases=None):
         n_layers, n_exp = len(gate_up), len(gate_up[0])
         k = req.ids.shape[1]
         self.req, self.lib = req, library()
@@ -253,6 +254,16 @@ class MissServer:
             *[0 if t is None else t.data_ptr() for row in gate_up for t in row])
         self._dn = (ctypes.c_void_p * (n_layers * n_exp))(
             *[0 if t is None else t.data_ptr() for row in down for t in row])
+        # biases (gpt-oss): None, or ([L][E] gate_up bias [2I], [L][E] down bias [D]) float32 CPU tensors
+        # (None where the expert is not in RAM); either list may be None
+        self._bias = [None, None]
+        for i, table in enumerate(biases or (None, None)):
+            if table is not None:
+                for t in (t for row in table for t in row if t is not None):
+                    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != (2 * hidden, dim)[i]:
+                        raise ValueError(f"expert biases must be contiguous float32 [{(2 * hidden, dim)[i]}]")
+                self._bias[i] = (ctypes.c_void_p * (n_layers * n_exp))(
+                    *[0 if t is None else t.data_ptr() for row in table for t in row])
         some = next(t for t in (t for row in gate_up for t in row) if t is not None)
         some_dn = next(t for t in (t for row in down for t in row) if t is not None)
         # float h [k, 3I]; per-32 sums / scales / int sums of x and h; int8 x and h (doorbell.c)
@@ -267,7 +278,8 @@ class MissServer:
                         req.slots.data_ptr(), req.w.data_ptr(), req.y.data_ptr(), self.scratch.data_ptr(),
                         self.timing.data_ptr(), int(q8_act), dn_id,
                         None if self._types is None else self._types.data_ptr(),
-                        None if self._row_bytes is None else self._row_bytes.data_ptr())
+                        None if self._row_bytes is None else self._row_bytes.data_ptr(),
+                        *(None if b is None else ctypes.cast(b, ctypes.c_void_p) for b in self._bias))
 
     def serve(self, seq: int) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed)."""

@@ -11,8 +11,8 @@ then, off the critical path, the counters, the cache policy and the admissions o
 misses (copies on the copy stream; the device table entry is set after the copy, the evicted
 entry cleared before it, so a replay never reads a half-copied slot).
 
-Used when: CUDA, the Triton kernels, a gated activation the kernels know, no expert biases, and
-every expert not pinned on the GPU held in RAM (a miss must never wait for the SSD inside the
+Used when: CUDA, the Triton kernels, a gated activation the kernels know (expert biases too, as
+gpt-oss has), and every expert not pinned on the GPU held in RAM (a miss must never wait for the SSD inside the
 graph). Otherwise decode stays eager (`unavailable` says why).
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ def unavailable(tiers, act) -> str | None:
     if a is None:
         return "the experts' activation has no kernel"
     names = {p.name for p in tiers.layout.params}
-    if names != {"gate_up_proj", "down_proj"}:
-        return "experts with biases are not served by the CPU doorbell yet"
+    if not {"gate_up_proj", "down_proj"} <= names <= {"gate_up_proj", "down_proj", "gate_up_bias", "down_bias"}:
+        return f"experts with params {sorted(names)} have no doorbell kernel"
     pinned = np.zeros_like(tiers.bank.where, dtype=bool)
     for li, es in enumerate(tiers.cache.pinned):
         pinned[li, list(es)] = True
@@ -94,13 +94,21 @@ class GraphTiers:
         self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
-        gu = [[None] * self.E for _ in range(self.L)]
-        dn = [[None] * self.E for _ in range(self.L)]
+        # (gpt-oss's biases as float32: views of the bank when stored so, else copies kept here)
+        names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
+        has = {p.name for p in lay.params}
+        tables = {n: [[None] * self.E for _ in range(self.L)] if n in has else None for n in names}
         for li in range(self.L):
             for e in np.flatnonzero(tiers.bank.where[li] >= 0).tolist():
                 w = lay.unpack(tiers.bank.slots[int(tiers.bank.where[li, e])], li)
-                gu[li][e], dn[li][e] = w["gate_up_proj"], w["down_proj"]
-        self.server = doorbell.MissServer(self.req, gu, dn, _qtype_id(lay), self.dim, self.hidden, self.act, threads)
+                for n, table in tables.items():
+                    if table is not None:
+                        t = w[n]
+                        table[li][e] = t.float().contiguous() if n.endswith("_bias") else t
+        self.biases = (tables["gate_up_bias"], tables["down_bias"])
+        self.server = doorbell.MissServer(self.req, tables["gate_up_proj"], tables["down_proj"], _qtype_id(lay),
+                                          self.dim, self.hidden, self.act, threads,
+                                          biases=self.biases if any(b is not None for b in self.biases) else None)
         self.timing["pcie"] = 0
         self.share = float(getattr(tiers.pl, "pcie_share", PCIE_SHARE) if share is None else share)
         self.n_pcie = 0     # set by _pcie_setup when the share is on
@@ -149,7 +157,8 @@ class GraphTiers:
         if self.n_pcie:     # this layer's PCIe share: bank -> staging rows -> stage slots
             self._db.gather(self.base, self.stage_off, self.staging)
             self.tiers.fast.repack_into(self.staging, self.stage_idx, self.tiers.layout.specs(li))
-        hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt)
+        hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt,
+                              biases=self.tiers.fast.kernel_biases())
         out = torch.empty_like(x)
         self._db.wait_add(hits, slots, self.seq, self.req, li, out)
         return out
