@@ -44,7 +44,7 @@ def test_profile_command_and_reuse(tiny, tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     mem = res["stats"]["memory"]
     assert mem["decode_tokens"] == 4 and mem["prefill_tokens"] == 10 and mem["hits"]["gpu"] > 0
-    assert set(mem["per_token"]) == {"bytes_read", "ms", "hits"} and "prefetch" in mem
+    assert set(mem["per_token"]) == {"bytes_read", "ms", "hits", "pcie_experts"} and "prefetch" in mem
     # --save-profile: the counts a run saw, written by Tiers.close (or at exit)
     from moetier.config import EngineConfig
     from moetier.runtime.engine import Engine

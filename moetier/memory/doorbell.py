@@ -219,6 +219,7 @@ class GraphTiers:
         pcie = slots >= self.stage0 if self.n_pcie else np.zeros_like(slots, dtype=bool)
         hit = (slots >= 0) & ~pcie      # a PCIe-read expert is a miss served from the RAM bank
         self.timing["pcie"] += int(pcie.sum())
+        t.stats.pcie["decode"] += int(pcie.sum())
         st, c = t.stats, t.cache
         st.tokens["decode"] += 1
         n_hit = int(hit.sum())

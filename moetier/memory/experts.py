@@ -270,6 +270,7 @@ class Tiers:
                     "hits": view["hits"]["gpu"], "bytes_read": view["bytes_read"]["gpu"], "ms": view["ms"]["gpu"],
                     "copy_ms": view["ms"]["copy"], "bytes_copied": view["bytes_read"]["copy"]},
             "ram": {"experts": sum(x["ram"] for x in layers), "slots": self.bank.capacity,
+                    "pcie_experts": view["pcie_experts"], "pcie_share": pl.pcie_share,
                     "bytes": (self.bank.capacity + len(self.bank.scratch)) * self.layout.expert_bytes,
                     "budget": pl.ram_budget, "all_experts": self.bank.all_resident,
                     "hits": view["hits"]["ram"], "bytes_read": view["bytes_read"]["ram"], "ms": view["ms"]["cpu"]},

@@ -17,6 +17,7 @@ class Counters:
         self.routes = {p: {t: 0 for t in TIERS} for p in PHASES}     # (token, expert) pairs served by each tier
         self.experts = {p: {t: 0 for t in TIERS} for p in PHASES}    # expert computations (one per used expert per call)
         self.staged = {p: 0 for p in PHASES}                         # experts copied to a stage slot and run there
+        self.pcie = {p: 0 for p in PHASES}      # RAM misses the GPU read over PCIe itself (graphed decode's share)
         self.cpu_s = {p: 0.0 for p in PHASES}
         self.wait_s = {p: 0.0 for p in PHASES}                       # waiting for SSD reads
         self.tokens = {p: 0 for p in PHASES}
@@ -38,8 +39,9 @@ def snapshot(tiers) -> dict:
         ex = c.experts[p]
         phases[p] = {
             "tokens": c.tokens[p], "routes": c.routes[p], "experts": ex, "staged": c.staged[p],
+            "pcie": c.pcie[p],
             "bytes": {"gpu": ex["gpu"] * fb, "ram": (ex["ram"] + ex["ssd"]) * raw, "ssd": ex["ssd"] * raw,
-                      "copy": fast.bytes_copied[p]},
+                      "copy": fast.bytes_copied[p], "pcie": c.pcie[p] * raw},
             "ms": {"cpu": c.cpu_s[p] * 1e3, "gpu": fast.compute_timer[p].seconds() * 1e3,
                    "copy": fast.copy_timer[p].seconds() * 1e3, "ssd_wait": c.wait_s[p] * 1e3},
         }
@@ -84,6 +86,7 @@ def prefetch_summary(p: dict) -> dict:
 def _phase_view(p: dict) -> dict:
     total = sum(p["routes"].values())
     return {"tokens": p["tokens"], "hits": p["routes"], "hit_rate": hit_rate(p["routes"]),
+            "pcie_experts": p.get("pcie", 0),     # of the RAM misses: read by the GPU over PCIe
             "tier_share": {t: (v / total if total else 0.0) for t, v in p["routes"].items()},
             "experts": p["experts"], "bytes_read": p["bytes"], "ms": {k: round(v, 3) for k, v in p["ms"].items()}}
 
@@ -93,14 +96,14 @@ def request_view(d: dict) -> dict:
     dec, pre = d["decode"], d["prefill"]
     n = dec["tokens"]
     per = (lambda v: v / n if n else 0.0)
-    both = _phase_view({"tokens": n + pre["tokens"], **{k: _add(dec[k], pre[k]) for k in ("routes", "experts",
-                                                                                          "bytes", "ms")}})
+    both = _phase_view({"tokens": n + pre["tokens"], "pcie": dec.get("pcie", 0) + pre.get("pcie", 0),
+                        **{k: _add(dec[k], pre[k]) for k in ("routes", "experts", "bytes", "ms")}})
     return {
-        **{k: both[k] for k in ("hits", "hit_rate", "tier_share", "experts", "bytes_read", "ms")},
+        **{k: both[k] for k in ("hits", "hit_rate", "tier_share", "experts", "bytes_read", "ms", "pcie_experts")},
         "decode": _phase_view(dec), "prefill": {**_phase_view(pre), "staged_experts": pre["staged"]},
         "per_token": {"bytes_read": {k: per(v) for k, v in dec["bytes"].items()},
                       "ms": {k: round(per(v), 4) for k, v in dec["ms"].items()},
-                      "hits": {k: per(v) for k, v in dec["routes"].items()}},
+                      "hits": {k: per(v) for k, v in dec["routes"].items()}, "pcie_experts": per(dec.get("pcie", 0))},
         "decode_tokens": n, "prefill_tokens": pre["tokens"], "staged_prefill_experts": pre["staged"],
         "ssd_bytes_total": d["ssd_bytes_total"], "ssd_reads": d["ssd_reads"], "ssd_busy_ms": round(d["ssd_busy_ms"], 3),
         "admissions": d["admissions"], "evictions": d["evictions"], "bank_evictions": d["bank_evictions"],

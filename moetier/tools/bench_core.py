@@ -245,6 +245,8 @@ def hit_summary(memory: dict | None) -> str:
     hits = {k: v.get("hits") for k, v in t.items()}
     if all(v is not None for v in hits.values()) and sum(hits.values()):
         tot = sum(hits.values())
-        return " ".join(f"{k} {v / tot:.0%}" for k, v in hits.items())
+        pcie = t.get("ram", {}).get("pcie_experts") or 0
+        via = f" ({pcie / tot:.0%} of all read by the GPU over PCIe)" if pcie else ""
+        return " ".join(f"{k} {v / tot:.0%}" for k, v in hits.items()) + via
     tot = sum(v.get("experts", 0) for v in t.values()) or 1
     return "placed " + " ".join(f"{k} {v.get('experts', 0) / tot:.0%}" for k, v in t.items())
