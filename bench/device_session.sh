@@ -8,6 +8,7 @@
 #   longctx     synthetic Qwen3-Next-80B-A3B Q4_0 GGUF, 4 layers: prefill 4K/32K/128K, decode after, TTFT
 #               of a repeated prompt cold vs from the snapshot (bench/bench_long_context.py)
 #   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.35 / 0.5 / 0.65, at 8 GiB and --cpu-moe
+#   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
 #   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
@@ -67,6 +68,14 @@ for step in $STEPS; do
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p25:--gpu-mem 8GiB --pcie-share 0.25" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p35:--cpu-moe --pcie-share 0.35"}
     rm -f $M ;;
+  prefill48)
+    # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle
+    M=.data/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    for F in "--cpu-moe" "--gpu-mem 8GiB"; do
+      timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M $F --prompt-len 8192 > "$OUT/prefill48_${F// /_}.txt" 2>&1
+      head -40 "$OUT/prefill48_${F// /_}.txt"
+    done ;;
   g8skew)
     M=.data/q30-Q4_0-48-skew.gguf
     synth qwen3-30b-a3b Q4_0 48 0.5 $M 120
