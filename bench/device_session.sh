@@ -67,11 +67,11 @@ for step in $STEPS; do
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p25:--gpu-mem 8GiB --pcie-share 0.25" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p35:--cpu-moe --pcie-share 0.35"}
-    rm -f $M ;;
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
   prefill48)
     # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle
     M=.data/q30-Q4_0-48.gguf
-    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120   # KEEP48=1 pcie48 leaves it
     for F in "--cpu-moe" "--gpu-mem 8GiB"; do
       timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M $F --prompt-len 8192 > "$OUT/prefill48_${F// /_}.txt" 2>&1
       head -40 "$OUT/prefill48_${F// /_}.txt"
