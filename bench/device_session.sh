@@ -116,7 +116,7 @@ print(sys.argv[2], {k: s.get(k) for k in ("prompt_tokens", "completion_tokens", 
 PY
     done ;;
   kernels)
-    timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget 40 > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
+    timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
     tail -3 "$OUT/gpu_kernels.err" ;;
   doorbell12)
     for Q in Q4_0 BF16; do
