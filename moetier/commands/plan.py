@@ -123,7 +123,11 @@ def render(pl, ceiling: dict, rule: dict, bw: dict, notes: list[str]) -> str:
     cpu_key = f"cpu_gbs_{ceiling['cpu_dtype']}"
     rows = [("gpu" if pl.fast_device == "cuda" else "fast (RAM)", fmt_bytes(ceiling["bytes"]["gpu"]),
              f"{bw[fast_bw]:g} GB/s ({src[fast_bw]})", f"{ceiling['ms']['gpu']:.2f} ms"),
-            ("ram (CPU experts)", fmt_bytes(ceiling["bytes"]["ram"]), f"{bw['ram_gbs']:g} GB/s ({src['ram_gbs']})",
+            ("ram (CPU experts" + (f"; {pl.pcie_share:.0%} of misses read by the GPU over PCIe)"
+                                   if pl.pcie_share else ")"),
+             fmt_bytes(ceiling["bytes"]["ram"]),
+             f"{bw['ram_gbs']:g} GB/s ({src['ram_gbs']})" + (f" + PCIe {bw['pcie_gbs']:g} GB/s" if pl.pcie_share
+                                                                  and pl.fast_device == "cuda" else ""),
              f"{ceiling['ms']['ram']:.2f} ms"),
             ("ssd", fmt_bytes(ceiling["bytes"]["ssd"]), f"{bw['ssd_gbs']:g} GB/s ({src['ssd_gbs']})",
              f"{ceiling['ms']['ssd']:.2f} ms")]
