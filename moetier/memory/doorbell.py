@@ -18,6 +18,7 @@ graph). Otherwise decode stays eager (`unavailable` says why).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 
@@ -140,10 +141,25 @@ class GraphTiers:
         self.stage_off = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.staging = torch.zeros(n, lay.expert_bytes, dtype=torch.uint8, device=dev)
         self.stage_idx = torch.arange(self.stage0, self.stage0 + n, device=dev)
-        for li in {id(lay.specs(li)): li for li in range(self.L)}.values():   # warm the repack's tables
-            fast.repack_into(self.staging, self.stage_idx, lay.specs(li))
         self.n_pcie = n
+        for li in {id(lay.specs(li)): li for li in range(self.L)}.values():   # compile, build tables: not in capture
+            self._stage_repack(li)
         return None
+
+    def _stage_repack(self, li: int) -> None:
+        """Staging rows -> stage slots: GGML field formats by one Triton launch per param that skips the
+        rows this layer left unused (kernels/triton_repack.py); other params (float, IQ3_XXS) in torch ops."""
+        from ..kernels import triton_repack
+        fast, rest = self.tiers.fast, []
+        kernel = os.environ.get("MOETIER_STAGE_REPACK", "triton") != "torch"    # A/B switch for bench runs
+        for p in self.tiers.layout.specs(li):
+            if kernel and p.qtype is not None and triton_repack.supported(p.qtype):
+                triton_repack.repack_rows(p.qtype, self.staging, self.stage_off, p.offset, p.shape[0], p.shape[1],
+                                          fast.planes[(p.name, p.qtype)], self.stage0)
+            else:
+                rest.append(p)
+        if rest:
+            fast.repack_into(self.staging, self.stage_idx, rest)
 
     # ------------------------------------------------------------------ inside the graph
     def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -156,7 +172,7 @@ class GraphTiers:
         self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0, pcie=pcie)
         if self.n_pcie:     # this layer's PCIe share: bank -> staging rows -> stage slots
             self._db.gather(self.base, self.stage_off, self.staging)
-            self.tiers.fast.repack_into(self.staging, self.stage_idx, self.tiers.layout.specs(li))
+            self._stage_repack(li)
         hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt,
                               biases=self.tiers.fast.kernel_biases())
         out = torch.empty_like(x)
