@@ -67,6 +67,10 @@ for step in $STEPS; do
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p25:--gpu-mem 8GiB --pcie-share 0.25" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p35:--cpu-moe --pcie-share 0.35"}
+    if [ -n "${AB48:-}" ]; then   # the same with the torch repack of the PCIe share's staging rows
+      MOETIER_STAGE_REPACK=torch bench pcie48_torch_repack ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB \
+        --compare cpumoe:--cpu-moe
+    fi
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   prefill48)
     # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle

@@ -180,6 +180,33 @@ def _drop_quantized_copies(model: torch.nn.Module) -> None:
     model._quant_copies_done = False
 
 
+# Eager calls on at most this many rows of x (the prefill's last-token lm_head, eager decode tokens) of a Linear
+# with a quantized copy multiply on its blocks too. Measured (2-core box, 1 thread, Qwen3-30B-A3B shape, Q4_K_M):
+# the float32 lm_head [151936, 2048] for the last prompt token took 79 ms of a 128-token prefill's 471 ms (1.2 GB
+# read), its Q6_K blocks ~5x fewer bytes. Larger x (the prompt's attention) stays on the float GEMM.
+EAGER_QLINEAR_ROWS = 1
+
+
+def _eager_quant_linears(model: torch.nn.Module) -> None:
+    """Linear modules with a quantized copy (_quantized_copies) run eager calls on few rows as the compiled step
+    runs them (moetier::qlinear on the blocks, Q8_ACTIVATIONS), so the prefill's logits match the decode's
+    arithmetic; tracing and larger x keep the float weight. Installed once per module instance."""
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Linear) or "forward" in m.__dict__ \
+                or "weight" not in getattr(m, "_quant_copies", {}):
+            continue
+        eager = m.forward
+
+        def forward(self, x, eager=eager):
+            qtype, blocks = getattr(self, "_quant_copies", {}).get("weight"), getattr(self, "weight_q", None)
+            if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu" \
+                    or x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
+                return eager(x)
+            y = cpu_kernels.qlinear(qtype, blocks, x, q8=Q8_ACTIVATIONS).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        m.forward = types.MethodType(forward, m)
+
+
 class _QuantLinears(torch.overrides.TorchFunctionMode):
     """While tracing: F.linear on a weight with a quantized copy becomes moetier::qlinear on the copy."""
 
@@ -250,6 +277,7 @@ class CpuDecode:
         loader = getattr(runner, "loader", None)
         self.boxed_run = getattr(loader, "boxed_run", None) if loader is not None and \
             torch.utils._pytree.treespec_loads(loader.get_call_spec()[1]).num_leaves == 1 else None
+        _eager_quant_linears(model)
 
     @classmethod
     def get(cls, model: torch.nn.Module, build: bool) -> CpuDecode | None:
