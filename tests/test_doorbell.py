@@ -173,16 +173,26 @@ def test_missing_ram_pointer_is_an_error():
         srv.serve(1)
 
 
+def interpreted(monkeypatch, seed: int):
+    """F32 experts, the request buffers and a 2-thread server, with the Triton kernels interpreted."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreted variant runs on CPU-only machines; tests/test_memory_gpu.py covers CUDA")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    s_gu, s_dn, f_gu, f_dn, tid = experts("F32", seed=seed)
+    req = db.Requests(L, D, K, pin=False)
+    return s_gu, s_dn, f_gu, f_dn, req, db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=2)
+
+
+def dense(x, ids, w, gu, dn):
+    """All k experts of one token in float32."""
+    return sum(w[j] * (dn[e] @ Act()(*(gu[e] @ x).chunk(2))) for j, e in enumerate(ids.tolist()))
+
+
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
 def test_ring_hits_wait_add_round_trip(monkeypatch):
     """The Triton kernels on CPU tensors (interpreter): ring -> experts op over 'GPU' slots -> wait_add,
     with the C server on a thread, equals the dense computation of all k experts."""
-    if torch.cuda.is_available():
-        pytest.skip("the interpreted variant runs on CPU-only machines; tests/test_memory_gpu.py covers CUDA")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    s_gu, s_dn, f_gu, f_dn, tid = experts("F32", seed=3)
-    req = db.Requests(L, D, K, pin=False)
-    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=2)
+    s_gu, s_dn, f_gu, f_dn, req, srv = interpreted(monkeypatch, seed=3)
     g = torch.Generator().manual_seed(5)
     # the 'GPU' cache holds experts 0 and 4 of every layer in slots 2 * li, 2 * li + 1
     table = torch.full((L, E), -1, dtype=torch.int32)
@@ -208,8 +218,7 @@ def test_ring_hits_wait_add_round_trip(monkeypatch):
     server.join()
     assert int(seq) == 1 and int(req.err[0]) == 0
     for li in range(L):
-        want = sum(ws[li][0, j] * (f_dn[li][e] @ Act()(*(f_gu[li][e] @ xs[li][0]).chunk(2)))
-                   for j, e in enumerate(ids[li][0].tolist()))
+        want = dense(xs[li][0], ids[li][0], ws[li][0], f_gu[li], f_dn[li])
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert slots[li].tolist() == table[li][ids[li][0]].tolist()
 
@@ -221,12 +230,7 @@ def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
     n_p) stage slots and their bank offsets, `gather` copies those experts' bytes from the bank into
     staging rows, the experts op computes hits + stage slots, the C server the remaining misses
     (it skips stage slots as it skips hits), wait_add sums: equal to the dense computation."""
-    if torch.cuda.is_available():
-        pytest.skip("the interpreted variant runs on CPU-only machines; tests/test_memory_gpu.py covers CUDA")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    s_gu, s_dn, f_gu, f_dn, tid = experts("F32", seed=7)
-    req = db.Requests(L, D, K, pin=False)
-    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=2)
+    s_gu, s_dn, f_gu, f_dn, req, srv = interpreted(monkeypatch, seed=7)
     g = torch.Generator().manual_seed(8)
     # the bank: every expert's bytes (gate_up then down) in one buffer; expert 5 of each layer is not there
     eb = (2 * I * D + D * I) * 4
@@ -274,8 +278,7 @@ def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
     can = [3, 2, 4]
     assert staged == [min(n_p, c, int(m * share + 0.5)) for m, c in zip(misses, can)]
     for li in range(L):
-        want = sum(ws[li][0, j] * (f_dn[li][e] @ Act()(*(f_gu[li][e] @ xs[li][0]).chunk(2)))
-                   for j, e in enumerate(ids[li][0].tolist()))
+        want = dense(xs[li][0], ids[li][0], ws[li][0], f_gu[li], f_dn[li])
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
