@@ -32,8 +32,9 @@ TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "vram": "gpu", "cpu": "cpu", "ram": "
 MIX_PIN_FRACTION = 0.75     # mix: share of the fast slots pinned from the profile; the rest is LRU
 SCRATCH_BUFFERS = 4         # RAM buffers for streamed reads (= read-ahead depth)
 PCIE_MAX = 8                # stage slots (and device staging rows) the graphed decode's PCIe share may use per layer
-PCIE_SHARE = 0.35           # default share of a decode layer's misses the GPU reads over PCIe (docs/perf-log.md:
-                            # H200 box, 48-layer Q4_0: --cpu-moe 40.4 -> 58.5 tok/s, --gpu-mem 8GiB 48.3 -> 62.5)
+PCIE_SHARE = 0.35           # share of a decode layer's misses the GPU reads over PCIe without measured bandwidths
+                            # (docs/perf-log.md, H200 box, 48-layer Q4_0: --cpu-moe 40.4 -> 58.5 tok/s, --gpu-mem
+                            # 8GiB 48.3 -> 62.5); with them, pcie_share_default
 STAGE_SLOTS = (32, 2)       # fast-tier buffers for prefill copies: two batches of 16 (double buffering) when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
@@ -309,7 +310,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     stage = (big if gpu_left >= 4 * big * fb else small if gpu_left >= small * fb else 0) if copy_tokens else 0
     gpu_left -= stage * fb
     staging = eb + fb if cuda and layout.qtype else 0   # fast.FastTier's device staging buffer + repack temporaries
-    share_cfg = PCIE_SHARE if config.pcie_share is None else config.pcie_share
+    share_cfg = pcie_share_default(bw) if config.pcie_share is None else config.pcie_share
     pcie_share = share_cfg if cuda and stage else 0.0
     if pcie_share:              # the graphed decode step's PCIe share: its staging rows (memory.doorbell)
         staging += min(PCIE_MAX, stage, max(1, math.ceil(pcie_share * args.num_experts_per_tok - 1e-9))) * eb
@@ -436,6 +437,18 @@ def prefill_copy_rule(layout: ExpertLayout, bw: dict, cpu_dtype: str = "bfloat16
     per_tok = flops / (bw.get(f"cpu_gflops_{cpu_dtype}", 100.0) * 1e9)
     n = 1 if gemv_s >= copy_s else max(1, math.ceil(copy_s / per_tok))
     return {"tokens": n, "copy_ms": copy_s * 1e3, "cpu_gemv_ms": gemv_s * 1e3, "cpu_ms_per_token": per_tok * 1e3}
+
+
+def pcie_share_default(bw: dict | None) -> float:
+    """The PCIe share for this machine: 0.9 x PCIe / (PCIe + RAM read), the share at which the GPU's
+    reads and the CPU's would end together, less a tenth for the GPU side's fixed work per layer
+    (gather, repack, hits). The H200 box (PCIe 52-55 GB/s, RAM 86-90) gives 0.33-0.34, where 0.35 was
+    measured best at --cpu-moe and 0.25 at 8 GiB; a PCIe 4.0 desktop (25 / 60) gets 0.26, PCIe 3.0
+    (12 / 40) 0.21. Without both figures: PCIE_SHARE."""
+    pcie, ram = (bw or {}).get("pcie_gbs"), (bw or {}).get("ram_gbs")
+    if not pcie or not ram:
+        return PCIE_SHARE
+    return round(min(0.6, max(0.05, 0.9 * pcie / (pcie + ram))), 3)
 
 
 def decode_ceiling(pl: Placement, bw: dict) -> dict:
