@@ -19,7 +19,7 @@ from moetier.quant.pack import quantize as pack
 needs_c = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
 FORMATS = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS", "Q4_K", "Q5_K", "Q6_K", ("Q4_K", "Q6_K"), ("Q4_0", "Q8_0"),
            ("Q8_0", "Q6_K")]
-Q8_FORMATS = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS", ("Q4_0", "Q6_K")]
+Q8_FORMATS = ["Q4_0", "Q8_0", "MXFP4", "IQ3_XXS", ("Q4_0", "Q6_K"), "Q4_K", "Q6_K", ("Q4_K", "Q6_K")]
 
 
 def sizes(qtype):
@@ -81,9 +81,10 @@ def test_grouped_matches_float_reference(qtype, t, k):
 
 @needs_c
 @pytest.mark.parametrize("qtype", Q8_FORMATS)
-@pytest.mark.parametrize("t,k", [(3, 8), (64, 6)])
+@pytest.mark.parametrize("t,k", [(3, 8), (5, 3), (64, 6)])
 def test_grouped_int8_activations_close(qtype, t, k):
-    """q8: x and the activation rounded to int8 per 32 values (llama.cpp's way): ~1% relative error, as moe_tokens."""
+    """q8: x and the activation rounded to int8 per 32 values (llama.cpp's way): ~1% relative error, as moe_tokens;
+    Q4_K / Q6_K rows with the integer tile (AVX-512BW builds): per 256 values (llama.cpp's Q8_K), ~2%."""
     d, i = sizes(qtype)
     gate, up, down = layer(qtype, 12, d, i)
     x, ids, w = skewed_route(t, 12, k, d)
@@ -91,8 +92,40 @@ def test_grouped_int8_activations_close(qtype, t, k):
     y1 = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1)
     assert (y1 - ref).norm() / ref.norm() < 0.03
     assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2), y1)
-    tok = cpu.moe_tokens(qtype, gate, up, down, x, ids, w, q8=True)          # the same int8 activations
-    assert (y1 - tok).norm() / ref.norm() < 0.01
+    tok = cpu.moe_tokens(qtype, gate, up, down, x, ids, w, q8=True)          # int8 activations per 32 values
+    q8k = any(f in ("Q4_K", "Q6_K") and cpu.grouped_int8_tile(f) for f in (qtype if isinstance(qtype, tuple) else (qtype,)))
+    assert (y1 - tok).norm() / ref.norm() < (0.03 if q8k else 0.01)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("t,k", [(1, 1), (7, 3), (33, 5)])
+def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k):
+    """The Q4_K / Q6_K integer tile (odd pair counts: 1-4 pair tiles) against float64 on the same rounding: x and
+    the activation rounded to int8 per 256 values (scale max |v| / 127), products of the dequantized weights."""
+    if not cpu.grouped_int8_tile(qtype):
+        pytest.skip("no integer tile for this type in this build (needs AVX-512BW)")
+
+    def q8k(v):
+        blocks = v.double().reshape(-1, 256)
+        dk = blocks.abs().amax(-1, keepdim=True) / 127
+        return (torch.round(blocks / torch.where(dk > 0, dk, 1)) * dk).reshape(v.shape)
+    d, i = 512, 256
+    fmt = get_format(qtype)
+    gate, up, down = layer(qtype, 9, d, i, seed=3)
+    x, ids, w = skewed_route(t, 9, k, d, seed=4)
+    wg, wu = (dequantize(r.contiguous(), fmt, (9, i, d)).double() for r in (gate, up))
+    wd = dequantize(down.contiguous(), fmt, (9, d, i)).double()
+    ref = torch.zeros(t, d, dtype=torch.float64)
+    for tt in range(t):
+        xq = q8k(x[tt])
+        for j in range(k):
+            e = int(ids[tt, j])
+            h = (F.silu(wg[e] @ xq) * (wu[e] @ xq)).float()          # the kernel's float32 activation
+            ref[tt] += w[tt, j].double() * (wd[e] @ q8k(h))
+    y = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1)
+    assert max_rel_err(y, ref.float()) < 1e-3
+    assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2), y)
 
 
 @needs_c

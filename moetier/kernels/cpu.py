@@ -133,6 +133,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_moe_tokens.argtypes = [c_int, c_int, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                        ptr, ptr, ptr, ptr, c_int, c_int]
     lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
+    lib.moetier_grouped_int8_tile.argtypes = [c_int]
     return lib
 
 
@@ -348,7 +349,8 @@ def moe_grouped(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     each weight row read once per call and dotted with every pair routed to its expert (cpu_grouped.c).
     Same arguments and result as moe_tokens. Float activations: every format's rows dequantized per tile
     (products as the dequantized model's); q8: x and the activation rounded to int8 per 32 values for the
-    types with int8 row kernels (cpu_moe.c moe_q8_type; llama.cpp's way, ~1% relative error).
+    types with int8 row kernels (cpu_moe.c moe_q8_type; llama.cpp's way, ~1% relative error), per 256 values
+    for Q4_K / Q6_K rows where grouped_int8_tile says so (llama.cpp's Q8_K, ~2%).
     `lib`: another build (tests); out: optional float32 [T, D]. Twin: moe_tokens_native."""
     fmt, dfmt = _formats(qtype)
     if lib is None and (backend() != "c" or _kernel(fmt, None) != "c" or _kernel(dfmt, None) != "c"):
@@ -367,6 +369,13 @@ def moe_grouped(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                                                  f"in [0, {e}); got ids in [{int(ids.min())}, {int(ids.max())}]")
         raise RuntimeError(f"CPU grouped MoE kernel failed ({fmt.name}/{dfmt.name}): {why}")
     return y
+
+
+def grouped_int8_tile(qtype) -> bool:
+    """Whether moe_grouped(q8=True) runs `qtype`'s rows through an integer tile in this build (each block's weights
+    unpacked once for all pairs of an expert: Q4_0 / Q8_0 with AVX2; Q4_K / Q6_K with AVX-512BW, activations
+    rounded to int8 per 256 values as llama.cpp's Q8_K), instead of the q8 row dot per (row, pair)."""
+    return backend() == "c" and bool(_lib.moetier_grouped_int8_tile(get_format(qtype).type_id))
 
 
 # The same kernel as a torch op, so torch.export / AOTInductor keep it as one call in the compiled
