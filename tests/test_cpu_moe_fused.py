@@ -148,6 +148,13 @@ def test_compiled_step_on_k_quant_gguf(tmp_path):
         assert copies[f"{att}.k_proj"] == copies[f"{att}.v_proj"] == {"weight": tid["Q8_0"]}
     mlp = {p: copies[f"model.layers.1.mlp.{p}"]["weight"] for p in ("gate_proj", "up_proj", "down_proj")}
     assert mlp == {"gate_proj": tid["Q4_K"], "up_proj": tid["Q4_K"], "down_proj": tid["Q6_K"]}   # last layer: more bits
+    # prefill: Q4_K/Q6_K experts meet int8 activations where the build has their integer tile, and one-row
+    # eager calls of the lm_head run on its Q6_K blocks (the decode step's arithmetic)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    tile = cpu.grouped_int8_tile("Q4_K") and cpu.grouped_int8_tile("Q6_K")
+    assert experts and all(bool(getattr(m, "q8_act", False)) == bool(tile) for m in experts
+                           if {m.fmt, m.down_fmt} <= {"Q4_K", "Q6_K"})
+    assert "forward" in fast.model.lm_head.__dict__
 
 
 @needs_c
@@ -181,14 +188,16 @@ def compiled_follows_eager(path):
     assert fast._cpu_decode, "the compiled step could not be built (see the warning) and the engine decoded eagerly"
     ref_cache, cache = engs["off"].new_session().cache, fast.new_session().cache
     agree = []
+    def kl(a, b):
+        return torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="sum")
     with torch.inference_mode():
-        engs["off"].model(torch.tensor(prompt), ref_cache)
-        fast.model(torch.tensor(prompt), cache)
+        ref = engs["off"].model(torch.tensor(prompt), ref_cache)[-1]
+        ours = fast.model(torch.tensor(prompt), cache)[-1]      # eager prefill: int8 where _prefill_int8_experts says
+        assert kl(ours, ref) < 0.01 and ours.argmax() == ref.argmax()
         for tok in toks:                       # teacher-forced on one sequence
             ref = engs["off"].model(torch.tensor([tok]), ref_cache)[-1]
             ours = fast._cpu_decode(cache, tok)[-1]
-            kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")
-            assert kl < 0.01, kl
+            assert kl(ours, ref) < 0.01
             agree.append(int(ours.argmax() == ref.argmax()))
     assert sum(agree) >= 0.9 * n
     return fast
