@@ -7,7 +7,8 @@
 #               --cpu-moe, prompts 512 and 8192
 #   longctx     synthetic Qwen3-Next-80B-A3B Q4_0 GGUF, 4 layers: prefill 4K/32K/128K, decode after, TTFT
 #               of a repeated prompt cold vs from the snapshot (bench/bench_long_context.py)
-#   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.35 / 0.5 / 0.65, at 8 GiB and --cpu-moe
+#   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.25 / default, at 8 GiB and --cpu-moe
+#               (AB48=1: again with MOETIER_STAGE_REPACK=triton; KEEP48=1 keeps the model)
 #   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
@@ -67,8 +68,8 @@ for step in $STEPS; do
     M=.data/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p25:--gpu-mem 8GiB --pcie-share 0.25" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p35:--cpu-moe --pcie-share 0.35"}
-    if [ -n "${AB48:-}" ]; then   # the same with the torch repack of the PCIe share's staging rows
-      MOETIER_STAGE_REPACK=torch bench pcie48_torch_repack ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB \
+    if [ -n "${AB48:-}" ]; then   # the same with the Triton repack of the PCIe share's staging rows
+      MOETIER_STAGE_REPACK=triton bench pcie48_triton_repack ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB \
         --compare cpumoe:--cpu-moe
     fi
     [ -n "${KEEP48:-}" ] || rm -f $M ;;

@@ -147,11 +147,14 @@ class GraphTiers:
         return None
 
     def _stage_repack(self, li: int) -> None:
-        """Staging rows -> stage slots: GGML field formats by one Triton launch per param that skips the
-        rows this layer left unused (kernels/triton_repack.py); other params (float, IQ3_XXS) in torch ops."""
+        """Staging rows -> stage slots in torch ops (FastTier.repack_into), or with MOETIER_STAGE_REPACK=triton
+        the GGML field formats by one Triton launch per param that skips the rows this layer left unused
+        (kernels/triton_repack.py; other params, float or IQ3_XXS, stay in torch ops)."""
         from ..kernels import triton_repack
         fast, rest = self.tiers.fast, []
-        kernel = os.environ.get("MOETIER_STAGE_REPACK", "triton") != "torch"    # A/B switch for bench runs
+        # torch ops by default: what was measured on the H200; the kernel is verified under the Triton interpreter
+        # only, until a GPU run times it (MOETIER_STAGE_REPACK=triton; docs/perf-log.md, session 5)
+        kernel = os.environ.get("MOETIER_STAGE_REPACK", "torch") == "triton"
         for p in self.tiers.layout.specs(li):
             if kernel and p.qtype is not None and triton_repack.supported(p.qtype):
                 triton_repack.repack_rows(p.qtype, self.staging, self.stage_off, p.offset, p.shape[0], p.shape[1],
