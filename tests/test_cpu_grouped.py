@@ -84,7 +84,7 @@ def test_grouped_matches_float_reference(qtype, t, k):
 @pytest.mark.parametrize("t,k", [(3, 8), (5, 3), (64, 6)])
 def test_grouped_int8_activations_close(qtype, t, k):
     """q8: x and the activation rounded to int8 per 32 values (llama.cpp's way): ~1% relative error, as moe_tokens;
-    Q4_K / Q6_K rows with the integer tile (AVX-512BW builds): per 256 values (llama.cpp's Q8_K), ~2%."""
+    Q4_K / Q6_K rows with the integer tile (AVX2 / AVX-512BW builds): per 256 values (llama.cpp's Q8_K), ~2%."""
     d, i = sizes(qtype)
     gate, up, down = layer(qtype, 12, d, i)
     x, ids, w = skewed_route(t, 12, k, d)
@@ -97,14 +97,36 @@ def test_grouped_int8_activations_close(qtype, t, k):
     assert (y1 - tok).norm() / ref.norm() < (0.03 if q8k else 0.01)
 
 
-@needs_c
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    """march -> the library built for it, once per module ("native": the session's own library)."""
+    libs = {}
+
+    def get(march):
+        if march == "native":
+            if cpu.backend() != "c":
+                pytest.skip("the C kernels did not build")
+            return None
+        if cpu.backend() != "c" or platform.machine() != "x86_64":
+            pytest.skip("needs gcc on x86-64")
+        if march == "haswell" and not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
+            pytest.skip("this CPU has no AVX2/FMA/F16C")
+        if march not in libs:
+            libs[march] = cpu.open_library(cpu.build_library(tmp_path_factory.mktemp("kernels"), march=march))
+        return libs[march]
+    return get
+
+
+@pytest.mark.parametrize("march", ["native", "haswell"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("t,k", [(1, 1), (7, 3), (33, 5)])
-def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k):
-    """The Q4_K / Q6_K integer tile (odd pair counts: 1-4 pair tiles) against float64 on the same rounding: x and
-    the activation rounded to int8 per 256 values (scale max |v| / 127), products of the dequantized weights."""
-    if not cpu.grouped_int8_tile(qtype):
-        pytest.skip("no integer tile for this type in this build (needs AVX-512BW)")
+def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k, march, build):
+    """The Q4_K / Q6_K integer tile (odd pair counts: 1-4 pair tiles on AVX-512, pair loops on AVX2) against float64
+    on the same rounding: x and the activation rounded to int8 per 256 values (scale max |v| / 127), products of the
+    dequantized weights. haswell: the AVX2 tile (no AVX-512)."""
+    lib = build(march)
+    if not cpu.grouped_int8_tile(qtype, lib):
+        pytest.skip("no integer tile for this type in this build (needs AVX2)")
 
     def q8k(v):
         blocks = v.double().reshape(-1, 256)
@@ -123,9 +145,28 @@ def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k):
             e = int(ids[tt, j])
             h = (F.silu(wg[e] @ xq) * (wu[e] @ xq)).float()          # the kernel's float32 activation
             ref[tt] += w[tt, j].double() * (wd[e] @ q8k(h))
-    y = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1)
+    y = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1, lib=lib)
     assert max_rel_err(y, ref.float()) < 1e-3
-    assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2), y)
+    assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", ("Q4_K", "Q6_K")])
+@pytest.mark.parametrize("t,k", [(3, 8), (5, 3), (64, 6)])
+def test_avx2_build_q8k_tile(qtype, t, k, build):
+    """An AVX2 build without AVX-512 (haswell) has the Q4_K / Q6_K integer tile too: int8 activations per 256 values
+    (~2% from the float reference, as the AVX-512 tile), results independent of the thread count."""
+    lib = build("haswell")
+    assert all(cpu.grouped_int8_tile(f, lib) for f in ("Q4_K", "Q6_K"))
+    d, i = sizes(qtype)
+    gate, up, down = layer(qtype, 12, d, i)
+    x, ids, w = skewed_route(t, 12, k, d)
+    ref = reference(qtype, gate, up, down, x, ids, w)
+    y1 = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1, lib=lib)
+    assert (y1 - ref).norm() / ref.norm() < 0.03
+    assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y1)
+    if cpu.grouped_int8_tile("Q4_K") and cpu.grouped_int8_tile("Q6_K"):      # this build's own tile: the same rounding
+        y = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1)
+        assert (y1 - y).norm() / ref.norm() < 1e-3
 
 
 @needs_c
@@ -151,13 +192,9 @@ def test_grouped_rejects_bad_ids():
 
 
 @pytest.fixture(scope="module", params=["x86-64", "haswell"])
-def other_build(request, tmp_path_factory):
-    """x86-64: the scalar path; haswell: AVX2 without VNNI (the maddubs / sign-trick int8 dots)."""
-    if cpu.backend() != "c" or platform.machine() != "x86_64":
-        pytest.skip("needs gcc on x86-64")
-    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
-        pytest.skip("this CPU has no AVX2/FMA/F16C")
-    return cpu.open_library(cpu.build_library(tmp_path_factory.mktemp("kernels"), march=request.param))
+def other_build(request, build):
+    """x86-64: the scalar path; haswell: AVX2 without VNNI (the maddubs / sign-trick int8 dots, the AVX2 Q8_K tile)."""
+    return build(request.param)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ3_XXS", ("Q4_K", "Q6_K")])

@@ -371,10 +371,13 @@ def moe_grouped(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     return y
 
 
-def grouped_int8_tile(qtype) -> bool:
+def grouped_int8_tile(qtype, lib: ctypes.CDLL | None = None) -> bool:
     """Whether moe_grouped(q8=True) runs `qtype`'s rows through an integer tile in this build (each block's weights
-    unpacked once for all pairs of an expert: Q4_0 / Q8_0 with AVX2; Q4_K / Q6_K with AVX-512BW, activations
-    rounded to int8 per 256 values as llama.cpp's Q8_K), instead of the q8 row dot per (row, pair)."""
+    unpacked once for all pairs of an expert: Q4_0 / Q8_0, and Q4_K / Q6_K with activations rounded to int8 per 256
+    values as llama.cpp's Q8_K, with AVX2 (AVX-512BW: a wider Q8_K tile)), instead of the q8 row dot per (row, pair).
+    `lib`: another build (tests)."""
+    if lib is not None:
+        return bool(lib.moetier_grouped_int8_tile(get_format(qtype).type_id))
     return backend() == "c" and bool(_lib.moetier_grouped_int8_tile(get_format(qtype).type_id))
 
 

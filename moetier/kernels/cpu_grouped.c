@@ -9,12 +9,12 @@
  *   4. tasks (expert, block of down rows): o[s] = down_e a[s];
  *   5. y[t] = sum_j w[t, j] o[pos(t, j)] in j order (results do not depend on the thread count).
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
- * weights widened to int8 once for all pairs); Q4_K / Q6_K with AVX-512BW the Q8_K tile (GRP_QR rows x GRP_QP
- * pairs, activations int8 per 256 values as llama.cpp's Q8_K, sub-block scales applied in int32, one float
- * conversion per super-block); other moe_q8_type rows the q8 row dot per (row, pair); float
- * activations: the 4 rows dequantized to float (GRP_KC values at a time, in L1) and a float FMA tile, so the
- * products are the dequantized model's (max relative error ~1e-6, the summation order); an expert with one pair:
- * the row dot. */
+ * weights widened to int8 once for all pairs); Q4_K / Q6_K the Q8_K tile (AVX-512BW: GRP_QR rows x GRP_QP pairs in
+ * registers; AVX2: rows unpacked per super-block, pairs looped over them; activations int8 per 256 values as
+ * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block); other moe_q8_type
+ * rows the q8 row dot per (row, pair); float activations: the 4 rows dequantized to float (GRP_KC values at a
+ * time, in L1) and a float FMA tile, so the products are the dequantized model's (max relative error ~1e-6, the
+ * summation order); an expert with one pair: the row dot. */
 
 #define GRP_ROWS 32           /* rows per task: 2 I / 32 x used experts tasks (thousands at prefill sizes) */
 #if defined(__AVX512F__)
@@ -112,6 +112,7 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
 #define GRP_Q8K 1
 #define GRP_QR 2              /* rows x pairs of the tile: 16 int32 accumulators; each row's weights unpacked once for */
 #define GRP_QP 8              /* up to 8 pairs (the float accumulators live in memory, touched once per super-block) */
+#define GRP_Q8K_NP_CONST 1
 #if defined(__AVX512VNNI__)
 #define GRP_DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
@@ -221,9 +222,173 @@ static inline __attribute__((always_inline)) void grp_tile_q8k(int qtype, const 
         for (int p = 0; p < np; p++) out[r * ldo + p] = _mm512_reduce_add_ps(facc[r][p]);
 }
 
+#else
+/* The same tile on AVX2 (no AVX-512): 32 values per instruction, one sub-block's integer dot per maddubs (the
+ * unsigned weights, Q4_K's 4 bits or Q6_K's 6, x int8 activations in int16 pair sums), then a 16-bit madd with the
+ * sub-block's scale (Q4_K: one per 32 values; Q6_K: one per 16, the two 128-bit halves) into int32; the float
+ * conversion, the mins and Q6_K's -32 as in the AVX-512 tile, once per super-block. 16 registers cannot hold a
+ * tile's accumulators and its rows' weights for many pairs, so each super-block of GRP_QR rows is unpacked once
+ * (weights and broadcast scales, 512 bytes a row, in L1) and every pair of the call (GRP_QP: all of grp_task's
+ * 64-pair chunk) runs over it, GRP_QB pairs x GRP_QR rows of int32 accumulators at a time. Measured (same layer as
+ * above, -march=haswell, 1 thread): float activations 237 ms, the q8 row dot 223 ms; this tile (rows x pairs in
+ * registers) 2 x 4: 158 ms, 2 x 8: 140, 4 rows over the unpacked super-block, 1 pair: 136 (126 with the adds kept in
+ * order, below), 4 x 2: 123, 4 x 3: 125, 2 x 5: 127, 8 x 1: 137. */
+#define GRP_Q8K 1
+#define GRP_Q8K_NP_CONST 0
+#define GRP_QR 4              /* rows unpacked per super-block */
+#define GRP_QB 2              /* pairs at a time over them: 8 int32 accumulators + 2 activation registers */
+#define GRP_QP 64             /* pairs per call */
+#define GRP_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))   /* AVX-VNNI's dpwssd: no faster here */
+
+/* as the AVX-512 grp_quantize_q8k (same rounding, same results), 8 lanes */
+static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, float *vs) {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);    /* undoes packs' 128-bit lanes */
+    for (int64_t b = 0; b < K / 256; b++) {
+        const float *xb = x + 256 * b;
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        for (int j = 0; j < 256; j += 16) {
+            m0 = _mm256_max_ps(m0, _mm256_and_ps(_mm256_loadu_ps(xb + j), abs));
+            m1 = _mm256_max_ps(m1, _mm256_and_ps(_mm256_loadu_ps(xb + j + 8), abs));
+        }
+        const __m256 m = _mm256_max_ps(m0, m1);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float d = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        const __m256 s = _mm256_set1_ps(id);
+        for (int j = 0; j < 256; j += 64) {
+            __m256i q[8];
+            for (int u = 0; u < 8; u++) q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * u), s));
+            for (int u = 0; u < 2; u++) {
+                const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[4 * u], q[4 * u + 1]),
+                                                     _mm256_packs_epi32(q[4 * u + 2], q[4 * u + 3]));
+                _mm256_storeu_si256((__m256i *)(qx + 256 * b + j + 32 * u), _mm256_permutevar8x32_epi32(p, order));
+            }
+            /* the 4 sums per 16: hadd twice gives [low 4 lanes | high 4 lanes] of each, then the two halves */
+            const __m256i t = _mm256_hadd_epi32(
+                _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])),
+                _mm256_hadd_epi32(_mm256_add_epi32(q[4], q[5]), _mm256_add_epi32(q[6], q[7])));
+            const __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            _mm_storeu_ps(vs + 16 * b + j / 16, _mm_mul_ps(_mm_set1_ps(d), _mm_cvtepi32_ps(t4)));
+        }
+        dk[b] = d;
+    }
+}
+
+/* pairs p < pb (<= GRP_QB) of the AVX2 tile over super-block b of its GRP_QR unpacked rows (wu, su, mnf, dr as
+ * grp_tile_q8k): the int32 dots, then into the pairs' float accumulators facc[p][r] */
+static inline __attribute__((always_inline)) void grp_q8k_pairs(int pb, __m256i (*wu)[8], __m256i (*su)[8],
+        __m256 (*mnf)[2], const float *dr, const int8_t *const *qx, const float *const *dk,
+        const float *const *vs, int64_t b, __m256 (*facc)[GRP_QR]) {
+    __m256i acc[GRP_QR][GRP_QB];
+    for (int r = 0; r < GRP_QR; r++)
+        for (int p = 0; p < pb; p++) acc[r][p] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        __m256i y[GRP_QB];
+        for (int p = 0; p < pb; p++) y[p] = _mm256_loadu_si256((const __m256i *)(qx[p] + 256 * b + 32 * j));
+        for (int r = 0; r < GRP_QR; r++) {
+            const __m256i wv = wu[r][j], sv = su[r][j];
+            for (int p = 0; p < pb; p++) {
+                acc[r][p] = GRP_DPWSSD(acc[r][p], _mm256_maddubs_epi16(wv, y[p]), sv);
+                __asm__("" : "+x"(acc[r][p]));     /* else gcc reassociates the adds and spills the products */
+            }
+        }
+    }
+    for (int p = 0; p < pb; p++) {
+        const __m256 dyv = _mm256_set1_ps(dk[p][b]);
+        const __m256 v0 = _mm256_loadu_ps(vs[p] + 16 * b), v1 = _mm256_loadu_ps(vs[p] + 16 * b + 8);
+        for (int r = 0; r < GRP_QR; r++) {
+            const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][p]), _mm256_mul_ps(_mm256_set1_ps(dr[r]), dyv),
+                                             facc[p][r]);
+            facc[p][r] = _mm256_fnmadd_ps(mnf[r][1], v1, _mm256_fnmadd_ps(mnf[r][0], v0, f));
+        }
+    }
+}
+
+/* as the AVX-512 grp_tile_q8k (same arguments, np <= GRP_QP pairs at run time): Q4_K d sum_j sc_j dot_j - dmin
+ * sum_j mn_j bsum_j; Q6_K d sum_g sc_g (dot_g(q6 unsigned) - 32 bsum_g); each times the pair's dk. Sub-block j (32
+ * values): Q4_K bytes 32 (j / 2) of qs, low nibbles for even j; Q6_K half j / 4, group g = j % 4: ql bytes
+ * 32 (g & 1), bits 4 (g / 2), qh bits 2 g */
+static inline __attribute__((always_inline)) void grp_tile_q8k(int qtype, const uint8_t *w, int64_t rs,
+        const int8_t *const *qx, const float *const *dk, const float *const *vs, int np, int64_t nsb,
+        float *out, int64_t ldo) {
+    const int q6 = qtype == Q6_K;
+    const int64_t bb = q6 ? 210 : 144;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 facc[GRP_QP][GRP_QR];
+    __m256i wu[GRP_QR][8], su[GRP_QR][8];      /* a super-block's unpacked weights and scales per row */
+    __m256 mnf[GRP_QR][2];     /* per 16 values: Q4_K dmin mn_j, Q6_K 32 d sc_g (times the pair's scaled sums) */
+    float dr[GRP_QR];
+    for (int r = 0; r < GRP_QR; r++)
+        for (int p = 0; p < np; p++) facc[p][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++) {
+        for (int r = 0; r < GRP_QR; r++) {
+            const uint8_t *blk = w + r * rs + b * bb;
+            PREFETCH(blk);
+            PREFETCH(blk + 64);
+            PREFETCH(blk + 128);
+            if (q6) {             /* sd: the 16 scales as int32 lanes of duplicated int16 (sd[0]: 0-3, 8-11) */
+                PREFETCH(blk + 192);
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+                const __m256i s16 = _mm256_cvtepi8_epi16(sc);
+                const __m256i sd[2] = {_mm256_unpacklo_epi16(s16, s16), _mm256_unpackhi_epi16(s16, s16)};
+                dr[r] = fp16_to_f32(blk + 208);
+                const __m256 d32 = _mm256_set1_ps(32.f * dr[r]);
+                mnf[r][0] = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+                mnf[r][1] = _mm256_mul_ps(d32, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+                for (int h = 0; h < 2; h++) {
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                    for (int g = 0; g < 4; g++) {
+                        const int j = 4 * h + g, g0 = 2 * j, i0 = (g0 & 3) + (g0 >= 8 ? 4 : 0);
+                        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (g & 1)));
+                        const __m256i lo = g & 2 ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4)
+                                                 : _mm256_and_si256(ql, m4);
+                        const __m256i hi = g == 0 ? _mm256_slli_epi16(qh, 4) : g == 1 ? _mm256_slli_epi16(qh, 2)
+                                         : g == 2 ? qh : _mm256_srli_epi16(qh, 2);
+                        wu[r][j] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                        /* scales 2 j (low 128-bit lane: values 0-15), 2 j + 1 (high) */
+                        su[r][j] = _mm256_permutevar8x32_epi32(sd[(g0 >> 2) & 1], _mm256_setr_epi32(
+                            i0, i0, i0, i0, i0 + 1, i0 + 1, i0 + 1, i0 + 1));
+                    }
+                }
+            } else {
+                uint64_t sc, mn;
+                scale_min_k4(blk + 4, &sc, &mn);
+                const __m256i s32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc));
+                const __m256i sd = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+                const __m128i m = _mm_cvtsi64_si128((int64_t)mn), mm = _mm_unpacklo_epi8(m, m);
+                dr[r] = fp16_to_f32(blk);           /* mn_j at 16-groups 2 j, 2 j + 1 */
+                const __m256 dmin = _mm256_set1_ps(fp16_to_f32(blk + 2));
+                mnf[r][0] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mm)));
+                mnf[r][1] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mm, 8))));
+                for (int c = 0; c < 4; c++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+                    wu[r][2 * c] = _mm256_and_si256(q, m4);
+                    wu[r][2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    su[r][2 * c] = _mm256_permutevar8x32_epi32(sd, _mm256_set1_epi32(2 * c));
+                    su[r][2 * c + 1] = _mm256_permutevar8x32_epi32(sd, _mm256_set1_epi32(2 * c + 1));
+                }
+            }
+        }
+        int p = 0;
+        for (; p + GRP_QB <= np; p += GRP_QB)
+            grp_q8k_pairs(GRP_QB, wu, su, mnf, dr, qx + p, dk + p, vs + p, b, facc + p);
+        for (; p < np; p++) grp_q8k_pairs(1, wu, su, mnf, dr, qx + p, dk + p, vs + p, b, facc + p);
+    }
+    for (int r = 0; r < GRP_QR; r++)
+        for (int p = 0; p < np; p++) out[r * ldo + p] = hsum8(facc[p][r]);
+}
+#endif
+
+/* the tile for a constant np on AVX-512 (its accumulators in registers); AVX2's runs the pairs in a loop (not inlined:
+ * its frame inside grp_rows_pairs made the float tile there 1.5x slower, -march=haswell) */
+#if !GRP_Q8K_NP_CONST
+__attribute__((noinline))
+#endif
 static void grp_tile_q8k_any(int qtype, const uint8_t *w, int64_t rs, const int8_t *const *qx,
                              const float *const *dk, const float *const *vs, int np, int64_t nsb,
                              float *out, int64_t ldo) {
+#if GRP_Q8K_NP_CONST
     switch (np) {
     case 1: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 1, nsb, out, ldo); break;
     case 2: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 2, nsb, out, ldo); break;
@@ -235,8 +400,10 @@ static void grp_tile_q8k_any(int qtype, const uint8_t *w, int64_t rs, const int8
     case 8: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 8, nsb, out, ldo); break;
     default: break;
     }
-}
+#else
+    if (np >= 1 && np <= GRP_QP) grp_tile_q8k(qtype, w, rs, qx, dk, vs, np, nsb, out, ldo);
 #endif
+}
 #endif
 
 /* float activations, rows with a C dequantizer (Q8_0 / Q4_0 / MXFP4 / IQ3_XXS): 4 rows dequantized to float once
@@ -427,7 +594,7 @@ static void grp_dequant(int qtype, const uint8_t *w, int64_t n, float *o) {
     dequant_row(qtype, w, o, n);
 }
 
-/* Q4_K / Q6_K q8 rows: the Q8_K tile (AVX-512BW builds) */
+/* Q4_K / Q6_K q8 rows: the Q8_K tile (AVX2 and AVX-512BW builds) */
 static int grp_int8_tile(int qtype) {
 #ifdef GRP_Q8K
     return qtype == Q4_K || qtype == Q6_K;
