@@ -217,6 +217,28 @@ def test_codebook_q8_kernels_see_every_table_entry(qtype, other_build):
         assert_q8_close(matvec_q8(lib, qtype, raw, x, 2), ref)
 
 
+@pytest.mark.parametrize("n,nsb", [(64, 4), (37, 3), (5, 8)])
+def test_iq3_xxs_q8_native_matches_avx2_exactly(n, nsb, tmp_path):
+    """The native build's IQ3_XXS int8 kernel (on AVX-512 VBMI/GFNI: table permutes, not gathers) against the
+    haswell build's AVX2 one: the same integer dot products and scales, so equal up to float summation order,
+    far tighter than the 2% both hold against the float reference. Every grid row, random sign fields (with
+    their parity bits) and scales; rows of 3 and 8 super-blocks (the gate / down shapes' lengths)."""
+    if cpu.backend() != "c" or platform.machine() != "x86_64":
+        pytest.skip("needs gcc on x86-64")
+    if not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    avx2 = cpu.open_library(cpu.build_library(tmp_path, march="haswell"))
+    g = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (n, nsb * 98), dtype=torch.uint8, generator=g)
+    blocks = raw.view(-1, 98)
+    blocks[:, :2] = (torch.rand(blocks.shape[0], 1, generator=g) + 0.1).half().view(torch.uint8)
+    blocks[:, 2:66] = torch.randperm(256, generator=g).to(torch.uint8).repeat(blocks.shape[0] // 4 + 1)[
+        :blocks.shape[0] * 64].view(-1, 64)
+    x = torch.randn(nsb * 256, generator=g)
+    y_native, y_avx2 = (matvec_q8(lib, "IQ3_XXS", raw, x, 1) for lib in (cpu._lib, avx2))
+    torch.testing.assert_close(y_native, y_avx2, rtol=1e-5, atol=1e-5 * y_avx2.abs().max().item())
+
+
 
 
 K_SCALE_OFFSETS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}     # fp16 d / dmin fields
