@@ -161,7 +161,8 @@ class EngineConfig:
     direct_io: bool = False         # O_DIRECT reads of streamed experts (bypass the page cache)
     pcie_share: float | None = None  # CUDA graphed decode: share of each layer's misses the GPU reads from
                                      # pinned RAM over PCIe instead of the CPU computing them (None: the
-                                     # measured default, memory.doorbell.PCIE_SHARE; 0: off)
+                                     # default from the measured bandwidths, memory.plan.pcie_share_default;
+                                     # 0: off)
     prefill_copy_tokens: int | None = None  # copy a missed expert to the fast tier in prefill from this
                                             # many tokens per chunk on (None: the measured rule; 0: never)
 

@@ -12,12 +12,11 @@ misses (copies on the copy stream; the device table entry is set after the copy,
 entry cleared before it, so a replay never reads a half-copied slot).
 
 Used when: CUDA, the Triton kernels, a gated activation the kernels know (expert biases too, as
-gpt-oss has), and every expert not pinned on the GPU held in RAM (a miss must never wait for the SSD inside the
-graph). Otherwise decode stays eager (`unavailable` says why).
+gpt-oss has), and every expert not pinned on the GPU held in RAM (a miss must never wait for the SSD
+inside the graph). Otherwise decode stays eager (`unavailable` says why).
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from ..kernels import ops
-from .plan import PCIE_MAX, PCIE_SHARE
+from .plan import pcie_rows
 
 MAX_ADMIT_PER_STEP = 8      # decode misses copied into the GPU cache per token (PCIe work per step)
 
@@ -74,7 +73,7 @@ def _qtype_id(layout) -> tuple[int, int] | list[tuple[int, int]] | None:
 
 
 class GraphTiers:
-    def __init__(self, tiers, act, threads: int, k: int, share: float | None = None):
+    def __init__(self, tiers, act, threads: int, k: int):
         from ..kernels import doorbell
         self.tiers, self.act = tiers, ops.as_act(act)
         lay, dev = tiers.layout, tiers.pl.device
@@ -110,8 +109,7 @@ class GraphTiers:
         self.server = doorbell.MissServer(self.req, tables["gate_up_proj"], tables["down_proj"], _qtype_id(lay),
                                           self.dim, self.hidden, self.act, threads,
                                           biases=self.biases if any(b is not None for b in self.biases) else None)
-        self.timing["pcie"] = 0
-        self.share = float(getattr(tiers.pl, "pcie_share", PCIE_SHARE) if share is None else share)
+        self.share = tiers.pl.pcie_share     # 0 where the placement has no stage slots
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
 
@@ -134,8 +132,7 @@ class GraphTiers:
         if lay.expert_bytes % 16 or (offs[offs >= 0] % 16).any():
             return "the bank's expert buffers are not 16-byte aligned"
         dev = t.pl.device
-        # rows: what the share can take of k misses (the repack runs over every row, used or not)
-        n = min(PCIE_MAX, len(fast.stage), max(1, math.ceil(self.share * self.k - 1e-9)))
+        n = pcie_rows(self.share, self.k, len(fast.stage))     # as the placement reserved them
         self.base, self.stage0 = base, fast.stage[0]
         self.pcie_off = torch.from_numpy(offs).to(dev)
         self.stage_off = torch.full((n,), -1, dtype=torch.int64, device=dev)
@@ -228,7 +225,7 @@ class GraphTiers:
         tm, n = self.timing, max(1, self.timing["steps"])
         return {"steps": tm["steps"], "admitted": tm["admitted"], "threads": self.threads,
                 "pcie_share": self.share if self.n_pcie else 0.0, "pcie_off_why": self.pcie_why,
-                "pcie_per_step": round(tm["pcie"] / n, 3),
+                "pcie_per_step": round(self.tiers.stats.pcie["decode"] / n, 3),
                 # account_ms: time the next step waited for the bookkeeping thread (0 when hidden)
                 **{k.removesuffix("_s") + "_ms": round(tm[k] / n * 1e3, 4)
                    for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s")}}
@@ -237,7 +234,6 @@ class GraphTiers:
         t = self.tiers
         pcie = slots >= self.stage0 if self.n_pcie else np.zeros_like(slots, dtype=bool)
         hit = (slots >= 0) & ~pcie      # a PCIe-read expert is a miss served from the RAM bank
-        self.timing["pcie"] += int(pcie.sum())
         t.stats.pcie["decode"] += int(pcie.sum())
         st, c = t.stats, t.cache
         st.tokens["decode"] += 1
@@ -290,6 +286,7 @@ class GraphTiers:
             li_t, e_t, s_t = _to_device([(li, e, s) for s, (li, e) in placed.items()], dev)
             c.table.index_put_((li_t, e_t), s_t.to(c.table.dtype))
         self.timing["admitted"] += len(placed)
+
 
 def bank_offsets(bufs: list[torch.Tensor], where: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
     """-> (base, offsets [L, E] int64): the bank buffer at the lowest address, and each expert's byte offset

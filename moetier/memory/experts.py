@@ -229,14 +229,14 @@ class Tiers:
         c = self.cache
         return c.policy != "static" and any(0 < s < self.E for s in c.sizes)
 
-    def graph_path(self, act, threads: int, k: int, share: float | None = None):
+    def graph_path(self, act, threads: int, k: int):
         """-> (GraphTiers, None) when a captured decode step can serve these tiers, else (None, why)."""
         if self.graphed is None:
             from .doorbell import GraphTiers, unavailable
             why = unavailable(self, act)
             if why:
                 return None, why
-            self.graphed = GraphTiers(self, act, threads, k, share)
+            self.graphed = GraphTiers(self, act, threads, k)
         return self.graphed, None
 
     # ------------------------------------------------------------------ reporting

@@ -251,7 +251,7 @@ class FastTier:
     def repack_into(self, src: torch.Tensor, idx: torch.Tensor, specs: list[ParamSpec]) -> None:
         """Raw experts src (device uint8 [n, expert_bytes], laid out as `specs`) -> slots idx (device
         int64 [n]): float params cast, GGML params repacked. Fixed shapes and no host sync, so a CUDA
-        graph can hold it (memory.doorbell's PCIe share, see `graph_repackable`)."""
+        graph can hold it (memory.doorbell's PCIe share)."""
         n = src.shape[0]
         for p in specs:
             raw = src[:, p.offset:p.offset + p.nbytes]

@@ -54,5 +54,6 @@ def memory_fields(args) -> dict:
         "override_tensor": tuple(parse_override(o) for o in (g("override_tensor", []) or [])),
         "cache_policy": g("cache_policy"), "expert_profile": g("expert_profile"), "save_profile": g("save_profile"),
         "prefetch": g("prefetch", "auto") or "auto", "cpu_threads": g("cpu_threads"),
-        "direct_io": bool(g("direct_io", False)), "pcie_share": g("pcie_share"), "prefill_copy_tokens": g("prefill_copy_tokens"),
+        "direct_io": bool(g("direct_io", False)), "pcie_share": g("pcie_share"),
+        "prefill_copy_tokens": g("prefill_copy_tokens"),
     }

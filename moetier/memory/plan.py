@@ -194,8 +194,8 @@ class Placement:
             "budgets": {"gpu": self.gpu_budget, "ram": self.ram_budget, **self.budget_notes},
             "tiers": {
                 "gpu": {"slots": sum(self.fast_slots), "per_layer": self.fast_slots,
-                        "pinned": sum(len(p) for p in self.pinned), "stage_slots": self.stage_slots, "staging_bytes": self.staging_bytes,
-                        "pcie_share": self.pcie_share,
+                        "pinned": sum(len(p) for p in self.pinned), "stage_slots": self.stage_slots,
+                        "staging_bytes": self.staging_bytes, "pcie_share": self.pcie_share,
                         "bytes": sum(self.fast_slots) * self.expert_fast_bytes, "expected_share": cov["gpu"]},
                 "ram": {"slots": self.bank_slots, "all_experts": self.bank_all, "scratch": self.scratch,
                         "bytes": (self.bank_slots + self.scratch) * self.expert_bytes, "expected_share": cov["ram"]},
@@ -312,8 +312,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     staging = eb + fb if cuda and layout.qtype else 0   # fast.FastTier's device staging buffer + repack temporaries
     share_cfg = pcie_share_default(bw) if config.pcie_share is None else config.pcie_share
     pcie_share = share_cfg if cuda and stage else 0.0
-    if pcie_share:              # the graphed decode step's PCIe share: its staging rows (memory.doorbell)
-        staging += min(PCIE_MAX, stage, max(1, math.ceil(pcie_share * args.num_experts_per_tok - 1e-9))) * eb
+    staging += pcie_rows(pcie_share, args.num_experts_per_tok, stage) * eb   # the PCIe share's (memory.doorbell)
     gpu_left -= staging
     n_fast = max(0, gpu_left // fb) if fb else 0
     # CPU conversion buffer (float experts in another dtype; block formats are read as stored)
@@ -350,7 +349,8 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         prefill_chunk=prefill_chunk, layout=layout, top_k=args.num_experts_per_tok,
         storage_dtype=layout.params[0].dtype, expert_bytes=eb, expert_fast_bytes=fb, groups=groups,
         dense_bytes=dense, embed_bytes=embed, kv_bytes=kv, workspace_bytes=workspace, layer_tiers=tiers,
-        fast_slots=sizes, pinned=pinned, fast_preload=preload, stage_slots=stage, staging_bytes=staging, pcie_share=pcie_share, bank_slots=bank,
+        fast_slots=sizes, pinned=pinned, fast_preload=preload, stage_slots=stage, staging_bytes=staging,
+        pcie_share=pcie_share, bank_slots=bank,
         bank_candidates=len(candidates), bank_order=candidates, scratch=scratch, gpu_budget=gpu_budget,
         ram_budget=ram_budget, budget_notes=notes, policy=policy, prefetch=prefetch,
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",
@@ -439,6 +439,12 @@ def prefill_copy_rule(layout: ExpertLayout, bw: dict, cpu_dtype: str = "bfloat16
     return {"tokens": n, "copy_ms": copy_s * 1e3, "cpu_gemv_ms": gemv_s * 1e3, "cpu_ms_per_token": per_tok * 1e3}
 
 
+def pcie_rows(share: float, k: int, stage: int) -> int:
+    """Device staging rows (and stage slots) of the PCIe share: what `share` can take of k misses, at most
+    PCIE_MAX and the stage slots (the torch repack runs over every row, used or not). 0: no share."""
+    return min(PCIE_MAX, stage, max(1, math.ceil(share * k - 1e-9))) if share > 0 and stage else 0
+
+
 def pcie_share_default(bw: dict | None) -> float:
     """The PCIe share for this machine: 0.9 x PCIe / (PCIe + RAM read), the share at which the GPU's
     reads and the CPU's would end together, less a tenth for the GPU side's fixed work per layer
@@ -467,7 +473,7 @@ def decode_ceiling(pl: Placement, bw: dict) -> dict:
     cpu_rate = min(bw["ram_gbs"], bw.get(f"cpu_gbs_{cpu_dt}", bw["ram_gbs"]))
     # with the PCIe share the GPU reads part of the RAM misses over PCIe while the CPU reads the rest: the
     # two rates add (H200 box: CPU 80 GB/s + a PCIe gather 44 GB/s at once, bench/bench_pcie_read.py)
-    pcie = bw.get("pcie_gbs", 0.0) if cuda and getattr(pl, "pcie_share", 0.0) else 0.0
+    pcie = bw.get("pcie_gbs", 0.0) if cuda and pl.pcie_share else 0.0
     t = {"gpu": fast_bytes / (fast_bw * 1e9), "ram": cpu_bytes / ((bw["ram_gbs"] + pcie) * 1e9),
          "ram_torch": cpu_bytes / ((cpu_rate + pcie) * 1e9), "ssd": ssd_bytes / (bw["ssd_gbs"] * 1e9)}
     if cuda:

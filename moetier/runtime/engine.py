@@ -351,7 +351,7 @@ class Engine:
         from ..memory.experts import TieredExperts
         act = next(m.act for m in self.model.modules() if isinstance(m, TieredExperts))
         graphed, why = self.tiers.graph_path(act, self.config.cpu_threads or miss_threads(self.tiers.admits()),
-                                              self.args.num_experts_per_tok, self.config.pcie_share)
+                                              self.args.num_experts_per_tok)
         if why and not getattr(self, "_told_eager", False):
             log.info("tiered decode runs eagerly: %s", why)
             self._told_eager = True
