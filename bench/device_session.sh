@@ -21,6 +21,8 @@ set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests bench48 uniform12 longctx}
 FLAGS=${FLAGS:-}
+# models outside the repository copy: a warm machine keeps them for the next call (KEEP48=1)
+DATA=${DATA:-/tmp/moetier-data}; mkdir -p "$DATA"
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 synth() {  # NAME QUANT LAYERS SKEW OUT SECONDS
@@ -59,13 +61,13 @@ for step in $STEPS; do
     # a broken fused decode kernel must not spoil the measurements: bench without it then
     grep -q "FAILED tests/test_small_ops\|FAILED tests/test_gpu" "$OUT/gpu_tests.txt" && FLAGS="--no-fused-decode" ;;
   bench48)
-    M=.data/q30-Q4_0-48.gguf
+    M=$DATA/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0.5} $M 120
     bench bench48 ${B48SECS:-280} $M --prompt-len 512,8192 --gen 40 --compare "g8:--gpu-mem 8GiB" --compare "g8t12:--gpu-mem 8GiB --cpu-threads 12" --compare "cpu-moe:--cpu-moe"
     rm -f $M ;;
   pcie48)
     # the PCIe share of decode misses (memory.doorbell): off vs shares, at 8 GiB and with all experts in RAM
-    M=.data/q30-Q4_0-48.gguf
+    M=$DATA/q30-Q4_0-48.gguf
     synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     bench pcie48 ${P48SECS:-330} $M --prompt-len 512 --gen 40 --gpu-mem 8GiB ${P48:---compare "g8p0:--gpu-mem 8GiB --pcie-share 0" --compare "g8p25:--gpu-mem 8GiB --pcie-share 0.25" --compare "cpumoe:--cpu-moe" --compare "cpumoe-p0:--cpu-moe --pcie-share 0" --compare "cpumoe-p35:--cpu-moe --pcie-share 0.35"}
     if [ -n "${AB48:-}" ]; then   # the same with the Triton repack of the PCIe share's staging rows
@@ -75,19 +77,22 @@ for step in $STEPS; do
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   prefill48)
     # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle
-    M=.data/q30-Q4_0-48.gguf
+    M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120   # KEEP48=1 pcie48 leaves it
-    for F in "--cpu-moe" "--gpu-mem 8GiB"; do
-      timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M $F --prompt-len 8192 > "$OUT/prefill48_${F// /_}.txt" 2>&1
-      head -40 "$OUT/prefill48_${F// /_}.txt"
-    done ;;
+    for F in ${PPF:---cpu-moe --gpu-mem=8GiB}; do
+      timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M ${F/=/ } --prompt-len 8192 > "$OUT/prefill48_$F.txt" 2>&1
+      head -${PPHEAD:-40} "$OUT/prefill48_$F.txt"
+    done
+    # the bench's own figure: prefill of an 8K prompt with all experts in RAM (target 9,000 tok/s)
+    [ -n "${PPBENCH:-}" ] && bench prefill48_bench ${PPBSECS:-150} $M --prompt-len 8192 --gen 16 --cpu-moe
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
   g8skew)
-    M=.data/q30-Q4_0-48-skew.gguf
+    M=$DATA/q30-Q4_0-48-skew.gguf
     synth qwen3-30b-a3b Q4_0 48 0.5 $M 120
     bench g8skew ${G8SECS:-200} $M --prompt-len 512 --gen 64 --gpu-mem 8GiB --compare "lfu:--gpu-mem 8GiB --cache-policy lfu"
     rm -f $M ;;
   longctx)
-    Q=.data/qnext-4.gguf
+    Q=$DATA/qnext-4.gguf
     synth qwen3-next-80b-a3b Q4_0 4 0.5 $Q 40
     timeout 80 python3 bench/bench_long_context.py $Q --prompt-len 4096,32768 --gen 32 --chunk 4096 \
       --snapshot-every 16384 > "$OUT/long_ctx.json" 2> "$OUT/long_ctx.err"
@@ -98,8 +103,8 @@ for step in $STEPS; do
     rm -f $Q ;;
   uniform12)
     for S in ${SKEWS:-0 0.5}; do
-      synth qwen3-30b-a3b Q4_0 12 $S .data/q30-12-skew$S.gguf 40
-      bench uniform12_skew$S 45 .data/q30-12-skew$S.gguf --prompt-len 512 --gen 40 --gpu-mem 3GiB
+      synth qwen3-30b-a3b Q4_0 12 $S $DATA/q30-12-skew$S.gguf 40
+      bench uniform12_skew$S 45 $DATA/q30-12-skew$S.gguf --prompt-len 512 --gen 40 --gpu-mem 3GiB
     done ;;
   default)
     # bf16 on CUDA: dense 15 MiB + KV (1024 tokens) 2 MiB + prefill workspace 37 MiB, experts 32 x 576 KiB
@@ -125,7 +130,7 @@ PY
     tail -3 "$OUT/gpu_kernels.err" ;;
   doorbell12)
     for Q in Q4_0 BF16; do
-      M=.data/q30-$Q; [ $Q != BF16 ] && M=$M.gguf
+      M=$DATA/q30-$Q; [ $Q != BF16 ] && M=$M.gguf
       synth qwen3-30b-a3b $Q 12 0.5 $M 150
       bench doorbell12_$Q 180 $M --prompt-len 512 --gen 64 --gpu-mem 3GiB --compare "eager:--no-cuda-graph"
     done ;;

@@ -52,18 +52,20 @@ def overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float
 
 def device_busy(prof) -> dict:
     """ms of kernels, of H2D copies, both at once, and the span of device activity (from the trace)."""
-    kern, copy = [], []
+    kern, copy, streams = [], [], {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         iv = (ev.time_range.start / 1e3, ev.time_range.end / 1e3)     # us -> ms
         name = ev.name.lower()
         (copy if "memcpy" in name and ("htod" in name or "h2d" in name) else kern).append(iv)
+        streams.setdefault(getattr(ev, "device_resource_id", None), []).append(iv)
     k, c = union(kern), union(copy)
     span = (max(b for _, b in k + c) - min(a for a, _ in k + c)) if k or c else 0.0
     return {"kernels_ms": round(length(k), 2), "h2d_copies_ms": round(length(c), 2),
             "both_ms": round(overlap(k, c), 2), "device_span_ms": round(span, 2),
-            "idle_in_span_ms": round(span - length(union(k + c)), 2)}
+            "idle_in_span_ms": round(span - length(union(k + c)), 2),
+            "busy_ms_by_stream": {str(s): round(length(union(v)), 2) for s, v in streams.items()}}
 
 
 def main() -> None:

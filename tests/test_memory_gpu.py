@@ -201,11 +201,14 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
     few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 20 * pl.expert_fast_bytes + (64 << 20)
     got = {}
     for name, kw in {"untiered": {}, "few_slots": dict(gpu_mem=few, ram_mem=1 << 32),
-                     "cpu_moe": dict(cpu_moe=True, ram_mem=1 << 32)}.items():
+                     "cpu_moe": dict(cpu_moe=True, ram_mem=1 << 32),
+                     "cpu_moe_layer_ahead": dict(cpu_moe=True, ram_mem=1 << 32, prefill_copy_tokens=2)}.items():
         eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype="bfloat16", max_context=CTX + 64, **kw))
         done = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
                             ignore_eos=True)
         got[name] = done.token_ids
+        if name == "cpu_moe_layer_ahead":   # a stage of two layers: the next layer's experts copied early
+            assert len(eng.tiers.fast.stage) == 2 * 16 and eng.tiers.fast.layers_ahead >= 2, name
         if eng.tiers is not None:
             assert eng.tiers.graphed is not None, name
             torch.cuda.synchronize()
@@ -218,5 +221,5 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
     # layer output, tests/test_doorbell.py): on this random tiny model Q4_0 flipped the 2nd token
     # on the H200 (2026-11-30), so only Q8_0 is held to 4 equal tokens
     n = 4 if qtype == "Q8_0" else 1
-    for name in ("few_slots", "cpu_moe"):
+    for name in ("few_slots", "cpu_moe", "cpu_moe_layer_ahead"):
         assert got[name][:n] == got["untiered"][:n], (name, got)

@@ -110,6 +110,35 @@ def test_plan_qwen3_30b_on_a_24gb_gpu(qwen30b, no_reads, capsys):
     assert rule["tokens"] == 17 and rule["copy_ms"] == pytest.approx(EXPERT / 24e9 * 1e3)
 
 
+def test_layer_stage_only_where_the_cache_cannot_use_the_room(qwen30b, no_reads, capsys):
+    """--cpu-moe leaves the GPU budget to no cache: the prefill stage holds two layers (the next
+    layer's experts copied while this one computes); with cacheable layers it stays a 32-slot batch."""
+    path, _ = qwen30b
+    rc, p = plan_json(capsys, path, "--device", "cuda", "--gpu-mem", "24GiB", "--ram-mem", "32GiB", "--ctx", 4096,
+                      "--cpu-moe")
+    gpu = p["tiers"]["gpu"]
+    assert rc == 0 and gpu["slots"] == 0 and gpu["stage_slots"] == 2 * 128
+    rc, p = plan_json(capsys, path, "--device", "cuda", "--gpu-mem", "24GiB", "--ram-mem", "32GiB", "--ctx", 4096)
+    assert rc == 0 and p["tiers"]["gpu"]["stage_slots"] == 32
+
+
+def test_full_bank_is_ordered_by_layer():
+    """All experts fit in RAM: the bank goes layer by layer, so a layer's buffers are adjacent and
+    FastTier.load_many copies runs of them at once (fast._runs)."""
+    from moetier.memory.fast import _runs
+    from moetier.memory.store import alloc_buffers
+    bufs = alloc_buffers(10, 96, pin=False)
+    for i, b in enumerate(bufs):
+        b.copy_(torch.randint(0, 255, (96,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)))
+    pick = [bufs[2], bufs[3], bufs[4], bufs[7], bufs[6], bufs[8], bufs[9]]
+    runs = list(_runs(pick, 80))
+    assert [(i, j) for i, j, _ in runs] == [(0, 3), (3, 4), (4, 5), (5, 7)]
+    for i, j, src in runs:
+        assert src.shape == (j - i, 80)
+        for r in range(j - i):
+            assert torch.equal(src[r], pick[i + r][:80])
+
+
 def test_plan_table_and_does_not_fit(qwen30b, no_reads, capsys):
     path, _ = qwen30b
     rc = main(["plan", str(path), "--device", "cuda", "--gpu-mem", "24GiB", "--ram-mem", "64GiB", "--ctx", "8192",

@@ -133,6 +133,8 @@ class Tiers:
         misses = [(int(e), int(a), int(n)) for e, s, a, n in zip(used, slots, starts, n_rows) if s < 0]
         # prefill only: decode misses stay on the CPU (splitting them between PCIe and CPU is future work)
         staged = {e for e, _, n in misses if self.copy_tokens and n >= self.copy_tokens and not decode}
+        if not decode:      # what prefetch_layer copied already runs on the GPU however few its rows
+            staged |= {e for e, _, _ in misses} & self.fast.ahead(li)
         host = self._rows_to_host(xs, [(a, n) for e, a, n in misses if e not in staged])
         base = int(self.cache.base[li])
         self.fast.run(hits, xs, ys, act, (base, self.cache.sizes[li]), li)   # async on CUDA
@@ -140,6 +142,8 @@ class Tiers:
             self.stats.served(li, "gpu", n)
         if misses:
             self._misses(li, misses, staged, host, xs, ys, act, decode)
+        if not decode and self.copy_tokens and t * k >= self.E * self.copy_tokens:
+            self._prefetch_next(li + 1)
         if self.prefetcher is not None and decode:
             self.prefetcher.predict(li, x)
         ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
@@ -170,7 +174,7 @@ class Tiers:
             a, n = rows_of[e]
             ev = None
             if e in staged and self.bank.all_resident and handle[0] == "bank":
-                batch.append((buf, a, n, handle))
+                batch.append((buf, a, n, handle, e))
                 self.stats.served(li, tier, n)
                 if len(batch) == self.fast.stage_batch:
                     self._run_batch(li, batch, xs, ys, act)
@@ -201,14 +205,32 @@ class Tiers:
             idx, _, y_host, _ = host
             ys.index_copy_(0, idx, y_host.to(ys.device, non_blocking=True).to(ys.dtype))
 
+    def _prefetch_next(self, li: int) -> None:
+        """Prefill with a chunk that routes copy_tokens or more rows to the average expert: copy layer
+        li's experts (all its RAM-bank experts the fast tier lacks) to the stage now, to overlap the
+        current layer's computation, when the stage holds two layers (plan's layer stage) and layer
+        li is all in the pinned bank."""
+        fast, bank = self.fast, self.bank
+        if (not self.cuda or li >= self.pl.num_layers or fast.stage_batch < self.E or not bank.all_resident
+                or li in bank.disk_layers):
+            return
+        where = bank.where[li]
+        todo = [e for e in range(self.E) if self.cache.slot_of[li][e] < 0]
+        if not todo or any(where[e] < 0 for e in todo):
+            return
+        ev = fast.prefetch_layer(li, [(e, bank.slots[where[e]]) for e in todo])
+        for e in todo:
+            bank.mark_busy(("bank", int(where[e])), ev)
+
     def _run_batch(self, li: int, batch: list, xs, ys, act) -> None:
         """Staged prefill experts of layer li, one copy batch and one grouped computation (emptied in place)."""
         if not batch:
             return
-        ev = self.fast.run_staged_many([(buf, a, n) for buf, a, n, _ in batch], xs, ys, act, li)
+        ev = self.fast.run_staged_many([(buf, a, n) for buf, a, n, _, _ in batch], xs, ys, act, li,
+                                       [e for *_, e in batch])
         self.stats.staged[self.stats.phase] += len(batch)
         if ev is not None:
-            for *_, handle in batch:
+            for *_, handle, _ in batch:
                 self.bank.mark_busy(handle, ev)
         batch.clear()
 

@@ -47,6 +47,24 @@ def _to(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _runs(bufs: list[torch.Tensor], nbytes: int):
+    """Yield (i, j, src): bufs[i:j] lie back to back in one host allocation (a layer of an
+    all-resident RAM bank, memory.plan orders it so), src a [j - i, nbytes] view over them: one copy
+    instead of j - i (a layer of Qwen3-30B-A3B: 128 copies of 2.65 MB -> 1-2)."""
+    i, n = 0, len(bufs)
+    while i < n:
+        j = i + 1
+        base = bufs[i]
+        if base.is_contiguous() and base.numel() >= nbytes:
+            while (j < n and bufs[j].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                   and bufs[j].data_ptr() == base.data_ptr() + (j - i) * base.numel()
+                   and bufs[j].numel() == base.numel() and bufs[j].is_contiguous()):
+                j += 1
+        src = base[:nbytes][None] if j == i + 1 else base.as_strided((j - i, nbytes), (base.numel(), 1))
+        yield i, j, src
+        i = j
+
+
 def _grouped(hits, per_group: list[int], gu: torch.Tensor, dn: torch.Tensor, xs, ys, act) -> None:
     """hits [(slot, row start, rows)] sorted like the groups of gu [G, 2I, D] / dn [G, D, I], with
     per_group rows each (0: an empty group): two torch._grouped_mm calls, rows written to ys."""
@@ -65,6 +83,8 @@ def grouped_available(device: str, dtype: torch.dtype, layout: ExpertLayout) -> 
 
 
 DEQUANT_ROWS = 64      # CUDA: GGML hits with this many rows in one call run dequantized (see _run_dequant)
+DEQUANT_EXPERTS = 32   # ... at most this many experts at once (bf16 Qwen3-30B-A3B: 9.4 MB each)
+REPACK_EXPERTS = 16    # staged copies repacked into their slots this many at a time
 
 
 class Timer:
@@ -114,6 +134,8 @@ class FastTier:
         # experts per staged prefill batch: half the stage slots (double buffering) when there are 4+
         self.stage_batch = n_stage // 2 if n_stage >= 4 else n_stage
         self._half_free: dict[int, object] = {}     # stage half -> event after the compute that read it
+        self._ahead = None          # prefetch_layer: (layer, half, {expert: slot}, copy event)
+        self.layers_ahead = 0       # layers prefetch_layer copied
         self.grouped = grouped
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: dict[int, object] = {}        # layer -> event of its last copy
@@ -226,8 +248,8 @@ class FastTier:
                 if self._staging is None or self._staging.dim() == 1 or self._staging.shape[0] < n:
                     self._staging = torch.empty(max(n, 8), self.layout.expert_bytes, dtype=torch.uint8,
                                                 device=self.device)
-                for i, buf in enumerate(bufs):
-                    self._staging[i].copy_(buf[:self.layout.expert_bytes], non_blocking=True)
+                for i, j, src in _runs(bufs, self.layout.expert_bytes):
+                    self._staging[i:j].copy_(src, non_blocking=True)
                 groups: dict = {}       # layer specs -> rows of the staging buffer
                 for i, li in enumerate(layers if self.layout.varies_by_layer else [None] * n):
                     groups.setdefault(id(self.layout.specs(li)), (self.layout.specs(li), []))[1].append(i)
@@ -241,12 +263,13 @@ class FastTier:
 
     def _put_many(self, specs: list[ParamSpec], rows: list[int], slots: list[int]) -> None:
         """Staging rows (experts laid out as `specs`) -> `slots`, GGML params repacked in one batch."""
-        n = len(rows)
-        if rows == list(range(n)):
-            src = self._staging[:n]
-        else:
-            src = self._staging[_to(torch.tensor(rows, dtype=torch.long), self.device)]
-        self.repack_into(src, _to(torch.tensor(slots, dtype=torch.long), self.device), specs)
+        for i in range(0, len(rows), REPACK_EXPERTS):    # bounded repack temporaries (a layer's stage: 128)
+            part, dst = rows[i:i + REPACK_EXPERTS], slots[i:i + REPACK_EXPERTS]
+            if part == list(range(part[0], part[0] + len(part))):
+                src = self._staging[part[0]:part[0] + len(part)]
+            else:
+                src = self._staging[_to(torch.tensor(part, dtype=torch.long), self.device)]
+            self.repack_into(src, _to(torch.tensor(dst, dtype=torch.long), self.device), specs)
 
     def repack_into(self, src: torch.Tensor, idx: torch.Tensor, specs: list[ParamSpec]) -> None:
         """Raw experts src (device uint8 [n, expert_bytes], laid out as `specs`) -> slots idx (device
@@ -278,6 +301,8 @@ class FastTier:
                    li: int | None = None) -> tuple[torch.Tensor, object]:
         """Prefill: copy one expert (of layer li) into a stage slot and run it there. -> (y, copy event)."""
         s = self.stage_slot()
+        if self._ahead is not None and s in self._ahead[2].values():
+            self._ahead = None      # overwritten: run_staged_many copies those experts again
         ev = self.load(s, buf, after=self.stage_free.get(s), li=li)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
@@ -296,13 +321,54 @@ class FastTier:
             self._half_free.clear()     # the next batch waits for everything queued so far
         return y, ev
 
+    def prefetch_layer(self, li: int, experts: list[tuple[int, torch.Tensor]]) -> object:
+        """Prefill (CUDA, a stage of two layers' worth): copy layer li's experts [(expert, RAM buffer)]
+        into the stage half its batch will use, now, so the copies run while the current layer
+        computes; run_staged_many of layer li then finds them there. -> the copy event."""
+        half = self._next_stage % 2
+        slots = self.stage[half * self.stage_batch:][:len(experts)]
+        ev = self.load_many(slots, [buf for _, buf in experts], self._after(half), [li] * len(experts))
+        self._ahead = (li, half, {e: s for (e, _), s in zip(experts, slots)}, ev)
+        self.layers_ahead += 1
+        return ev
+
+    def ahead(self, li: int) -> set[int]:
+        """Experts of layer li already copied to the stage by prefetch_layer."""
+        return set(self._ahead[2]) if self._ahead is not None and self._ahead[0] == li else set()
+
+    def _after(self, half: int):
+        """The event after which stage half `half` may be overwritten (the computation that last read it)."""
+        after = self._half_free.get(half)
+        if after is None:
+            after = torch.cuda.Event()
+            after.record()
+        return after
+
     def run_staged_many(self, items: list[tuple[torch.Tensor, int, int]], xs: torch.Tensor, ys: torch.Tensor,
-                        act: Callable, li: int | None = None):
+                        act: Callable, li: int | None = None, experts: list[int] | None = None):
         """Prefill: up to len(self.stage) experts [(RAM buffer, row start, rows)] copied into the stage
-        slots as one batch and run together (rows of xs -> ys), as the hits are. -> the copy event
-        (CUDA: the buffers must stay untouched until it) or None."""
+        slots as one batch and run together (rows of xs -> ys), as the hits are. experts: their ids,
+        to use what prefetch_layer copied already. -> the copy event (CUDA: the buffers must stay
+        untouched until it) or None."""
         half = self._next_stage % 2 if self.stage_batch < len(self.stage) else 0
         self._next_stage += 1
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and experts is not None and ahead[0] == li and ahead[1] == half:
+            have = ahead[2]
+            spare = iter([s for s in self.stage[half * self.stage_batch:][:self.stage_batch]
+                          if s not in set(have.values())])
+            slots = [have[e] if e in have else next(spare) for e in experts]
+            new = [(s, it) for s, e, it in zip(slots, experts, items) if e not in have]
+            torch.cuda.current_stream(self.device).wait_event(ahead[3])
+            ev = ahead[3]
+            if new:
+                ev = self.load_many([s for s, _ in new], [it[0] for _, it in new], self._after(half),
+                                    [li] * len(new))
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
+            self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
+            self._computed(half, slots)
+            return ev
         slots = self.stage[half * self.stage_batch:][:len(items)]
         hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
         if not self.cuda:
@@ -312,19 +378,18 @@ class FastTier:
             return None
         # double buffering: this half's copies wait only for the computation that last read this half,
         # so they overlap the other half's computation
-        after = self._half_free.get(half)
-        if after is None:
-            after = torch.cuda.Event()
-            after.record()
-        ev = self.load_many(slots, [buf for buf, _, _ in items], after, [li] * len(items))
+        ev = self.load_many(slots, [buf for buf, _, _ in items], self._after(half), [li] * len(items))
         torch.cuda.current_stream(self.device).wait_event(ev)
         self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
+        self._computed(half, slots)
+        return ev
+
+    def _computed(self, half: int, slots: list[int]) -> None:
         done = torch.cuda.Event()
         done.record()
         self._half_free[half] = done
         for s in slots:                 # a single staged copy into one of these slots waits for it too
             self.stage_free[s] = done
-        return ev
 
     # ------------------------------------------------------------------ hits
     def run(self, hits: list[tuple[int, int, int]], xs: torch.Tensor, ys: torch.Tensor, act: Callable,
@@ -376,8 +441,10 @@ class FastTier:
         grouped GEMMs of float experts (the Triton grouped kernels on planes were measured ~30x slower
         on the H200: 247 tok/s prefill for the 48-layer Q4_0 30B-A3B shape)."""
         hits = sorted(hits)
-        gu, dn = self.dequantized([s for s, _, _ in hits], xs.dtype, li)
-        _grouped(hits, [n for _, _, n in hits], gu, dn, xs, ys, act)
+        for i in range(0, len(hits), DEQUANT_EXPERTS):     # bounded float copies (a layer's stage: 128 experts)
+            part = hits[i:i + DEQUANT_EXPERTS]
+            gu, dn = self.dequantized([s for s, _, _ in part], xs.dtype, li)
+            _grouped(part, [n for _, _, n in part], gu, dn, xs, ys, act)
 
     def _run_kernel(self, hits, xs, ys, act, li=None) -> None:
         """GGML experts: every hit row in one kernels.ops.moe call (k = 1, weight 1) on the slots."""

@@ -308,8 +308,16 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         copy_tokens = prefill_copy_rule(layout, bw or {}, "bfloat16")["tokens"]
     big, small = STAGE_SLOTS      # the batch only where it leaves most of the budget to the cache
     stage = (big if gpu_left >= 4 * big * fb else small if gpu_left >= small * fb else 0) if copy_tokens else 0
+    # two layers' worth of stage slots where the cache cannot use the room anyway (--cpu-moe, few auto
+    # layers): prefill copies the next layer's experts while this layer computes (FastTier.prefetch_layer)
+    cacheable = sum(E for t in tiers if t == "auto")
+    layer_stage = cuda and copy_tokens and gpu_left - 2 * E * fb - E * eb >= cacheable * fb + 4 * big * fb
+    if layer_stage:
+        stage = 2 * E
     gpu_left -= stage * fb
     staging = eb + fb if cuda and layout.qtype else 0   # fast.FastTier's device staging buffer + repack temporaries
+    if layer_stage and layout.qtype:
+        staging += (E - 1) * eb                         # its raw staging rows hold a whole layer
     share_cfg = pcie_share_default(bw) if config.pcie_share is None else config.pcie_share
     pcie_share = share_cfg if cuda and stage else 0.0
     staging += pcie_rows(pcie_share, args.num_experts_per_tok, stage) * eb   # the PCIe share's (memory.doorbell)
@@ -341,6 +349,8 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     if profile is not None:
         rank = {p: i for i, p in enumerate(profile.ranking())}
         candidates.sort(key=lambda p: (p in in_fast, rank[p]))
+    elif bank >= len(candidates):   # all fit: layer by layer, so a layer's experts are adjacent in RAM
+        candidates.sort(key=lambda p: (p in in_fast, p[0], p[1]))     # (one copy for many: FastTier.load_many)
     else:   # round robin over layers, so each layer gets an even share of a partial bank
         candidates.sort(key=lambda p: (p in in_fast, p[1], p[0]))
     prefetch = {"on": True, "off": False}.get(config.prefetch, cuda and policy == "mix")
