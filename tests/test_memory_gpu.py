@@ -199,7 +199,7 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
     pl = make_placement(path, EngineConfig(max_context=CTX + 64, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
                         torch.bfloat16, CTX + 64)
     few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 20 * pl.expert_fast_bytes + (64 << 20)
-    got = {}
+    got, routes = {}, {}
     for name, kw in {"untiered": {}, "few_slots": dict(gpu_mem=few, ram_mem=1 << 32),
                      "cpu_moe": dict(cpu_moe=True, ram_mem=1 << 32),
                      "cpu_moe_layer_ahead": dict(cpu_moe=True, ram_mem=1 << 32, prefill_copy_tokens=2)}.items():
@@ -207,6 +207,9 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
         done = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
                             ignore_eos=True)
         got[name] = done.token_ids
+        if name.startswith("cpu_moe"):
+            eng.tiers.snapshot()            # folds the counters of layers run without a host sync
+            routes[name] = dict(eng.tiers.stats.routes["prefill"])
         if name == "cpu_moe_layer_ahead":   # a stage of two layers: the next layer's experts copied early
             assert len(eng.tiers.fast.stage) == 2 * 16 and eng.tiers.fast.layers_ahead >= 2, name
         if eng.tiers is not None:
@@ -223,3 +226,4 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
     n = 4 if qtype == "Q8_0" else 1
     for name in ("few_slots", "cpu_moe", "cpu_moe_layer_ahead"):
         assert got[name][:n] == got["untiered"][:n], (name, got)
+    assert routes["cpu_moe_layer_ahead"] == routes["cpu_moe"] and routes["cpu_moe"]["ram"] > 0, routes

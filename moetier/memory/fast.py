@@ -332,6 +332,14 @@ class FastTier:
         self.layers_ahead += 1
         return ev
 
+    def take_ahead(self, li: int) -> tuple[int, list[int], object]:
+        """Layer li's prefetch (all E experts): (stage half, slot of each expert in order, copy event);
+        the caller computes from those slots and then calls computed()."""
+        _, half, have, ev = self._ahead
+        self._ahead = None
+        self._next_stage += 1           # the half is used, as by run_staged_many
+        return half, [have[e] for e in range(len(have))], ev
+
     def ahead(self, li: int) -> set[int]:
         """Experts of layer li already copied to the stage by prefetch_layer."""
         return set(self._ahead[2]) if self._ahead is not None and self._ahead[0] == li else set()
@@ -367,7 +375,7 @@ class FastTier:
                 torch.cuda.current_stream(self.device).wait_event(ev)
             hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
             self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
-            self._computed(half, slots)
+            self.computed(half, slots)
             return ev
         slots = self.stage[half * self.stage_batch:][:len(items)]
         hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
@@ -381,10 +389,11 @@ class FastTier:
         ev = self.load_many(slots, [buf for buf, _, _ in items], self._after(half), [li] * len(items))
         torch.cuda.current_stream(self.device).wait_event(ev)
         self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
-        self._computed(half, slots)
+        self.computed(half, slots)
         return ev
 
-    def _computed(self, half: int, slots: list[int]) -> None:
+    def computed(self, half: int, slots: list[int]) -> None:
+        """After the computation that reads stage `slots` (of half `half`) is queued."""
         done = torch.cuda.Event()
         done.record()
         self._half_free[half] = done

@@ -311,13 +311,15 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     # two layers' worth of stage slots where the cache cannot use the room anyway (--cpu-moe, few auto
     # layers): prefill copies the next layer's experts while this layer computes (FastTier.prefetch_layer)
     cacheable = sum(E for t in tiers if t == "auto")
-    layer_stage = cuda and copy_tokens and gpu_left - 2 * E * fb - E * eb >= cacheable * fb + 4 * big * fb
+    # GGML experts: raw staging rows for a layer, and the layer dequantized at once (Tiers._forward_staged_layer)
+    layer_extra = E * eb + E * sum(math.prod(p.shape) for p in layout.params) * dtype.itemsize if layout.qtype else 0
+    layer_stage = cuda and copy_tokens and gpu_left - 2 * E * fb - layer_extra >= cacheable * fb + 4 * big * fb
     if layer_stage:
         stage = 2 * E
     gpu_left -= stage * fb
     staging = eb + fb if cuda and layout.qtype else 0   # fast.FastTier's device staging buffer + repack temporaries
-    if layer_stage and layout.qtype:
-        staging += (E - 1) * eb                         # its raw staging rows hold a whole layer
+    if layer_stage:
+        staging += layer_extra
     share_cfg = pcie_share_default(bw) if config.pcie_share is None else config.pcie_share
     pcie_share = share_cfg if cuda and stage else 0.0
     staging += pcie_rows(pcie_share, args.num_experts_per_tok, stage) * eb   # the PCIe share's (memory.doorbell)
