@@ -319,3 +319,125 @@ def test_step_bookkeeping_thread_runs_in_inference_mode():
             buf.add_(1)
     _Server(write).join()
     assert buf.tolist() == [1.0] * 4
+
+
+# ---- the chunked runs (doorbell.c layer_runs, variant 0) against the old per-row loops (variant 1) ----
+def odd_experts(qtype: str, dim: int, hidden: int, n_exp: int, seed: int):
+    """[1][n_exp] gate_up [2 hidden, dim] / down [dim, hidden] stored as qtype ("A+B": gate_up A, down B), float
+    values, type id(s)."""
+    g = torch.Generator().manual_seed(seed)
+    gq, dq = qtype.split("+") if "+" in qtype else (qtype, qtype)
+
+    def one(t, q):
+        if q == "F32":
+            return t, t, db.GGML_IDS[torch.float32]
+        f = get_format(q)
+        s = quantize(t, q)
+        return s, dequantize(s, q, t.shape), f.type_id
+    gu = [one(torch.randn(2 * hidden, dim, generator=g) * 0.1, gq) for _ in range(n_exp)]
+    dn = [one(torch.randn(dim, hidden, generator=g) * 0.1, dq) for _ in range(n_exp)]
+    tid = (gu[0][2], dn[0][2])
+    return [[t[0] for t in gu]], [[t[0] for t in dn]], [t[1] for t in gu], [t[1] for t in dn], tid
+
+
+def serve_both(srv, req, variants=(0, 1)):
+    """y of one step per variant (same request)."""
+    ys = []
+    for seq, v in enumerate(variants, start=1):
+        srv.ctx.variant = v
+        req.y.fill_(float("nan"))
+        req.bell[::db.BELL_STRIDE] = seq
+        srv.serve(seq)
+        ys.append(req.y.clone())
+    return ys
+
+
+def odd_case(qtype, dim, hidden, misses, threads, q8, lib=None, seed=0):
+    """One layer, k = 8 with `misses` missed experts: y of the new and the old loops, and the float reference."""
+    n_exp, k = 10, 8
+    s_gu, s_dn, f_gu, f_dn, tid = odd_experts(qtype, dim, hidden, n_exp, seed)
+    req = db.Requests(1, dim, k, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, dim, hidden, Act(), threads=threads, q8_act=q8)
+    if lib is not None:
+        srv.lib = lib
+    g = torch.Generator().manual_seed(seed + 1)
+    req.x[0] = torch.randn(dim, generator=g)
+    req.ids[0] = torch.randperm(n_exp, generator=g)[:k].int()
+    req.w[0] = torch.rand(k, generator=g)
+    slots = torch.arange(k, dtype=torch.int32)
+    slots[torch.randperm(k, generator=g)[:misses]] = -1
+    req.slots[0] = slots
+    new, old = serve_both(srv, req)
+    want = torch.zeros(dim)
+    for j in range(k):
+        if slots[j] < 0:
+            e = int(req.ids[0, j])
+            want += req.w[0, j] * (f_dn[e] @ Act()(*(f_gu[e] @ req.x[0]).chunk(2)))
+    return new[0], old[0], want
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("misses", [1, 3, 7])
+@pytest.mark.parametrize("qtype,dim,hidden,q8", [
+    ("Q4_0", 224, 160, True), ("Q8_0", 224, 160, True),       # rows / pairs do not split evenly over the chunks
+    ("Q4_0", 224, 160, False), ("F32+Q4_0", 98, 96, True),     # D = 98: runs of down end in 1-3 single rows
+    ("Q4_K+Q6_K", 512, 256, True), ("MXFP4", 224, 160, True), ("F32", 100, 50, False)])
+def test_chunked_runs_match_the_row_loops(qtype, dim, hidden, q8, misses, threads):
+    """The chunked runs (4-row kernels sharing x, per-thread contiguous chunks with stealing, down per expert
+    over a slice of y, h quantized by all threads) give the per-row loops' y bit for bit (same per-row
+    arithmetic and order of additions), for odd miss counts and shapes that split unevenly; and the reference
+    within the usual tolerances."""
+    new, old, want = odd_case(qtype, dim, hidden, misses, threads, q8)
+    assert torch.equal(new, old), (new - old).abs().max().item()
+    err = ((new - want).abs().max() / want.abs().max()).item()
+    assert err <= (3e-2 if q8 else 2e-5), err
+
+
+def doorbell_build(tmp_path_factory, march):
+    """doorbell.c built for another CPU (haswell: the AVX2 kernels; x86-64: no SIMD, float activations only)."""
+    import ctypes
+    import platform
+    from pathlib import Path
+
+    from moetier.kernels import cpu
+    if platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
+        pytest.skip("needs an x86-64 CPU with AVX2/FMA/F16C")
+    lib = ctypes.CDLL(str(cpu.build_library(tmp_path_factory.mktemp("doorbell"), march=march,
+                                            source=Path(db.__file__).with_name("doorbell.c"))))
+    lib.moetier_serve_step.argtypes = [ctypes.POINTER(db._Ctx), ctypes.c_int64]
+    return lib
+
+
+@pytest.fixture(scope="module")
+def avx2_doorbell(tmp_path_factory):
+    """this machine's native build may take the AVX-512 4-row kernel: the AVX2 one too"""
+    return doorbell_build(tmp_path_factory, "haswell")
+
+
+@pytest.fixture(scope="module")
+def scalar_doorbell(tmp_path_factory):
+    return doorbell_build(tmp_path_factory, "x86-64")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("qtype,misses", [("Q4_0", 3), ("Q8_0", 7), ("Q4_0", 1), ("Q8_0", 1), ("MXFP4", 3)])
+def test_chunked_runs_avx2_build(qtype, misses, threads, avx2_doorbell):
+    """The AVX2 build: its 4-row kernel against its per-row loops (bit for bit) and the native build (the integer
+    dot products are exact on both: equal)."""
+    new, old, want = odd_case(qtype, 224, 160, misses, threads, True, lib=avx2_doorbell)
+    assert torch.equal(new, old)
+    native, _, _ = odd_case(qtype, 224, 160, misses, threads, True)
+    assert torch.equal(new, native)
+    assert ((new - want).abs().max() / want.abs().max()).item() <= 3e-2
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K+Q6_K", "F32"])
+def test_chunked_runs_scalar_build(qtype, threads, scalar_doorbell):
+    """Without AVX2 (x86-64: no int8 kernels, q8_act falls back to float activations) the chunked runs call the
+    one-row float kernels: the old loops' y bit for bit, the reference to float32 rounding."""
+    lib = scalar_doorbell
+    dim, hidden = (512, 256) if "K" in qtype else (224, 160)
+    new, old, want = odd_case(qtype, dim, hidden, 3, threads, True, lib=lib)
+    assert torch.equal(new, old)
+    assert ((new - want).abs().max() / want.abs().max()).item() <= 2e-5

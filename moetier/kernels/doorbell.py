@@ -203,7 +203,8 @@ class _Ctx(ctypes.Structure):
         ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("w", ctypes.c_void_p),
         ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32),
         ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p),
-        ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p)]
+        ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p),
+        ("variant", ctypes.c_int32)]       # 0; 1: the old per-row loops (A/B in bench/bench_miss_server.py)
 
 
 def library() -> ctypes.CDLL:
