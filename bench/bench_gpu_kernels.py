@@ -9,13 +9,13 @@ Each call touches a different set of slots (16 rotating routings over a 128-slot
 the L2), so weights come from HBM, as in a real decode step. Times: CUDA graph replays of the 16
 calls (the engine's mode; per call) and triton.testing.do_bench (eager launches, L2 flushed).
 
-    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 kernels and tiles, every
+    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 kernels and tiles, every
                                                                # format, Qwen3-30B-A3B T=1 (< 2 min)
     python bench/bench_gpu_kernels.py [--out results.json] [--fmt dense,Q4_0] [--quick]
     python bench/bench_gpu_kernels.py --sweep [decode|grouped] [--fmt Q4_0]   # best tiles per kernel
     python bench/bench_gpu_kernels.py --interpret              # CPU smoke test of this script (tiny)
-    python bench/bench_gpu_kernels.py --compile-sm90           # no GPU: compile the default tiles for
-                                                               # sm_90: registers, spills, SASS
+    python bench/bench_gpu_kernels.py --compile-sm90 [--only v2_,v3_]  # no GPU: compile the default tiles
+                                                               # for sm_90: registers, spills, SASS
                                                                # instructions per weight in the K loop
 """
 from __future__ import annotations
@@ -208,7 +208,7 @@ def decode_calls(c: Case, t: int, gen, cfg_gu=None, cfg_dn=None, variant=None):
     """ROT closures for each decode kernel (inputs prepared) and the mean distinct slots per call."""
     rs = routings(t, c.k, c.slots, gen)
     x = torch.randn(t, c.d, generator=gen).to(DEV, XDT)
-    v2 = tm.variant_of(c.fmt, variant) != "v1"            # as tm.moe_decode: v2 keeps h in float32
+    v2 = tm.variant_of(c.fmt, variant) != "v1"            # as tm.moe_decode: v2, v3 keep h in float32
     h = torch.empty(t * c.k, c.i, device=DEV, dtype=torch.float32 if v2 else XDT)
     out = torch.empty_like(x)
     flat = [(ids.reshape(-1), w.reshape(-1)) for ids, w in rs]
@@ -265,6 +265,9 @@ def torch_grouped_mm(c: Case, x, ids):
 # --variants: alternatives to the shipped v2 tiles (triton_decode.GATE_UP / DOWN): (BN, BK, warps, stages)
 ALT_TILES = {"gate_up": [(16, 1024, 4), (16, 512, 4, 2), (32, 512, 8)],
              "down": [(8, 256, 4, 2), (16, 1024, 8), (4, 1024, 4)]}
+# v3 (triton_decode.GATE_UP3 / DOWN3 are the defaults): (BN, 0, warps); bk, stages unused (one step)
+ALT_TILES_V3 = {"gate_up": [(2, 0, 2), (8, 0, 4), (8, 0, 8)],
+                "down": [(2, 0, 4), (8, 0, 4), (8, 0, 8)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -282,10 +285,10 @@ def time_kernel(c: Case, gen, kind: str, variant: str, cfg) -> dict:
 
 def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> list[dict]:
     """Qwen3-30B-A3B decode T=1 in passes over the formats, each step skipped once budget_s has passed
-    (Triton compiles dominate): 1. v1 (Q8_0/Q4_0/Q4_K, dense) and v2, both kernels back to back at
-    the shipped tiles, with the error against the twin; 2. v2pdl (v2, down as a programmatic
-    dependent launch) likewise; 3. each kernel alone, shipped tiles; 4. v2 at ALT_TILES. Then per
-    format and variant the best gate_up + best down."""
+    (Triton compiles dominate): 1. v1 (Q8_0/Q4_0/Q4_K, dense), v2 and v3 (Q8_0/Q4_0/Q4_K), both
+    kernels back to back at the shipped tiles, with the error against the twin; 2. v2pdl / v3pdl
+    (down as a programmatic dependent launch) likewise; 3. each kernel alone, shipped tiles; 4. v3 at
+    ALT_TILES_V3; 5. v2 at ALT_TILES. Then per format and variant the best gate_up + best down."""
     t_start, out = time.perf_counter(), []
     cases = {fmt: Case(model, fmt, cgen) for fmt in fmts}
 
@@ -331,23 +334,30 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
             return tm.variant_of(fmt, v) == v
         except ValueError:
             return False
+    def v3(fmt):                                  # formats with their own v3 kernels (others run v2)
+        return fmt in tm.v2.V3_FORMATS
     for c in cases.values():
-        for v in ("v1", "v2"):
-            if has(c.fmt, v):
+        for v in ("v1", "v2", "v3"):
+            if has(c.fmt, v) and (v != "v3" or v3(c.fmt)):
                 pair(c, v)
     for c in cases.values():
-        if has(c.fmt, "v2pdl"):
-            pair(c, "v2pdl")
+        for v in ("v2pdl", "v3pdl"):
+            if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):
+                pair(c, v)
     for c in cases.values():
-        for v in ("v1", "v2"):
-            for kind in ("gate_up", "down") if has(c.fmt, v) else ():
+        for v in ("v1", "v2", "v3"):
+            for kind in ("gate_up", "down") if has(c.fmt, v) and (v != "v3" or v3(c.fmt)) else ():
                 alone(c, v, kind, None)
+    for c in cases.values():
+        for kind in ("gate_up", "down") if v3(c.fmt) else ():
+            for cfg in ALT_TILES_V3[kind]:
+                alone(c, "v3", kind, cfg)
     for c in cases.values():
         for kind in ("gate_up", "down") if has(c.fmt, "v2") else ():
             for cfg in ALT_TILES[kind]:
                 alone(c, "v2", kind, cfg)
     for fmt in fmts:
-        for v in ("v1", "v2"):
+        for v in ("v1", "v2", "v3"):
             best = {k: min((o for o in out if o.get("fmt") == fmt and o.get("variant") == v and o.get("kernel") == k
                             and "us" in o), key=lambda o: o["us"], default=None) for k in ("gate_up", "down")}
             if all(best.values()):
@@ -400,7 +410,7 @@ def sweep(c: Case, gen, what: str = "all") -> dict:
     return best
 
 
-def compile_sm90(fmts) -> list[dict]:
+def compile_sm90(fmts, only: str = "") -> list[dict]:
     """Compile each kernel at its default tiles for sm_90 on a machine without a GPU (Triton's
     bundled ptxas; the driver is stubbed) and report registers / spill bytes from cuobjdump."""
     import re
@@ -462,12 +472,30 @@ def compile_sm90(fmts) -> list[dict]:
                       dict(D=d, I=i, KTOP=k, FMT=dn.code, HAS_BIAS=False, **dec2(t2, i)),
                       k * t2.bn * v2._nb(t2.bk, i, fmt) * bsz)]
             step.update(v2_decode_gate_up=v2._nb(t1.bk, d, fmt) * bsz, v2_decode_down=v2._nb(t2.bk, i, fmt) * bsz)
+        if fmt in tm.v2.V3_FORMATS:                       # v3: one step of whole rows per program (no K loop)
+            v2 = tm.v2
+            h32 = torch.empty(k, i, dtype=torch.float32)
+            bsz = v2.STEP_BLOCK[fmt]
+            for tag, t1, t2 in [("", v2.GATE_UP3[fmt], v2.DOWN3[fmt])] + [
+                    (f"_{a[0]}x{a[2]}", tuple(a), tuple(b)) for a, b in zip(*ALT_TILES_V3.values())]:
+                t1, t2 = v2.Tile(*t1[:4]), v2.Tile(*t2[:4])
+                gp, dp = v2.v3_pieces(d, fmt), v2.v3_pieces(i, fmt)
+                jobs += [(f"v3_decode_gate_up{tag}", v2._gate_up_kernel_v3,
+                          (x, d, ids, *gu.v2_args(), x, 0, h32, 1.0, 7.0, v2.ONE_BITS),
+                          dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, BS=bsz, BN=t1.bn, NB1=gp[0],
+                               NB2=gp[1], PDL=False, num_warps=t1.warps), 2 * t1.bn * d),
+                         (f"v3_decode_down{tag}", v2._down_kernel_v3, (h32, ids, w, *dn.v2_args(), x, 0, x, d, v2.ONE_BITS),
+                          dict(D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), FMT=dn.code, HAS_BIAS=False, BS=bsz,
+                               BN=t2.bn, NB1=dp[0], NB2=dp[1], PDL=False, num_warps=t2.warps), k * t2.bn * i)]
+                step.update({f"v3_decode_gate_up{tag}": d, f"v3_decode_down{tag}": i})
         jobs += [("grouped_gate_up", tm._grouped_gate_up_kernel,
                   (x, d, sp, bs, *gu.args(), *gu.extra_args(), x, 0, hh, 1000, 1.0, 7.0),
                   dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **grp), 0),
                  ("grouped_down", tm._grouped_down_kernel, (hh, sp, bs, w, *dn.args(), *dn.extra_args(), x, 0, y, 1000),
                   dict(D=d, I=i, FMT=dn.code, HAS_BIAS=False, **grp), 0)]
         for name, fn, args, kw, per_iter in jobs:
+            if only and not any(o in name for o in only.split(",")):
+                continue
             t0 = time.perf_counter()
             kern = fn.warmup(*args, grid=(1,), **kw)
             secs = time.perf_counter() - t0
@@ -521,9 +549,11 @@ def main():
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (Triton interpreter, tiny shapes)")
     ap.add_argument("--compile-sm90", action="store_true", help="no GPU needed: compile for sm_90, report registers")
+    ap.add_argument("--only", default="", help="--compile-sm90: kernels whose names contain one of these "
+                    "comma-separated strings (e.g. v2_,v3_)")
     a = ap.parse_args()
     if a.compile_sm90:
-        print(json.dumps(compile_sm90(a.fmt.split(",")), indent=1))
+        print(json.dumps(compile_sm90(a.fmt.split(","), a.only), indent=1))
         return
     global ROT
     if a.interpret:

@@ -9,6 +9,7 @@
 #               of a repeated prompt cold vs from the snapshot (bench/bench_long_context.py)
 #   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.25 / default, at 8 GiB and --cpu-moe
 #               (AB48=1: again with MOETIER_STAGE_REPACK=triton; KEEP48=1 keeps the model)
+#   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
@@ -16,6 +17,7 @@
 #   default     the embedded default model on real text (its real routing) at GPU budgets that cache
 #               all / about half / few of its 32 experts: tok/s, hit rate, time split
 #   kernels     Triton decode kernels' GB/s against HBM (bench/bench_gpu_kernels.py --variants)
+#   missbench   the C miss server alone against the RAM read bandwidth (bench/bench_miss_server.py)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -75,6 +77,13 @@ for step in $STEPS; do
         --compare cpumoe:--cpu-moe
     fi
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  gpu48)
+    # everything on the GPU, decode kernels v2 (default) vs v3 (MOETIER_DECODE_VARIANT)
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    bench gpu48 ${G48SECS:-100} $M --prompt-len 512 --gen ${G48GEN:-64}
+    MOETIER_DECODE_VARIANT=${G48V:-v3} bench gpu48_v3 ${G48SECS:-100} $M --prompt-len 512 --gen ${G48GEN:-64}
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
   prefill48)
     # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle
     M=$DATA/q30-Q4_0-48.gguf
@@ -128,6 +137,11 @@ PY
   kernels)
     timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
     tail -3 "$OUT/gpu_kernels.err" ;;
+  missbench)
+    # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read, old loops vs new (variant 1 / 0)
+    timeout ${MSECS:-150} python3 bench/bench_miss_server.py --threads ${MTHREADS:-16} --gib ${MGIB:-12} \
+      --types ${MTYPES:-Q4_0,Q8_0,Q4_K} --variants 0,1 --rounds ${MROUNDS:-3} > "$OUT/missbench.json" 2> "$OUT/missbench.err"
+    tail -3 "$OUT/missbench.err"; head -c 3000 "$OUT/missbench.json"; echo ;;
   doorbell12)
     for Q in Q4_0 BF16; do
       M=$DATA/q30-$Q; [ $Q != BF16 ] && M=$M.gguf

@@ -151,6 +151,46 @@ def test_decode_v2_k_tail(fmt):
     assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, **cfg), want) <= 1e-4
 
 
+V3_SHAPES = {"Q8_0": (64, 96), "Q4_0": (64, 96), "Q4_K": (768, 256)}   # (D, I): rows in two pieces somewhere
+V3_WIDE = {"cfg_gate_up": (64, 0, 4), "cfg_down": (128, 0, 4)}          # few programs; rows masked
+
+
+@pytest.mark.parametrize("fmt", list(V3_SHAPES))
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
+def test_decode_v3_matches_twin(fmt, gpt_oss):
+    """v3 (triton_decode: one step of whole rows per program): random inputs, 3 tokens x k=3 of 6 slots
+    (k padded to 4 and masked in the down tile, a missing slot), rows masked, K in two power-of-two
+    pieces (Q8_0/Q4_0 I = 96: 2 + 1 blocks; Q4_K D = 768: 8 + 4 chunks), poisoned output; v3pdl (PDL
+    only on CUDA) likewise. Q4_0 sums high nibbles with x / 16 (exact scaling; rounding as v2's)."""
+    d, i = V3_SHAPES[fmt]
+    gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
+    act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
+    ids, w = routing(3, 3, 6)
+    x = torch.randn(3, d, device=DEV) * (3.0 if gpt_oss else 1.0)
+    want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt)
+    for v in ("v3", "v3pdl"):
+        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant=v, **V3_WIDE), want) <= 1e-4
+
+
+@pytest.mark.parametrize("fmt", list(V3_SHAPES))
+def test_decode_v3_default_tiles_and_h(fmt):
+    """v3 at its shipped tiles (small programs: BN = 4 rows), and its h against v2's: every element of a
+    poisoned h written, a skipped pair's row 0."""
+    d, i = V3_SHAPES[fmt]
+    gu, dn, _ = make_experts(fmt, 4, d, i, bias=False, seed=2)
+    ids, w = routing(1, 2, 4)                                           # pair 1 is a miss (-1)
+    x = torch.randn(1, d, device=DEV)
+    want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
+    assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v3"), want) <= 1e-4
+    xk, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, fmt, ops.Act(), None)
+    hs = {}
+    for v in ("v2", "v3"):
+        h = torch.full((2, i), float("nan"), device=DEV)
+        hs[v] = tm.decode_gate_up(xk, ids.reshape(-1).contiguous(), gw, code, alpha, limit, b[0], h, variant=v)
+        assert torch.isfinite(h).all() and torch.equal(h[1], torch.zeros_like(h[1]))
+    assert rel_err(hs["v3"], hs["v2"]) <= 1e-4
+
+
 def test_decode_variant_errors_say_what_reads_what():
     with pytest.raises(ValueError, match="v1 reads"):
         tm.variant_of("MXFP4", "v1")
@@ -158,6 +198,9 @@ def test_decode_variant_errors_say_what_reads_what():
         tm.variant_of("dense", "v2")
     assert tm.variant_of("Q4_K", None) == "v2" and tm.variant_of("dense", None) == "v1"
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
+    assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels
+    with pytest.raises(ValueError):
+        tm.variant_of("dense", "v3")
 
 
 @pytest.mark.parametrize("fmt,t", [("dense", 3), ("dense", 17), ("Q8_0", 17), ("Q4_0", 17), ("Q4_K", 9), ("Q5_K", 9),
@@ -300,6 +343,21 @@ def test_gpu_qwen3_shapes_default_tiles(fmt):
         x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
         want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
         assert rel_err(run_kernel(kind, x, ids, w, gu, dn, fmt, "swiglu", None), want) <= 2e-2, (fmt, t)
+
+
+@gpu
+@cuda
+@pytest.mark.parametrize("fmt", list(V3_SHAPES) + ["Q6_K"])
+@pytest.mark.parametrize("variant", ["v3", "v3pdl"])
+def test_gpu_qwen3_shapes_v3(fmt, variant):
+    """The opt-in v3 decode kernels (Q6_K: v2 under v3) at Qwen3-30B-A3B shapes, bf16, T=1 and 4."""
+    d, i, s = 2048, 768, 8
+    gu, dn, _ = make_experts(fmt, s, d, i, bias=False, dtype=torch.bfloat16)
+    for t in (1, 4):
+        ids, w = routing(t, 8, s, dtype=torch.bfloat16)
+        x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
+        want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
+        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant=variant), want) <= 2e-2
 
 
 @gpu

@@ -398,3 +398,248 @@ def down(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False):
         HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB=_nb(tile.bk, i, w.fmt), NS=tile.stages,
         PDL=pdl, num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+# ================================================================== v3 (opt-in: variant="v3" / "v3pdl")
+# v3: the T <= 8 decode kernels for Q8_0 / Q4_0 / Q4_K with all of a program's bytes in flight at once.
+#
+# v2 measured tile-insensitive on the H200 (Qwen3-30B-A3B T=1: gate_up ~950 GB/s, down ~440 GB/s): each
+# program walks K in 2-4 dependent steps (load, wait a memory latency, math, next load) and the down grid
+# has only D/BN programs. v3:
+#   - one K step: each program loads the whole length of its rows (K in one or two power-of-two pieces,
+#     e.g. I = 768 = 16 + 8 Q4_0 blocks) and issues every weight load (evict_first) before any math;
+#   - small programs, many of them: gate_up grid (T*k pairs, I/BN) with tiles [2 (gate, up), BN, NB, W]
+#     (x shared by the 2 BN rows a thread holds); down grid (T, D/BN) with tiles [BN, k, NB, W] (all k
+#     experts of BN output rows in one program: no atomics, deterministic; h[t, j] shared by BN rows);
+#   - the weight math of v2 (same bit tricks), Q4_0 with one accumulator per word (x of high nibbles
+#     pre-scaled by 1/16, exact), sums over blocks and experts at the end;
+#   - v3pdl: the down kernel, a programmatic dependent launch, issues its weight loads before waiting
+#     for the gate_up grid (weights do not depend on h), then reads h.
+# Other formats run v2 under variant "v3".
+
+V3_FORMATS = ("Q8_0", "Q4_0", "Q4_K")
+
+
+@triton.jit
+def _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, g0, NBK,
+             FMT: tl.constexpr, NB: tl.constexpr):
+    """Loads of step blocks g0 .. g0+NB (of NBK) of rows [A, B] (offsets r* [A, B], mask [A, B]):
+    words [A, B, NB*W] (one flat contiguous axis: 16-byte loads, lanes along the row) and per block
+    [A, B, NB] d (Q4_K: d, dmin, sc lo, sc hi, mn lo, mn hi; other formats repeat d)."""
+    W: tl.constexpr = 4 if FMT == Q4_0 else 8            # words per step block (Q4_K: 64-chunk)
+    e = g0 * W + tl.arange(0, NB * W)
+    g = g0 + tl.arange(0, NB)
+    m3 = mask[:, :, None] & (g < NBK)[None, None, :]
+    words = tl.load(q_ptr + rq[:, :, None] + e[None, None, :], mask=mask[:, :, None] & (e < NBK * W)[None, None, :],
+                    other=0, eviction_policy="evict_first")
+    if FMT == Q4_K:
+        gs = (g // 4)[None, None, :]
+        d = tl.load(d_ptr + rd[:, :, None] + gs, mask=m3, other=0.0, eviction_policy="evict_first")
+        dm = tl.load(m_ptr + rm[:, :, None] + gs, mask=m3, other=0.0, eviction_policy="evict_first")
+        sc_lo = tl.load(sc_ptr + rsc[:, :, None] + 2 * g[None, None, :], mask=m3, other=0,
+                        eviction_policy="evict_first")
+        sc_hi = tl.load(sc_ptr + rsc[:, :, None] + 2 * g[None, None, :] + 1, mask=m3, other=0,
+                        eviction_policy="evict_first")
+        mn_lo = tl.load(mn_ptr + rmn[:, :, None] + 2 * g[None, None, :], mask=m3, other=0,
+                        eviction_policy="evict_first")
+        mn_hi = tl.load(mn_ptr + rmn[:, :, None] + 2 * g[None, None, :] + 1, mask=m3, other=0,
+                        eviction_policy="evict_first")
+        return words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi
+    else:
+        d = tl.load(d_ptr + rd[:, :, None] + g[None, None, :], mask=m3, other=0.0, eviction_policy="evict_first")
+        return words, d, d, d, d, d, d
+
+
+@triton.jit
+def _v3_bsum(v, NB: tl.constexpr, W: tl.constexpr):
+    """[A, B, NB*W] -> [A, B, NB]: sums over each block's words."""
+    return tl.sum(tl.reshape(v, [v.shape[0], v.shape[1], NB, W]), axis=3)
+
+
+@triton.jit
+def _v3_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, x_ptr, xo, one,
+             FMT: tl.constexpr, NB: tl.constexpr):
+    """Row dot products [A, B] of _v3_load's blocks with x at offsets xo [XA, XB] (broadcast over the
+    rows: [1, 1] one vector, [1, B] one per B index). The v2 bit tricks (module doc); word e of the
+    step: Q8_0 element 4e + b, Q4_0 32 (e // 4) + 4 (e % 4) + b (and + 16), Q4_K 64 (e // 8) + 4 (e % 8) + b
+    (and + 32)."""
+    W: tl.constexpr = 4 if FMT == Q4_0 else 8            # words per step block (Q4_K: 64-chunk)
+    e = g0 * W + tl.arange(0, NB * W)
+    me = (e < NBK * W)[None, None, :]
+    if FMT == Q4_K:
+        xb = x_ptr + xo[:, :, None] + ((e // 8) * 64 + (e % 8) * 4)[None, None, :]
+    elif FMT == Q4_0:
+        xb = x_ptr + xo[:, :, None] + ((e // 4) * 32 + (e % 4) * 4)[None, None, :]
+    else:
+        xb = x_ptr + xo[:, :, None] + (e * 4)[None, None, :]
+    if FMT == Q4_0:                                # byte b of word e: low and high (+ 16) nibble
+        p = tl.zeros(words.shape, dtype=tl.float32)
+        s_a = tl.zeros(xb.shape, dtype=tl.float32)      # sum x_lo + x_hi / 16
+        s_b = tl.zeros(xb.shape, dtype=tl.float32)      # sum x_lo + x_hi
+        for b in tl.static_range(4):
+            x_lo = tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
+            x_hi = tl.load(xb + (b + 16), mask=me, other=0.0).to(tl.float32)
+            x_h16 = x_hi * 0.0625                       # exact: (1 + q/16) x/16 = x/16 + q x / 256
+            t = _shift(words, 15 - 8 * b)
+            p += _f(t & 0x78000, one) * x_lo + _f(t & 0x780000, one) * x_h16
+            s_a += x_lo + x_h16
+            s_b += x_lo + x_hi
+        r = d.to(tl.float32) * (256.0 * (_v3_bsum(p, NB, W) - _v3_bsum(s_a, NB, W)) - 8.0 * _v3_bsum(s_b, NB, W))
+        return tl.sum(r, axis=2)
+    elif FMT == Q8_0:                              # byte b of word e: element 4e + b
+        p = tl.zeros(words.shape, dtype=tl.float32)
+        sx = tl.zeros(xb.shape, dtype=tl.float32)
+        one8 = one | 0x400000                           # f = 1 + (q + 128) / 256
+        for b in tl.static_range(4):
+            x = tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
+            p += (_field(words, 15 - 8 * b, 0x7F8000) ^ one8).to(tl.float32, bitcast=True) * x
+            sx += x
+        r = d.to(tl.float32) * (256.0 * _v3_bsum(p, NB, W) - 384.0 * _v3_bsum(sx, NB, W))
+        return tl.sum(r, axis=2)
+    else:                                          # Q4_K chunk c: low nibbles sub-block 2c, high 2c + 1
+        p_lo = tl.zeros(words.shape, dtype=tl.float32)
+        p_hi = tl.zeros(words.shape, dtype=tl.float32)
+        sx_lo = tl.zeros(xb.shape, dtype=tl.float32)
+        sx_hi = tl.zeros(xb.shape, dtype=tl.float32)
+        for b in tl.static_range(4):
+            x_lo = tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
+            x_hi = tl.load(xb + (b + 32), mask=me, other=0.0).to(tl.float32)
+            t = _shift(words, 15 - 8 * b)
+            p_lo += _f(t & 0x78000, one) * x_lo
+            p_hi += _f(t & 0x780000, one) * x_hi
+            sx_lo += x_lo
+            sx_hi += x_hi
+        s_lo = _v3_bsum(sx_lo, NB, W)
+        s_hi = _v3_bsum(sx_hi, NB, W)
+        r = (d.to(tl.float32) * (sc_lo.to(tl.float32) * (256.0 * (_v3_bsum(p_lo, NB, W) - s_lo))
+                                 + sc_hi.to(tl.float32) * (16.0 * (_v3_bsum(p_hi, NB, W) - s_hi)))
+             - dm.to(tl.float32) * (mn_lo.to(tl.float32) * s_lo + mn_hi.to(tl.float32) * s_hi))
+        return tl.sum(r, axis=2)
+
+
+@triton.jit
+def _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, NBK: tl.constexpr,
+            x_ptr, xo, one, FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, PDL_WAIT: tl.constexpr):
+    """[A, B] dot products of whole rows: the loads of both pieces, (PDL_WAIT: the wait for the primary
+    grid, before any x load), then the math."""
+    a0, a1, a2, a3, a4, a5, a6 = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
+                                          0, NBK, FMT, NB1)
+    if NB2 > 0:
+        b0, b1, b2, b3, b4, b5, b6 = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
+                                              NB1, NBK, FMT, NB2)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+    acc = _v3_math(a0, a1, a2, a3, a4, a5, a6, 0, NBK, x_ptr, xo, one, FMT, NB1)
+    if NB2 > 0:
+        acc += _v3_math(b0, b1, b2, b3, b4, b5, b6, NB1, NBK, x_ptr, xo, one, FMT, NB2)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel_v3(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr,
+                       sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
+                       b_ptr, sb_s, out_ptr, alpha, limit, one,
+                       I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
+                       NB2: tl.constexpr, PDL: tl.constexpr):
+    """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias); one tile
+    [2, BN, K] (gate rows, up rows), all loads issued first."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.load(ids_ptr + p).to(tl.int64)
+    mask = (n < I) & (s >= 0)
+    s = tl.maximum(s, 0)
+    gu = tl.arange(0, 2)[:, None]
+    r = n.to(tl.int64)[None, :] + gu * I                               # [2, BN]: gate rows, up rows
+    m2 = mask[None, :] & (gu >= 0)
+    xo = tl.zeros([1, 1], dtype=tl.int64) + (p // KTOP).to(tl.int64) * stride_x
+    acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                  s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, m2, D // BS,
+                  x_ptr, xo, one, FMT, NB1, NB2, False)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + s * sb_s + r, mask=m2, other=0.0).to(tl.float32)
+    gate = tl.sum(tl.where(gu == 0, acc, 0.0), axis=0)
+    up = tl.sum(tl.where(gu == 1, acc, 0.0), axis=0)
+    h = _act(gate, up, ACT, alpha, limit)
+    h = h.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)   # rounded to x's dtype, stored as out's
+    tl.store(out_ptr + p.to(tl.int64) * I + n, h, mask=n < I)
+
+
+@triton.jit
+def _down_kernel_v3(hx_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr,
+                    sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
+                    b_ptr, sb_s, out_ptr, stride_o, one,
+                    D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KP: tl.constexpr, FMT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
+                    NB2: tl.constexpr, PDL: tl.constexpr):
+    """grid (T, D/BN): out[t, n] = sum_j w[t, j] * (down_j row n . h[t, j] (+ bias)); one tile [BN, k, I]
+    (KP = k rounded up to a power of two, masked), all weight loads issued first; no atomics. PDL: a
+    programmatic dependent of the gate_up kernel; it waits for that grid after its weight loads."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < D
+    j = tl.arange(0, KP)
+    jm = j < KTOP
+    s = tl.load(ids_ptr + t * KTOP + j, mask=jm, other=-1).to(tl.int64)                # [KP]
+    mask = nm[:, None] & (jm & (s >= 0))[None, :]
+    s = tl.maximum(s, 0)[None, :]
+    r = n.to(tl.int64)[:, None]
+    xo = ((t * KTOP + j).to(tl.int64) * I)[None, :]                                     # h[t*k + j]
+    acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                  s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, mask, I // BS,
+                  hx_ptr, xo, one, FMT, NB1, NB2, PDL)                                  # [BN, KP]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + s * sb_s + r, mask=mask, other=0.0).to(tl.float32)
+    wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)
+    y = tl.sum(tl.where(mask, acc, 0.0) * wj[None, :], axis=1)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+# v3 tiles (Tile.bn rows per program, warps; bk and stages unused: one step of the whole row).
+# Qwen3-30B-A3B T=1: gate_up 8 x 192 = 1536 programs of 2 x 4 rows x 2048 (Q4_0 8 KB), down 512
+# programs of 4 rows x 8 experts x 768 (Q4_0 12 KB); picked from sm_90 SASS before any GPU run.
+_GU3, _DN3 = Tile(4, 0, 4), Tile(4, 0, 4)
+GATE_UP3 = {f: _GU3 for f in V3_FORMATS}
+DOWN3 = {f: _DN3 for f in V3_FORMATS}
+
+
+def v3_pieces(k: int, fmt: str) -> tuple[int, int]:
+    """Step blocks of a K-long row in two power-of-two pieces (NB1 + NB2 >= blocks; NB2 = 0 if NB1 covers
+    them): e.g. 64 Q4_0 blocks -> (64, 0), 24 -> (16, 8), 90 -> (64, 32)."""
+    nbk = k // STEP_BLOCK[fmt]
+    nb1 = 1 << (nbk.bit_length() - 1)
+    return nb1, (triton.next_power_of_2(nbk - nb1) if nbk > nb1 else 0)
+
+
+def gate_up_v3(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False):
+    """As gate_up, v3 kernel (Q8_0 / Q4_0 / Q4_K; other formats run v2)."""
+    if w.fmt not in V3_FORMATS:
+        return gate_up(x, ids, w, act, alpha, limit, bias, h, None, pdl)
+    t, d = x.shape
+    k, i = ids.numel() // t, w.n // 2
+    tile = Tile(*(cfg or GATE_UP3[w.fmt])[:4])
+    b, sb = (bias, bias.stride(0)) if bias is not None else (x, 0)
+    nb1, nb2 = v3_pieces(d, w.fmt)
+    _gate_up_kernel_v3[(t * k, triton.cdiv(i, tile.bn))](
+        x, x.stride(0), ids, *w.v2_args(), b, sb, h, alpha, limit, ONE_BITS, I=i, D=d, KTOP=k, FMT=w.code,
+        ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB1=nb1, NB2=nb2, PDL=pdl,
+        num_warps=tile.warps)
+    return h
+
+
+def down_v3(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False):
+    """As down, v3 kernel (Q8_0 / Q4_0 / Q4_K; other formats run v2)."""
+    if w.fmt not in V3_FORMATS:
+        return down(hx, ids, wt, w, bias, out, None, pdl)
+    t, d = out.shape
+    k, i = ids.numel() // t, w.k
+    tile = Tile(*(cfg or DOWN3[w.fmt])[:4])
+    b, sb = (bias, bias.stride(0)) if bias is not None else (out, 0)
+    nb1, nb2 = v3_pieces(i, w.fmt)
+    _down_kernel_v3[(t, triton.cdiv(d, tile.bn))](
+        hx, ids, wt, *w.v2_args(), b, sb, out, out.stride(0), ONE_BITS, D=d, I=i, KTOP=k,
+        KP=triton.next_power_of_2(k), FMT=w.code, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
+        NB1=nb1, NB2=nb2, PDL=pdl, num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+    return out
