@@ -32,9 +32,9 @@ TIER_NAMES = {"gpu": "gpu", "cuda": "gpu", "vram": "gpu", "cpu": "cpu", "ram": "
 MIX_PIN_FRACTION = 0.75     # mix: share of the fast slots pinned from the profile; the rest is LRU
 SCRATCH_BUFFERS = 4         # RAM buffers for streamed reads (= read-ahead depth)
 PCIE_MAX = 8                # stage slots (and device staging rows) the graphed decode's PCIe share may use per layer
-PCIE_SHARE = 0.35           # share of a decode layer's misses the GPU reads over PCIe without measured bandwidths
-                            # (docs/perf-log.md, H200 box, 48-layer Q4_0: --cpu-moe 40.4 -> 58.5 tok/s, --gpu-mem
-                            # 8GiB 48.3 -> 62.5); with them, pcie_share_default
+PCIE_SHARE = 0.25           # share of a decode layer's misses the GPU reads over PCIe without measured bandwidths
+                            # (docs/perf-log.md, H200 box, 48-layer Q4_0, session 6: --cpu-moe 0.25 -> 54-57 tok/s,
+                            # 0.355 -> 48-53); with them, pcie_share_default
 STAGE_SLOTS = (32, 2)       # fast-tier buffers for prefill copies: two batches of 16 (double buffering) when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
@@ -458,15 +458,17 @@ def pcie_rows(share: float, k: int, stage: int) -> int:
 
 
 def pcie_share_default(bw: dict | None) -> float:
-    """The PCIe share for this machine: 0.9 x PCIe / (PCIe + RAM read), the share at which the GPU's
-    reads and the CPU's would end together, less a tenth for the GPU side's fixed work per layer
-    (gather, repack, hits). The H200 box (PCIe 52-55 GB/s, RAM 86-90) gives 0.33-0.34, where 0.35 was
-    measured best at --cpu-moe and 0.25 at 8 GiB; a PCIe 4.0 desktop (25 / 60) gets 0.26, PCIe 3.0
-    (12 / 40) 0.21. Without both figures: PCIE_SHARE."""
+    """The PCIe share for this machine: 0.6 x PCIe / (PCIe + RAM read). PCIe / (PCIe + RAM) is where
+    the GPU's reads and the CPU's would end together if they did not meet; they do: the GPU's reads
+    come from the same RAM (on the H200 box a 16-thread CPU read fell 90 -> 80 GB/s beside a 44 GB/s
+    gather), and the GPU side has fixed work per layer (gather, repack, hits). With the miss server
+    at ~86 GB/s (session 6) the measured --cpu-moe decode was best at 0.125-0.25 and worse at 0.355
+    (docs/perf-log.md); the H200 box (PCIe 52-55 GB/s, RAM 86-90) gets 0.22-0.23 (2 of 8 misses), a
+    PCIe 4.0 desktop (25 / 60) 0.18, PCIe 3.0 (12 / 40) 0.14. Without both figures: PCIE_SHARE."""
     pcie, ram = (bw or {}).get("pcie_gbs"), (bw or {}).get("ram_gbs")
     if not pcie or not ram:
         return PCIE_SHARE
-    return round(min(0.6, max(0.05, 0.9 * pcie / (pcie + ram))), 3)
+    return round(min(0.6, max(0.05, 0.6 * pcie / (pcie + ram))), 3)
 
 
 def decode_ceiling(pl: Placement, bw: dict) -> dict:
