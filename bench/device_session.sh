@@ -23,6 +23,7 @@ set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests bench48 uniform12 longctx}
 FLAGS=${FLAGS:-}
+REPEAT=${REPEAT:-3}     # decode runs per configuration (median reported): the box varies +-15% between runs
 # models outside the repository copy: a warm machine keeps them for the next call (KEEP48=1)
 DATA=${DATA:-/tmp/moetier-data}; mkdir -p "$DATA"
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -32,7 +33,7 @@ synth() {  # NAME QUANT LAYERS SKEW OUT SECONDS
 }
 bench() {  # LABEL SECONDS MODEL FLAGS...
   local label=$1 secs=$2; shift 2
-  timeout "$secs" python3 -m moetier bench "$@" $FLAGS --json > "$OUT/$label.json" 2> "$OUT/$label.err"
+  timeout "$secs" python3 -m moetier bench "$@" $FLAGS --repeat $REPEAT --json > "$OUT/$label.json" 2> "$OUT/$label.err"
   tail -2 "$OUT/$label.err"
   python3 - "$OUT/$label.json" <<'PY'
 import json, sys

@@ -55,6 +55,16 @@ def test_bench_json_has_every_field(model, capsys):
     assert rep["decode_mode"] == "stream" and rep["distinct_token_frac"] > 0.5
 
 
+def test_bench_repeat_reports_the_median_decode(model, capsys):
+    rep = run_json(capsys, ["bench", str(model), "--device", "cpu", "--prompt-len", "16", "--gen", "4",
+                            "--warmup", "0", "--repeat", "3", "--json"])
+    runs = rep["decode_tok_s_runs"]
+    assert len(runs) == 3 and all(v > 0 for v in runs)
+    assert rep["decode_tok_s"] == pytest.approx(sorted(runs)[1])
+    assert rep["fraction_of_bound"] == pytest.approx(rep["decode_tok_s"] / rep["bound_tok_s"], rel=1e-2)
+    assert cli(["bench", str(model), "--device", "cpu", "--repeat", "0"]) == 1     # a clear error, no crash
+
+
 def test_bench_compare_reloads_each_configuration(model, capsys):
     rep = run_json(capsys, ["bench", str(model), "--device", "cpu", "--prompt-len", "24", "--gen", "4",
                             "--warmup", "0", "--json", "--compare", "tiers:--ram-mem 64MiB --cache-policy lru"])

@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
                    help="prompt lengths in tokens (default 512,4096,32768); decode is reported at the first")
     p.add_argument("--gen", type=int, default=128, metavar="N", help="tokens decoded per prompt (default 128)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="short warm-up requests first (default 1)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="decode at the first prompt length N times and report the median (every run is in "
+                        "the JSON as decode_tok_s_runs; default 1)")
     p.add_argument("--compare", action="append", default=[], metavar="'LABEL:FLAGS'",
                    help="another configuration, e.g. 'offload:--gpu-mem 8GiB' (repeatable); FLAGS are engine "
                         "flags added to the ones given here")
@@ -78,6 +81,8 @@ def main(args) -> int:
     lens = parse_lengths(args.prompt_len)
     if args.gen < 2:
         raise UserError(f"--gen must be >= 2 to measure decode speed (got {args.gen})")
+    if args.repeat < 1:
+        raise UserError(f"--repeat must be >= 1 (got {args.repeat})")
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))   # stdout carries only the table or the JSON
     path = resolve_model_path(args.model)
     configs = config_namespaces(args)
@@ -125,7 +130,7 @@ def _one_config(args, path, label, flags, ns, lens, mode, bw, results, log):
     if bw is None:
         log("measuring bandwidths (cached in ~/.cache/moetier/bandwidth.json) ...")
         bw = measure_bandwidths(engine.device, path, use_cache=not args.remeasure)
-    r = bench_config(engine, path, fit, args.gen, args.warmup, bw, mode, log)
+    r = bench_config(engine, path, fit, args.gen, args.warmup, bw, mode, log, repeat=args.repeat)
     results.append({"label": label, "flags": flags, "load_s": round(load_s, 3), **r})
     log(f"[{label}] " + summary_line(results[-1]))   # a run cut short still shows the finished configs
     release(engine)
@@ -139,6 +144,9 @@ def summary_line(c: dict) -> str:
     t = c["time_split"]
     pre = ", ".join(f"{n}: {v:.0f}" for n, v in c["prefill_tok_s"].items())
     frac = f" ({c['fraction_of_bound']:.0%} of {c['bound_tok_s']:.1f})" if c["fraction_of_bound"] is not None else ""
+    runs = c.get("decode_tok_s_runs") or []
+    if len(runs) > 1:
+        frac += f" [median of {len(runs)}: {min(runs):.1f}-{max(runs):.1f}]"
     return (f"decode {c['decode_tok_s']:.2f} tok/s{frac}; prefill tok/s {pre}; hits {hit_summary(c['memory'])}; "
             f"ms/token gpu {t['gpu_ms']:.2f} cpu {t['cpu_ms']:.2f} copy {t['copy_ms']:.2f} other {t['idle_ms']:.2f}; "
             f"peak VRAM {_gib(c['peak_vram_bytes'])}")
