@@ -10,6 +10,7 @@
 #   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.25 / default, at 8 GiB and --cpu-moe
 #               (AB48=1: again with MOETIER_STAGE_REPACK=triton; KEEP48=1 keeps the model)
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
+#   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
 #   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
@@ -84,6 +85,15 @@ for step in $STEPS; do
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     bench gpu48 ${G48SECS:-100} $M --prompt-len 512 --gen ${G48GEN:-64}
     MOETIER_DECODE_VARIANT=${G48V:-v3} bench gpu48_v3 ${G48SECS:-100} $M --prompt-len 512 --gen ${G48GEN:-64}
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  decode48)
+    # kernels of one decode token (torch.profiler over graph replays): all on the GPU and with all experts in RAM
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    for F in ${PDF:-all --cpu-moe}; do
+      timeout ${PDSECS:-100} python3 bench/profile_decode.py $M ${F/all/} --gen 32 > "$OUT/decode48_$F.txt" 2>&1
+      head -c 4000 "$OUT/decode48_$F.txt"; echo
+    done
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   prefill48)
     # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle
