@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from ..kernels import ops
-from .plan import pcie_rows
+from .plan import MAX_ADMIT, pcie_rows
 
-MAX_ADMIT_PER_STEP = 8      # decode misses copied into the GPU cache per token (PCIe work per step)
+MAX_ADMIT_PER_STEP = MAX_ADMIT    # decode misses copied into the GPU cache per token (PCIe work per step)
 
 
 def unavailable(tiers, act) -> str | None:

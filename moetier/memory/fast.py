@@ -83,7 +83,8 @@ def grouped_available(device: str, dtype: torch.dtype, layout: ExpertLayout) -> 
 
 
 DEQUANT_ROWS = 64      # CUDA: GGML hits with this many rows in one call run dequantized (see _run_dequant)
-DEQUANT_EXPERTS = 32   # ... at most this many experts at once (bf16 Qwen3-30B-A3B: 9.4 MB each)
+DEQUANT_EXPERTS = 16   # ... at most this many experts at once (bf16 Qwen3-30B-A3B: 9.4 MB each; memory.plan
+                       # counts them in the workspace: all of a layer's hits at once overshot an 8 GiB budget)
 REPACK_EXPERTS = 16    # staged copies repacked into their slots this many at a time
 
 

@@ -24,6 +24,7 @@ from ..config import EngineConfig, ModelArgs
 from ..errors import UserError
 from .budget import default_gpu_reserve, default_ram_reserve, fmt_bytes, gpu_info, ram_info
 from .cache import POLICIES
+from .fast import DEQUANT_EXPERTS, REPACK_EXPERTS
 from .layout import EXPERT_PARAM, ExpertLayout, build_layout
 from .profile import ExpertProfile
 
@@ -37,6 +38,7 @@ PCIE_SHARE = 0.25           # share of a decode layer's misses the GPU reads ove
                             # 0.355 -> 48-53); with them, pcie_share_default
 STAGE_SLOTS = (32, 2)       # fast-tier buffers for prefill copies: two batches of 16 (double buffering) when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
+MAX_ADMIT = 8                # decode misses admitted into the GPU cache per step (memory.doorbell.MAX_ADMIT_PER_STEP)
 CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
 
 
@@ -247,6 +249,9 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     workspace = chunk * (args.num_experts_per_tok * 4 * inter + 12 * args.hidden_size) * dtype.itemsize \
         + scores + (CUDA_WORKSPACE if cuda else 0)
     eb, fb = layout.expert_bytes, layout.fast_bytes(dtype)
+    float_expert = sum(math.prod(p.shape) for p in layout.params) * dtype.itemsize
+    if cuda and layout.qtype:       # CUDA prefill dequantizes GGML experts, DEQUANT_EXPERTS at a time
+        workspace += DEQUANT_EXPERTS * float_expert
     tiers = layer_tiers(layout, config)
     policy = config.cache_policy or ("mix" if config.expert_profile else "lru")
     if policy not in POLICIES:
@@ -312,14 +317,16 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     # layers): prefill copies the next layer's experts while this layer computes (FastTier.prefetch_layer)
     cacheable = sum(E for t in tiers if t == "auto")
     # GGML experts: raw staging rows for a layer, and the layer dequantized at once (Tiers._forward_staged_layer)
-    layer_extra = E * eb + E * sum(math.prod(p.shape) for p in layout.params) * dtype.itemsize if layout.qtype else 0
+    layer_extra = E * eb + E * float_expert if layout.qtype else 0
     layer_stage = cuda and copy_tokens and gpu_left - 2 * E * fb - layer_extra >= cacheable * fb + 4 * big * fb
     if layer_stage:
         stage = 2 * E
     gpu_left -= stage * fb
-    staging = eb + fb if cuda and layout.qtype else 0   # fast.FastTier's device staging buffer + repack temporaries
+    # fast.FastTier's device staging rows (a stage half, or a step's admissions) + repack temporaries
+    rows = max(MAX_ADMIT, stage // 2)
+    staging = rows * eb + min(rows, REPACK_EXPERTS) * fb if cuda and layout.qtype else 0
     if layer_stage:
-        staging += layer_extra
+        staging += E * float_expert if layout.qtype else 0
     share_cfg = pcie_share_default(bw) if config.pcie_share is None else config.pcie_share
     pcie_share = share_cfg if cuda and stage else 0.0
     staging += pcie_rows(pcie_share, args.num_experts_per_tok, stage) * eb   # the PCIe share's (memory.doorbell)
