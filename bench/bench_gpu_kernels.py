@@ -506,6 +506,10 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
                                        text=True, check=True).stdout
                 sass = subprocess.run([str(nvbin / "cuobjdump"), "-sass", f.name], capture_output=True,
                                       text=True, check=True).stdout
+            if os.environ.get("SASS_DIR"):                            # keep the listing to grep
+                Path(os.environ["SASS_DIR"], f"{fmt}_{name}.sass").write_text(sass)
+                Path(os.environ["SASS_DIR"], f"{fmt}_{name}.ttgir").write_text(kern.asm["ttgir"])
+                Path(os.environ["SASS_DIR"], f"{fmt}_{name}.llir").write_text(kern.asm["llir"])
             regs, stack = (int(re.search(p + r":(\d+)", usage).group(1)) for p in ("REG", "STACK"))
             r = {"fmt": fmt, "kernel": name, "regs": regs, "spill_stack_bytes": stack,
                  "shared_bytes": kern.metadata.shared, "compile_s": round(secs, 1), **sass_loop(sass)}
@@ -532,7 +536,12 @@ def sass_loop(sass: str) -> dict:
         if (m := re.search(r"\bLDG\.E(\.[A-Z0-9.]+)?", text)):
             key = "LDG" + (m.group(1) or ".32")
             loads[key] = loads.get(key, 0) + 1
-    return {"sass_instructions": len(ins), "k_loop": bool(loops), "loop_instructions": len(body), "loop_loads": loads}
+    ops = {}                                        # whole kernel: shared memory / barriers / shuffles
+    for a, text in ins:
+        if (m := re.match(r"(?:@!?U?P\w+\s+)?(STS|LDSM|LDS|BAR|SHFL)\b", text)):
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return {"sass_instructions": len(ins), "k_loop": bool(loops), "loop_instructions": len(body), "loop_loads": loads,
+            "smem_ops": ops}
 
 
 def main():

@@ -408,11 +408,20 @@ def down(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False):
 # has only D/BN programs. v3:
 #   - one K step: each program loads the whole length of its rows (K in one or two power-of-two pieces,
 #     e.g. I = 768 = 16 + 8 Q4_0 blocks) and issues every weight load (evict_first) before any math;
-#   - small programs, many of them: gate_up grid (T*k pairs, I/BN) with tiles [2 (gate, up), BN, NB, W]
-#     (x shared by the 2 BN rows a thread holds); down grid (T, D/BN) with tiles [BN, k, NB, W] (all k
+#   - small programs, many of them: gate_up grid (T*k pairs, I/BN) with tiles [K words, BN, 2 (gate, up)]
+#     (x shared by the 2 BN rows a thread holds); down grid (T, D/BN) with tiles [K words, k, BN] (all k
 #     experts of BN output rows in one program: no atomics, deterministic; h[t, j] shared by BN rows);
-#   - the weight math of v2 (same bit tricks), Q4_0 with one accumulator per word (x of high nibbles
-#     pre-scaled by 1/16, exact), sums over blocks and experts at the end;
+#     a skipped gate_up pair (-1) branches around every load;
+#   - the weight math of v2 (same bit tricks), one accumulator per word that starts at its zero-point
+#     term (x only), high nibbles read as f / 16 (the bits of 1/16 for 1: exact), the block scale
+#     applied per word (one FFMA), sums over words and experts at the end;
+#   - one register layout for everything: tiles are [words, rows...] with the word axis FIRST, and x,
+#     the scales and the words are all loaded through pointer tensors of that shape (x and the scales
+#     broadcast over rows / words). Triton's coalescing then gives every load the words' layout (same
+#     shape and axis order: the x gather inherits the words' 4-per-thread), so no convert_layout (no
+#     STS/LDS/BAR) between loads and math; ptxas merges a thread's equal x / scale loads (scale loads
+#     unmasked, rows clamped in bounds, no cache hint), so the rows a thread holds share them. Old v3 had
+#     the word axis last: x got another layout and the weight products went through shared memory;
 #   - v3pdl: the down kernel, a programmatic dependent launch, issues its weight loads before waiting
 #     for the gate_up grid (weights do not depend on h), then reads h.
 # Other formats run v2 under variant "v3".
@@ -421,39 +430,39 @@ V3_FORMATS = ("Q8_0", "Q4_0", "Q4_K")
 
 
 @triton.jit
-def _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, g0, NBK,
-             FMT: tl.constexpr, NB: tl.constexpr):
-    """Loads of step blocks g0 .. g0+NB (of NBK) of rows [A, B] (offsets r* [A, B], mask [A, B]):
-    words [A, B, NB*W] (one flat contiguous axis: 16-byte loads, lanes along the row) and per block
-    [A, B, NB] d (Q4_K: d, dmin, sc lo, sc hi, mn lo, mn hi; other formats repeat d)."""
-    W: tl.constexpr = 4 if FMT == Q4_0 else 8            # words per step block (Q4_K: 64-chunk)
-    e = g0 * W + tl.arange(0, NB * W)
-    g = g0 + tl.arange(0, NB)
-    m3 = mask[:, :, None] & (g < NBK)[None, None, :]
-    words = tl.load(q_ptr + rq[:, :, None] + e[None, None, :], mask=mask[:, :, None] & (e < NBK * W)[None, None, :],
-                    other=0, eviction_policy="evict_first")
-    if FMT == Q4_K:
-        gs = (g // 4)[None, None, :]
-        d = tl.load(d_ptr + rd[:, :, None] + gs, mask=m3, other=0.0, eviction_policy="evict_first")
-        dm = tl.load(m_ptr + rm[:, :, None] + gs, mask=m3, other=0.0, eviction_policy="evict_first")
-        sc_lo = tl.load(sc_ptr + rsc[:, :, None] + 2 * g[None, None, :], mask=m3, other=0,
-                        eviction_policy="evict_first")
-        sc_hi = tl.load(sc_ptr + rsc[:, :, None] + 2 * g[None, None, :] + 1, mask=m3, other=0,
-                        eviction_policy="evict_first")
-        mn_lo = tl.load(mn_ptr + rmn[:, :, None] + 2 * g[None, None, :], mask=m3, other=0,
-                        eviction_policy="evict_first")
-        mn_hi = tl.load(mn_ptr + rmn[:, :, None] + 2 * g[None, None, :] + 1, mask=m3, other=0,
-                        eviction_policy="evict_first")
-        return words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi
-    else:
-        d = tl.load(d_ptr + rd[:, :, None] + g[None, None, :], mask=m3, other=0.0, eviction_policy="evict_first")
-        return words, d, d, d, d, d, d
+def _v3_bload(ptr, r, g0, NB: tl.constexpr, W: tl.constexpr, K: tl.constexpr, M: tl.constexpr, NBK):
+    """Per-block values [NB*W, A, B] of rows r [A, B], blocks g0 .. g0+NB (clamped to NBK - 1): word e of the
+    step reads ptr + r + K * (g0 + e // W) + M. The pointers are a broadcast over each block's W words and
+    the load is unmasked (rows r in bounds; callers mask the sums) and carries no cache hint: ptxas then
+    keeps one load per block and row of a thread."""
+    g = tl.minimum(g0 + tl.arange(0, NB), NBK - 1)
+    pb = ptr + r[None, None, :, :] + (K * g + M)[:, None, None, None]                   # [NB, 1, A, B]
+    return tl.load(tl.reshape(tl.broadcast_to(pb, [NB, W, r.shape[0], r.shape[1]]), [NB * W, r.shape[0], r.shape[1]]))
 
 
 @triton.jit
-def _v3_bsum(v, NB: tl.constexpr, W: tl.constexpr):
-    """[A, B, NB*W] -> [A, B, NB]: sums over each block's words."""
-    return tl.sum(tl.reshape(v, [v.shape[0], v.shape[1], NB, W]), axis=3)
+def _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, g0, NBK,
+             FMT: tl.constexpr, NB: tl.constexpr):
+    """Loads of step blocks g0 .. g0+NB (of NBK) of rows [A, B] (offsets r* [A, B], mask [A, B]): words
+    [NB*W, A, B], the word axis first (16-byte loads, lanes along the row), and each word's block
+    scales in the same shape (Q4_K: d, dmin, sc lo, sc hi, mn lo, mn hi; other formats repeat d).
+    Word axis first: every [NB*W, A, B] load here and in _v3_math gets the words' register layout
+    (Triton's coalescing orders a gather's axes as the words' when the word axis is axis 0)."""
+    W: tl.constexpr = 4 if FMT == Q4_0 else 8            # words per step block (Q4_K: 64-chunk)
+    e = g0 * W + tl.arange(0, NB * W)
+    m3 = (e < NBK * W)[:, None, None] & mask[None, :, :]
+    words = tl.load(q_ptr + rq[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
+    if FMT == Q4_K:                                       # d, dmin per 4 chunks; sc, mn per sub-block
+        d = _v3_bload(d_ptr, rd, g0 // 4, NB // 4, 4 * W, 1, 0, NBK // 4)
+        dm = _v3_bload(m_ptr, rm, g0 // 4, NB // 4, 4 * W, 1, 0, NBK // 4)
+        sc_lo = _v3_bload(sc_ptr, rsc, g0, NB, W, 2, 0, NBK)
+        sc_hi = _v3_bload(sc_ptr, rsc, g0, NB, W, 2, 1, NBK)
+        mn_lo = _v3_bload(mn_ptr, rmn, g0, NB, W, 2, 0, NBK)
+        mn_hi = _v3_bload(mn_ptr, rmn, g0, NB, W, 2, 1, NBK)
+        return words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi
+    else:
+        d = _v3_bload(d_ptr, rd, g0, NB, W, 1, 0, NBK)
+        return words, d, d, d, d, d, d
 
 
 @triton.jit
@@ -462,59 +471,63 @@ def _v3_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, x_ptr, xo, one,
     """Row dot products [A, B] of _v3_load's blocks with x at offsets xo [XA, XB] (broadcast over the
     rows: [1, 1] one vector, [1, B] one per B index). The v2 bit tricks (module doc); word e of the
     step: Q8_0 element 4e + b, Q4_0 32 (e // 4) + 4 (e % 4) + b (and + 16), Q4_K 64 (e // 8) + 4 (e % 8) + b
-    (and + 32)."""
+    (and + 32). x is gathered with pointers of the words' shape (broadcast over the rows): the words'
+    register layout, no layout conversion, and the rows a thread holds share its x loads. Each word's
+    accumulator starts at its zero-point term (x only, shared by the rows); high nibbles are read as
+    f / 16 (the bits of 1/16 instead of 1: exact), so no x is scaled."""
     W: tl.constexpr = 4 if FMT == Q4_0 else 8            # words per step block (Q4_K: 64-chunk)
     e = g0 * W + tl.arange(0, NB * W)
-    me = (e < NBK * W)[None, None, :]
     if FMT == Q4_K:
-        xb = x_ptr + xo[:, :, None] + ((e // 8) * 64 + (e % 8) * 4)[None, None, :]
+        xe = (e // 8) * 64 + (e % 8) * 4
     elif FMT == Q4_0:
-        xb = x_ptr + xo[:, :, None] + ((e // 4) * 32 + (e % 4) * 4)[None, None, :]
+        xe = (e // 4) * 32 + (e % 4) * 4
     else:
-        xb = x_ptr + xo[:, :, None] + (e * 4)[None, None, :]
-    if FMT == Q4_0:                                # byte b of word e: low and high (+ 16) nibble
+        xe = e * 4
+    xb = tl.broadcast_to(x_ptr + xo[None, :, :] + xe[:, None, None], words.shape)
+    me = tl.broadcast_to((e < NBK * W)[:, None, None], words.shape)
+    one16 = one - 0x2000000                              # bits of 1/16
+    if FMT == Q4_0:         # 256 (f_lo - 1) = q_lo, 256 (f_hi/16 - 1/16) = q_hi: sum (q - 8) x = 256 (p - sum(33/32 x_lo + 3/32 x_hi))
         p = tl.zeros(words.shape, dtype=tl.float32)
-        s_a = tl.zeros(xb.shape, dtype=tl.float32)      # sum x_lo + x_hi / 16
-        s_b = tl.zeros(xb.shape, dtype=tl.float32)      # sum x_lo + x_hi
         for b in tl.static_range(4):
             x_lo = tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
             x_hi = tl.load(xb + (b + 16), mask=me, other=0.0).to(tl.float32)
-            x_h16 = x_hi * 0.0625                       # exact: (1 + q/16) x/16 = x/16 + q x / 256
+            p -= 1.03125 * x_lo
+            p -= 0.09375 * x_hi
+        for b in tl.static_range(4):
+            x_lo = tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
+            x_hi = tl.load(xb + (b + 16), mask=me, other=0.0).to(tl.float32)
             t = _shift(words, 15 - 8 * b)
-            p += _f(t & 0x78000, one) * x_lo + _f(t & 0x780000, one) * x_h16
-            s_a += x_lo + x_h16
-            s_b += x_lo + x_hi
-        r = d.to(tl.float32) * (256.0 * (_v3_bsum(p, NB, W) - _v3_bsum(s_a, NB, W)) - 8.0 * _v3_bsum(s_b, NB, W))
-        return tl.sum(r, axis=2)
-    elif FMT == Q8_0:                              # byte b of word e: element 4e + b
+            p += _f(t & 0x78000, one) * x_lo
+            p += _f(t & 0x780000, one16) * x_hi
+        return 256.0 * tl.sum(d.to(tl.float32) * p, axis=0)
+    elif FMT == Q8_0:       # f = 1 + (q + 128) / 256: sum q x = 256 (p - 1.5 sum x)
         p = tl.zeros(words.shape, dtype=tl.float32)
-        sx = tl.zeros(xb.shape, dtype=tl.float32)
-        one8 = one | 0x400000                           # f = 1 + (q + 128) / 256
+        for b in tl.static_range(4):
+            p -= 1.5 * tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
+        one8 = one | 0x400000
         for b in tl.static_range(4):
             x = tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
             p += (_field(words, 15 - 8 * b, 0x7F8000) ^ one8).to(tl.float32, bitcast=True) * x
-            sx += x
-        r = d.to(tl.float32) * (256.0 * _v3_bsum(p, NB, W) - 384.0 * _v3_bsum(sx, NB, W))
-        return tl.sum(r, axis=2)
-    else:                                          # Q4_K chunk c: low nibbles sub-block 2c, high 2c + 1
-        p_lo = tl.zeros(words.shape, dtype=tl.float32)
-        p_hi = tl.zeros(words.shape, dtype=tl.float32)
-        sx_lo = tl.zeros(xb.shape, dtype=tl.float32)
-        sx_hi = tl.zeros(xb.shape, dtype=tl.float32)
+        return 256.0 * tl.sum(d.to(tl.float32) * p, axis=0)
+    else:                   # Q4_K chunk c: low nibbles sub-block 2c (p_lo), high 2c + 1 (p_hi, read / 16)
+        sx_lo = tl.zeros(words.shape, dtype=tl.float32)
+        sx_hi = tl.zeros(words.shape, dtype=tl.float32)
+        for b in tl.static_range(4):
+            sx_lo += tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
+            sx_hi += tl.load(xb + (b + 32), mask=me, other=0.0).to(tl.float32)
+        p_lo = -sx_lo
+        p_hi = sx_hi * -0.0625
         for b in tl.static_range(4):
             x_lo = tl.load(xb + b, mask=me, other=0.0).to(tl.float32)
             x_hi = tl.load(xb + (b + 32), mask=me, other=0.0).to(tl.float32)
             t = _shift(words, 15 - 8 * b)
             p_lo += _f(t & 0x78000, one) * x_lo
-            p_hi += _f(t & 0x780000, one) * x_hi
-            sx_lo += x_lo
-            sx_hi += x_hi
-        s_lo = _v3_bsum(sx_lo, NB, W)
-        s_hi = _v3_bsum(sx_hi, NB, W)
-        r = (d.to(tl.float32) * (sc_lo.to(tl.float32) * (256.0 * (_v3_bsum(p_lo, NB, W) - s_lo))
-                                 + sc_hi.to(tl.float32) * (16.0 * (_v3_bsum(p_hi, NB, W) - s_hi)))
-             - dm.to(tl.float32) * (mn_lo.to(tl.float32) * s_lo + mn_hi.to(tl.float32) * s_hi))
-        return tl.sum(r, axis=2)
+            p_hi += _f(t & 0x780000, one16) * x_hi
+        df = d.to(tl.float32)
+        dmf = dm.to(tl.float32)
+        r = (df * (sc_lo.to(tl.float32) * p_lo + sc_hi.to(tl.float32) * p_hi) * 256.0
+             - dmf * (mn_lo.to(tl.float32) * sx_lo + mn_hi.to(tl.float32) * sx_hi))
+        return tl.sum(r, axis=0)
 
 
 @triton.jit
@@ -543,25 +556,27 @@ def _gate_up_kernel_v3(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn
                        HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
                        NB2: tl.constexpr, PDL: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias); one tile
-    [2, BN, K] (gate rows, up rows), all loads issued first."""
+    [K, BN, 2] (gate rows, up rows; a thread's rows share its x loads), all loads issued first."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     s = tl.load(ids_ptr + p).to(tl.int64)
-    mask = (n < I) & (s >= 0)
+    gu = tl.arange(0, 2)[None, :]
+    r = tl.minimum(n, I - 1).to(tl.int64)[:, None] + gu * I            # [BN, 2]: gate rows, up rows (in bounds)
+    m2 = (n < I)[:, None] & (gu >= 0)
+    acc = tl.zeros([BN, 2], dtype=tl.float32)
+    if s >= 0:                      # a skipped pair (-1) reads nothing: act(0, 0) == 0; other loads unmasked
+        xo = tl.zeros([1, 1], dtype=tl.int64) + (p // KTOP).to(tl.int64) * stride_x
+        acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                      s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, r >= 0, D // BS,
+                      x_ptr, xo, one, FMT, NB1, NB2, False)
+    m2 = m2 & (s >= 0)
     s = tl.maximum(s, 0)
-    gu = tl.arange(0, 2)[:, None]
-    r = n.to(tl.int64)[None, :] + gu * I                               # [2, BN]: gate rows, up rows
-    m2 = mask[None, :] & (gu >= 0)
-    xo = tl.zeros([1, 1], dtype=tl.int64) + (p // KTOP).to(tl.int64) * stride_x
-    acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                  s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, m2, D // BS,
-                  x_ptr, xo, one, FMT, NB1, NB2, False)
     if HAS_BIAS:
         acc += tl.load(b_ptr + s * sb_s + r, mask=m2, other=0.0).to(tl.float32)
-    gate = tl.sum(tl.where(gu == 0, acc, 0.0), axis=0)
-    up = tl.sum(tl.where(gu == 1, acc, 0.0), axis=0)
+    gate = tl.sum(tl.where(gu == 0, acc, 0.0), axis=1)
+    up = tl.sum(tl.where(gu == 1, acc, 0.0), axis=1)
     h = _act(gate, up, ACT, alpha, limit)
     h = h.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)   # rounded to x's dtype, stored as out's
     tl.store(out_ptr + p.to(tl.int64) * I + n, h, mask=n < I)
@@ -574,8 +589,9 @@ def _down_kernel_v3(hx_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
                     D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KP: tl.constexpr, FMT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
                     NB2: tl.constexpr, PDL: tl.constexpr):
-    """grid (T, D/BN): out[t, n] = sum_j w[t, j] * (down_j row n . h[t, j] (+ bias)); one tile [BN, k, I]
-    (KP = k rounded up to a power of two, masked), all weight loads issued first; no atomics. PDL: a
+    """grid (T, D/BN): out[t, n] = sum_j w[t, j] * (down_j row n . h[t, j] (+ bias)); one tile [I, k, BN]
+    (KP = k rounded up to a power of two, masked; the BN rows of an expert in one thread share its h
+    loads), all weight loads issued first; no atomics. PDL: a
     programmatic dependent of the gate_up kernel; it waits for that grid after its weight loads."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -583,26 +599,27 @@ def _down_kernel_v3(hx_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
     j = tl.arange(0, KP)
     jm = j < KTOP
     s = tl.load(ids_ptr + t * KTOP + j, mask=jm, other=-1).to(tl.int64)                # [KP]
-    mask = nm[:, None] & (jm & (s >= 0))[None, :]
-    s = tl.maximum(s, 0)[None, :]
-    r = n.to(tl.int64)[:, None]
-    xo = ((t * KTOP + j).to(tl.int64) * I)[None, :]                                     # h[t*k + j]
+    mask = (jm & (s >= 0))[:, None] & nm[None, :]                                       # [KP, BN]
+    s = tl.maximum(s, 0)[:, None]
+    r = tl.minimum(n, D - 1).to(tl.int64)[None, :]                                      # (in bounds)
+    xo = ((t * KTOP + j).to(tl.int64) * I)[:, None]                                     # h[t*k + j]
     acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
                   s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, mask, I // BS,
-                  hx_ptr, xo, one, FMT, NB1, NB2, PDL)                                  # [BN, KP]
+                  hx_ptr, xo, one, FMT, NB1, NB2, PDL)                                  # [KP, BN]
     if HAS_BIAS:
         acc += tl.load(b_ptr + s * sb_s + r, mask=mask, other=0.0).to(tl.float32)
     wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)
-    y = tl.sum(tl.where(mask, acc, 0.0) * wj[None, :], axis=1)
+    y = tl.sum(tl.where(mask, acc, 0.0) * wj[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-# v3 tiles (Tile.bn rows per program, warps; bk and stages unused: one step of the whole row).
-# Qwen3-30B-A3B T=1: gate_up 8 x 192 = 1536 programs of 2 x 4 rows x 2048 (Q4_0 8 KB), down 512
-# programs of 4 rows x 8 experts x 768 (Q4_0 12 KB); picked from sm_90 SASS before any GPU run.
-_GU3, _DN3 = Tile(4, 0, 4), Tile(4, 0, 4)
-GATE_UP3 = {f: _GU3 for f in V3_FORMATS}
-DOWN3 = {f: _DN3 for f in V3_FORMATS}
+# v3 tiles (Tile.bn rows per program, warps; bk and stages unused: one step of the whole row), picked
+# from sm_90 SASS (bench --compile-sm90: instructions per weight, registers) before any GPU run.
+# Qwen3-30B-A3B T=1: gate_up 8 x 384 = 3072 one-warp programs of 2 x 2 rows x 2048 (no barrier at all:
+# the row sums are warp shuffles); down 256 programs of 8 rows x 8 experts x 768 (Q8_0: 4 rows, 512
+# programs, to stay under 128 registers).
+GATE_UP3 = {f: Tile(2, 0, 1) for f in V3_FORMATS}
+DOWN3 = {"Q8_0": Tile(4, 0, 4), "Q4_0": Tile(8, 0, 4), "Q4_K": Tile(8, 0, 4)}
 
 
 def v3_pieces(k: int, fmt: str) -> tuple[int, int]:
