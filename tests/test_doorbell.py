@@ -381,7 +381,10 @@ def odd_case(qtype, dim, hidden, misses, threads, q8, lib=None, seed=0):
 @pytest.mark.parametrize("qtype,dim,hidden,q8", [
     ("Q4_0", 224, 160, True), ("Q8_0", 224, 160, True),       # rows / pairs do not split evenly over the chunks
     ("Q4_0", 224, 160, False), ("F32+Q4_0", 98, 96, True),     # D = 98: runs of down end in 1-3 single rows
-    ("Q4_K+Q6_K", 512, 256, True), ("MXFP4", 224, 160, True), ("F32", 100, 50, False)])
+    ("Q4_K+Q6_K", 512, 256, True), ("MXFP4", 224, 160, True), ("F32", 100, 50, False),
+    ("Q4_K", 512, 256, True), ("Q6_K", 512, 256, True), ("Q5_K", 512, 256, True),
+    ("Q4_K+Q6_K", 256, 512, True), ("Q6_K+Q4_K", 768, 256, True),   # gate_up 3 x 256 wide, down 768 rows
+    ("Q4_K+F32", 256, 98, True), ("F32+Q6_K", 98, 256, True)])  # 98 rows: runs end in 1-3 K-quant rows
 def test_chunked_runs_match_the_row_loops(qtype, dim, hidden, q8, misses, threads):
     """The chunked runs (4-row kernels sharing x, per-thread contiguous chunks with stealing, down per expert
     over a slice of y, h quantized by all threads) give the per-row loops' y bit for bit (same per-row
@@ -420,13 +423,17 @@ def scalar_doorbell(tmp_path_factory):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("qtype,misses", [("Q4_0", 3), ("Q8_0", 7), ("Q4_0", 1), ("Q8_0", 1), ("MXFP4", 3)])
+@pytest.mark.parametrize("qtype,misses", [("Q4_0", 3), ("Q8_0", 7), ("Q4_0", 1), ("Q8_0", 1), ("MXFP4", 3),
+                                          ("Q4_K", 3), ("Q6_K", 1), ("Q5_K", 3), ("Q4_K+Q6_K", 7),
+                                          ("Q4_K+Q6_K", 1)])
 def test_chunked_runs_avx2_build(qtype, misses, threads, avx2_doorbell):
-    """The AVX2 build: its 4-row kernel against its per-row loops (bit for bit) and the native build (the integer
-    dot products are exact on both: equal)."""
-    new, old, want = odd_case(qtype, 224, 160, misses, threads, True, lib=avx2_doorbell)
+    """The AVX2 build: its 4-row kernels against its per-row loops (bit for bit) and the native build (the integer
+    dot products are exact on both: equal; K-quants: the native build's AVX-512 two-rows-per-register kernels of
+    cpu_kq_q8.c against the AVX2 ones, same per-row arithmetic)."""
+    dim, hidden = (512, 256) if "K" in qtype else (224, 160)
+    new, old, want = odd_case(qtype, dim, hidden, misses, threads, True, lib=avx2_doorbell)
     assert torch.equal(new, old)
-    native, _, _ = odd_case(qtype, 224, 160, misses, threads, True)
+    native, _, _ = odd_case(qtype, dim, hidden, misses, threads, True)
     assert torch.equal(new, native)
     assert ((new - want).abs().max() / want.abs().max()).item() <= 3e-2
 

@@ -278,9 +278,18 @@ static void moe_rows4_run_mxfp4_q8(const uint8_t *w, int64_t rs, const int8_t *q
     for (int r = 0; r < 4; r++) out[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 }
 
+#ifdef MOE_KQ_512
+#define MOE_ROWS4_RUN_Q45_K moe_rows4_run_q45_k_q8_512
+#define MOE_ROWS4_RUN_Q6_K moe_rows4_run_q6_k_q8_512
+#else
+#define MOE_ROWS4_RUN_Q45_K moe_rows4_run_q45_k_q8
+#define MOE_ROWS4_RUN_Q6_K moe_rows4_run_q6_k_q8
+#endif
+
 /* out[i] = row w + i rs . q8 x for i < n (a run of rows of one matrix, prefetch bounded by pf_end): Q4_0 / Q8_0 4
- * rows per call (moe_rows4_run_q8, or its AVX-512 twin), MXFP4 likewise (moe_rows4_run_mxfp4_q8), the tail and
- * the other types one row per call (moe_row_q8). */
+ * rows per call (moe_rows4_run_q8, or its AVX-512 twin), MXFP4 likewise (moe_rows4_run_mxfp4_q8), Q4_K / Q6_K (and
+ * Q5_K with AVX-512) likewise (cpu_kq_q8.c, AVX2 or AVX-512 VNNI), the tail and the other types one row per call
+ * (moe_row_q8). Every path is bit-identical to moe_row_q8 row by row. */
 static void moe_rows_run_q8(int qtype, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
                             const float *sx, int64_t K, const uint8_t *pf_end, float *out) {
     int64_t i = 0;
@@ -290,6 +299,14 @@ static void moe_rows_run_q8(int qtype, const uint8_t *w, int64_t rs, int64_t n, 
         for (; i + 4 <= n; i += 4) MOE_ROWS4_RUN(0, w + i * rs, rs, qx, dx, sx, K / 32, pf_end, out + i);
     else if (qtype == MXFP4)
         for (; i + 4 <= n; i += 4) moe_rows4_run_mxfp4_q8(w + i * rs, rs, qx, dx, K / 32, pf_end, out + i);
+    else if (qtype == Q4_K)
+        for (; i + 4 <= n; i += 4) MOE_ROWS4_RUN_Q45_K(0, w + i * rs, rs, qx, dx, sx, K / 256, pf_end, out + i);
+#ifdef MOE_KQ_512
+    else if (qtype == Q5_K)   /* the AVX2 4-row Q5_K kernel was slower than one row (cpu_kq_q8.c) */
+        for (; i + 4 <= n; i += 4) MOE_ROWS4_RUN_Q45_K(1, w + i * rs, rs, qx, dx, sx, K / 256, pf_end, out + i);
+#endif
+    else if (qtype == Q6_K)
+        for (; i + 4 <= n; i += 4) MOE_ROWS4_RUN_Q6_K(w + i * rs, rs, qx, dx, K / 256, pf_end, out + i);
     for (; i < n; i++) out[i] = moe_row_q8(qtype, w + i * rs, qx, dx, sx, K);
 }
 #endif
