@@ -98,35 +98,8 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
     }
 }
 
-/* 4 rows (at w + r * rs) . q8 x at once: 4 independent accumulator chains (one row is latency-bound) */
-static void moe_rows4_q8(int qtype, const uint8_t *w, int64_t rs, const int8_t *qx, const float *dx,
-                         const float *sx, int64_t nb, float *out) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    float off[4] = {0.f, 0.f, 0.f, 0.f};
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    const int64_t bb = qtype == Q4_0 ? 18 : 34;
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i y = _mm256_loadu_si256((const __m256i *)(qx + 32 * b));
-        for (int r = 0; r < 4; r++) {
-            const uint8_t *wb = w + r * rs + b * bb;
-            PREFETCH(wb);
-            const float d = fp16_to_f32(wb), s = d * dx[b];
-            __m256i p;
-            if (qtype == Q4_0) {
-                const __m128i t = _mm_loadu_si128((const __m128i *)(wb + 2));
-                p = moe_dot_u8s8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo), y);
-                off[r] += d * sx[b];
-            } else {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(wb + 2));
-                p = moe_dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[r]);
-        }
-    }
-    for (int r = 0; r < 4; r++) out[r] = hsum8(acc[r]) - 8.f * off[r];
-}
-
-/* moe_rows4_q8 for a run of contiguous rows (doorbell.c's miss server): Q4_0 / Q8_0 rows w + r rs (r < 4) . q8 x,
+/* 4 rows (at w + r rs, r < 4) . q8 x at once, 4 independent accumulator chains (one row is latency-bound), for a
+ * run of contiguous rows (doorbell.c's miss server; moetier_moe_tokens, moetier_matvec_q8): Q4_0 / Q8_0 rows,
  * each row the same arithmetic as moe_row_q4_0_q8 / moe_row_q8_0_q8 (bit-identical results). The type is a
  * constant of each inlined copy (no branch in the block loop), and the software prefetch stops at pf_end, the end
  * of the caller's run: past it, it would fetch bytes another thread reads (or nobody does), and the miss server's
@@ -348,7 +321,9 @@ static inline int64_t moe_step(const moe_vec *v, int64_t n) { return v->q8 && n 
 static inline void moe_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, const moe_vec *v, int64_t K,
                             float *out) {
 #ifdef MOE_Q8
-    if (n == 4 && v->q8 && (qtype == Q4_0 || qtype == Q8_0)) { moe_rows4_q8(qtype, w, rs, v->qx, v->dx, v->sx, K / 32, out); return; }
+    /* the miss server's 4-row kernels (bit-identical per row); prefetch up to the next group of 4, as the old
+     * per-block prefetch 4 KB ahead did */
+    if (n == 4 && v->q8) { moe_rows_run_q8(qtype, w, rs, 4, v->qx, v->dx, v->sx, K, w + 8 * rs, out); return; }
 #endif
     for (int64_t i = 0; i < n; i++) out[i] = moe_row(qtype, w + i * rs, v, K);
 }
@@ -422,13 +397,11 @@ int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N
     int8_t *qx = (int8_t *)(sx + K / 32);
     moe_quantize_q8(x, K, qx, dx, sx);
     const int64_t bytes = N * (K / block_elems(qtype)) * block_bytes(qtype);
-    const int64_t step = qtype == Q4_0 || qtype == Q8_0 ? 4 : 1;   /* moe_rows4_q8: 4 rows share x loads */
     if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t n = 0; n < N; n += step) {
-        if (step == 4 && n + 4 <= N) { moe_rows4_q8(qtype, w + n * row_stride, row_stride, qx, dx, sx, K / 32, y + n); continue; }
-        for (int64_t r = n; r < N && r < n + step; r++) y[r] = moe_row_q8(qtype, w + r * row_stride, qx, dx, sx, K);
-    }
+    for (int64_t n = 0; n < N; n += 4)      /* 4 rows share x loads (moe_rows_run_q8; a tail of 1-3 rows one by one) */
+        moe_rows_run_q8(qtype, w + n * row_stride, row_stride, N - n < 4 ? N - n : 4, qx, dx, sx, K,
+                        w + (N - n < 8 ? N : n + 8) * row_stride, y + n);
     free(mem);
     return 0;
 #else
