@@ -187,3 +187,27 @@ def test_run_json_stats_and_budget_errors(tiny):
     from moetier.errors import UserError
     with pytest.raises(UserError, match="dense weights"):
         Engine.load(path, EngineConfig(progress=False, max_context=CTX, ram_mem=fixed // 2))
+
+
+def test_deferred_counters_fold_like_the_per_layer_path(tiny):
+    """Tiers._fold (the counters of prefill layers run without a host sync on CUDA) adds exactly what the
+    per-layer path counts for the same routing: routes and experts served from RAM, staged experts, RAM
+    hits and the cache's misses. Device counts stand in for a staged layer's (CPU tensors here)."""
+    path, *_ = tiny
+    eng = Engine.load(path, EngineConfig(progress=False, max_context=CTX, ram_mem=1 << 30, cpu_moe=True))
+    t = eng.tiers
+    before = t.snapshot()
+    counts = torch.tensor([0, 5, 0, 3, 1, 0, 0, 7, 0, 0, 2, 0, 0, 0, 4, 0])     # rows per expert of layer 2
+    t.stats.phase = "decode"            # folding happens later, whatever phase runs then
+    t._deferred.append((2, counts))
+    misses0, ram0 = int(t.cache.misses[2]), t.bank.stats["ram_hits"]
+    after = t.snapshot()                # folds
+    assert not t._deferred and t.stats.phase == "decode"
+    p0, p1 = before["prefill"], after["prefill"]
+    assert p1["routes"]["ram"] - p0["routes"]["ram"] == int(counts.sum())
+    assert p1["experts"]["ram"] - p0["experts"]["ram"] == int((counts > 0).sum())
+    assert p1["staged"] - p0["staged"] == int((counts > 0).sum())
+    assert int(t.cache.misses[2]) - misses0 == int(counts.sum())
+    assert t.bank.stats["ram_hits"] - ram0 == int((counts > 0).sum())
+    assert int(t.stats.layer_routes[2].sum()) >= int(counts.sum())
+    t.close()
