@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..models.layers import DenseExperts
+from ..models.layers import DenseExperts, grouped_mm_experts
 from .cache import SlotCache
 from .fast import FastTier, expert_math, grouped_available
 from .layout import expert_modules
@@ -237,20 +237,9 @@ class Tiers:
         half, slots, ev = fast.take_ahead(li)
         torch.cuda.current_stream(fast.device).wait_event(ev)
         tok = fast.compute_timer["prefill"].start()
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        rows = order // k
-        counts = torch.zeros(self.E, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
         self.profile.add(li, ids, w, False)
         gu, dn = fast.dequantized(slots, x.dtype, li)
-        offs = counts.cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(x[rows], gu.transpose(-2, -1), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(act(gate, up).contiguous(), dn.transpose(-2, -1), offs=offs)
-        y = y * w.reshape(-1)[order, None].to(y.dtype)
-        out = torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
+        out, counts = grouped_mm_experts(x, ids, w, gu, dn, act)
         fast.compute_timer["prefill"].stop(tok)
         fast.computed(half, slots)
         self._deferred.append((li, counts))

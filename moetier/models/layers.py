@@ -324,7 +324,7 @@ class DenseExperts(nn.Module):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return gathered_experts(x, ids, w, self)
         if x.is_cuda and x.dtype == torch.bfloat16 and self.gate_up_bias is None and hasattr(torch, "_grouped_mm"):
-            return grouped_mm_experts(x, ids, w, self)
+            return grouped_mm_experts(x, ids, w, self.gate_up_proj, self.down_proj, self.act)[0]
         return grouped_experts(x, ids, w, self.num_experts, self.expert)
 
 
@@ -345,19 +345,25 @@ def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: De
     return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1)
 
 
-def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts) -> torch.Tensor:
-    """CUDA bf16 prefill: pairs sorted by expert, then one grouped GEMM per projection over all
-    experts (torch._grouped_mm; measured faster than our Triton grouped kernel for bf16), no host sync."""
-    t, k = ids.shape
+def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+                       down: torch.Tensor, act: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 prefill over all experts' float weights gate_up [E, 2I, D], down [E, D, I]: pairs sorted
+    by expert, one grouped GEMM per projection (torch._grouped_mm; measured faster than our Triton
+    grouped kernel for bf16). No host sync: the per-expert counts and group ends come from a
+    scatter-add on the device (torch.bincount on CUDA reads the maximum id back to the host first).
+    -> (out [T, D], rows per expert [E] on the device)."""
+    k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    offs = torch.bincount(flat, minlength=ex.num_experts).cumsum(0).to(torch.int32)  # group ends
     rows = order // k
-    h = torch._grouped_mm(x[rows], ex.gate_up_proj.transpose(-2, -1), offs=offs)    # [T*k, 2I]
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    offs = counts.cumsum(0).to(torch.int32)                                          # group ends
+    h = torch._grouped_mm(x[rows], gate_up.transpose(-2, -1), offs=offs)             # [T*k, 2I]
     gate, up = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(ex.act(gate, up).contiguous(), ex.down_proj.transpose(-2, -1), offs=offs)
+    y = torch._grouped_mm(act(gate, up).contiguous(), down.transpose(-2, -1), offs=offs)
     y = y * w.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, y)
+    return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype)), counts
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
