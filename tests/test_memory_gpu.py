@@ -88,6 +88,8 @@ def test_tiered_matches_dense_on_cuda(tiny, tmp_path, dtype):
             assert err <= bf16_tol, f"{name}: bf16 logits differ by {err:.2e} (allowed {bf16_tol:.2e})"
         st = eng.memory_stats()
         assert st["tiers"]["gpu"]["ms"] >= 0 and st["cumulative"]["decode_tokens"] > 0
+        if name == "prefill_copies":    # two-layer stage: the --n-cpu-moe layers' experts copied a layer ahead
+            assert eng.tiers.fast.layers_ahead > 0, name     # (bf16: those layers run without a host sync)
         eng.tiers.cache.check()
         eng.tiers.close()
         del eng

@@ -79,7 +79,7 @@ class Tiers:
         self.graphed = None     # memory.doorbell.GraphTiers once a CUDA-graph decode step uses these tiers
         self._deferred = []     # (layer, device counts [E]) of _forward_staged_layer, for _fold
         self._grouped_ok = (self.cuda and pl.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-                            and self.layout.qtype is not None and pl.stage_slots >= 2 * self.E
+                            and pl.stage_slots >= 2 * self.E
                             and {p.name for p in self.layout.params} == {"gate_up_proj", "down_proj"})
         self.closed = False
 
@@ -218,7 +218,7 @@ class Tiers:
         """Prefill of a chunk that routes copy_tokens or more rows to the average expert, with the
         plan's layer stage (--cpu-moe and alike: the fast tier holds none of layer li's experts, all
         are in the pinned bank): every expert of layer li is (or is now) copied to the stage, and the
-        layer runs without a host sync (_forward_staged_layer). GGML experts without biases."""
+        layer runs without a host sync (_forward_staged_layer). bf16 or GGML experts without biases."""
         if not (self.cuda and self.copy_tokens and routes >= self.E * self.copy_tokens and self._grouped_ok):
             return False
         if len(self.fast.ahead(li)) < self.E:   # the first layer of a chunk: copied now, not overlapped
@@ -229,8 +229,9 @@ class Tiers:
 
     def _forward_staged_layer(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act) -> torch.Tensor:
         """All E experts of layer li in stage slots (FastTier.prefetch_layer): rows sorted by expert,
-        per-expert row counts and offsets computed on the device, the layer's experts dequantized
-        at once and two grouped GEMMs; then layer li+1's copies start. No host sync: the host runs
+        per-expert row counts and offsets computed on the device, the layer's experts (GGML:
+        dequantized at once; bf16: the stage slots themselves) and two grouped GEMMs; then layer
+        li+1's copies start. No host sync: the host runs
         ahead and the GPU never waits for it between layers (with the sync per layer, the GPU idled
         ~6 ms a layer on an 8K chunk of Qwen3-30B-A3B). Counters are folded in later (_fold)."""
         fast = self.fast
@@ -238,7 +239,12 @@ class Tiers:
         torch.cuda.current_stream(fast.device).wait_event(ev)
         tok = fast.compute_timer["prefill"].start()
         self.profile.add(li, ids, w, False)
-        gu, dn = fast.dequantized(slots, x.dtype, li)
+        if self.layout.qtype is not None:
+            gu, dn = fast.dequantized(slots, x.dtype, li)
+        else:       # prefetch_layer gave the layer's experts one run of stage slots, in expert order
+            s0 = slots[0]
+            assert slots == list(range(s0, s0 + len(slots))), "a staged layer's slots are one run"
+            gu, dn = fast.arena["gate_up_proj"][s0:s0 + len(slots)], fast.arena["down_proj"][s0:s0 + len(slots)]
         out, counts = grouped_mm_experts(x, ids, w, gu, dn, act)
         fast.compute_timer["prefill"].stop(tok)
         fast.computed(half, slots)
