@@ -117,10 +117,11 @@ class Tiers:
         self.stats.phase = self.fast.phase = "decode" if decode else "prefill"
         if li == 0:
             self.stats.tokens[self.stats.phase] += t
-        if not decode and self._whole_layer_staged(li, t * k):
+        big = not decode and self.copy_tokens and t * k >= self.E * self.copy_tokens   # rows the average expert gets
+        if self._deferred and (li == 0 or not big):
+            self._fold()        # the last chunk's staged layers (one sync per chunk, before its first layer)
+        if big and self._whole_layer_staged(li):
             return self._forward_staged_layer(li, x, ids, w, act)
-        if self._deferred:
-            self._fold()
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = order // k                                   # token of each sorted pair
@@ -150,7 +151,7 @@ class Tiers:
             self.stats.served(li, "gpu", n)
         if misses:
             self._misses(li, misses, staged, host, xs, ys, act, decode)
-        if not decode and self.copy_tokens and t * k >= self.E * self.copy_tokens:
+        if big:
             self._prefetch_next(li + 1)
         if self.prefetcher is not None and decode:
             self.prefetcher.predict(li, x)
@@ -214,16 +215,14 @@ class Tiers:
             ys.index_copy_(0, idx, y_host.to(ys.device, non_blocking=True).to(ys.dtype))
 
     # ------------------------------------------------------------------ prefill, a whole layer staged
-    def _whole_layer_staged(self, li: int, routes: int) -> bool:
+    def _whole_layer_staged(self, li: int) -> bool:
         """Prefill of a chunk that routes copy_tokens or more rows to the average expert, with the
         plan's layer stage (--cpu-moe and alike: the fast tier holds none of layer li's experts, all
         are in the pinned bank): every expert of layer li is (or is now) copied to the stage, and the
         layer runs without a host sync (_forward_staged_layer). bf16 or GGML experts without biases."""
-        if not (self.cuda and self.copy_tokens and routes >= self.E * self.copy_tokens and self._grouped_ok):
+        if not self._grouped_ok:
             return False
         if len(self.fast.ahead(li)) < self.E:   # the first layer of a chunk: copied now, not overlapped
-            if li == 0 and self._deferred:
-                self._fold()
             self._prefetch_next(li)
         return len(self.fast.ahead(li)) == self.E
 
@@ -231,9 +230,9 @@ class Tiers:
         """All E experts of layer li in stage slots (FastTier.prefetch_layer): rows sorted by expert,
         per-expert row counts and offsets computed on the device, the layer's experts (GGML:
         dequantized at once; bf16: the stage slots themselves) and two grouped GEMMs; then layer
-        li+1's copies start. No host sync: the host runs
-        ahead and the GPU never waits for it between layers (with the sync per layer, the GPU idled
-        ~6 ms a layer on an 8K chunk of Qwen3-30B-A3B). Counters are folded in later (_fold)."""
+        li+1's copies start. No host sync: the host runs ahead and the GPU never waits for it between
+        layers (with the sync per layer, the GPU idled ~6 ms a layer on an 8K chunk of Qwen3-30B-A3B).
+        Counters are folded in later (_fold)."""
         fast = self.fast
         half, slots, ev = fast.take_ahead(li)
         torch.cuda.current_stream(fast.device).wait_event(ev)

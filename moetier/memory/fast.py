@@ -362,33 +362,23 @@ class FastTier:
         half = self._next_stage % 2 if self.stage_batch < len(self.stage) else 0
         self._next_stage += 1
         ahead, self._ahead = self._ahead, None
+        have, ev = {}, None         # expert -> slot already there (prefetch_layer), its copy event
         if ahead is not None and experts is not None and ahead[0] == li and ahead[1] == half:
-            have = ahead[2]
-            spare = iter([s for s in self.stage[half * self.stage_batch:][:self.stage_batch]
-                          if s not in set(have.values())])
-            slots = [have[e] if e in have else next(spare) for e in experts]
-            new = [(s, it) for s, e, it in zip(slots, experts, items) if e not in have]
-            torch.cuda.current_stream(self.device).wait_event(ahead[3])
-            ev = ahead[3]
-            if new:
-                ev = self.load_many([s for s, _ in new], [it[0] for _, it in new], self._after(half),
-                                    [li] * len(new))
-                torch.cuda.current_stream(self.device).wait_event(ev)
-            hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
-            self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
-            self.computed(half, slots)
-            return ev
-        slots = self.stage[half * self.stage_batch:][:len(items)]
+            have, ev = ahead[2], ahead[3]
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        spare = iter([s for s in self.stage[half * self.stage_batch:][:self.stage_batch] if s not in have.values()])
+        slots = [have[e] if e in have else next(spare) for e in (experts or [None] * len(items))]
+        new = [(s, buf) for s, e, (buf, _, _) in zip(slots, experts or [None] * len(items), items) if e not in have]
         hits = [(s, a, n) for s, (_, a, n) in zip(slots, items)]
         if not self.cuda:
-            for s, (buf, _, _) in zip(slots, items):
+            for s, buf in new:
                 self._put(s, self.layout.unpack(buf, li), li)
             self.run(hits, xs, ys, act, li=li)
             return None
-        # double buffering: this half's copies wait only for the computation that last read this half,
-        # so they overlap the other half's computation
-        ev = self.load_many(slots, [buf for buf, _, _ in items], self._after(half), [li] * len(items))
-        torch.cuda.current_stream(self.device).wait_event(ev)
+        if new:     # double buffering: this half's copies wait only for the computation that last read
+            # this half, so they overlap the other half's computation
+            ev = self.load_many([s for s, _ in new], [buf for _, buf in new], self._after(half), [li] * len(new))
+            torch.cuda.current_stream(self.device).wait_event(ev)
         self.run(hits, xs, ys, act, (self.n_slots, len(self.stage)), li)
         self.computed(half, slots)
         return ev
