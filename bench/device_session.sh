@@ -11,6 +11,7 @@
 #               (AB48=1: again with MOETIER_STAGE_REPACK=triton; KEEP48=1 keeps the model)
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
+#   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
 #   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
@@ -94,6 +95,13 @@ for step in $STEPS; do
       timeout ${PDSECS:-100} python3 bench/profile_decode.py $M ${F/all/} --gen 32 > "$OUT/decode48_$F.txt" 2>&1
       head -c 4000 "$OUT/decode48_$F.txt"; echo
     done
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  vram48)
+    # what is live on the GPU at the peak of a --gpu-mem 8GiB run (the budget is a hard limit)
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    timeout ${VSECS:-150} python3 bench/vram_peak.py $M ${VFLAGS:---gpu-mem 8GiB} > "$OUT/vram48.json" 2> "$OUT/vram48.err"
+    tail -3 "$OUT/vram48.err"; head -c 3500 "$OUT/vram48.json"; echo
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   prefill48)
     # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle
