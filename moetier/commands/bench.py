@@ -149,7 +149,14 @@ def summary_line(c: dict) -> str:
         frac += f" [median of {len(runs)}: {min(runs):.1f}-{max(runs):.1f}]"
     return (f"decode {c['decode_tok_s']:.2f} tok/s{frac}; prefill tok/s {pre}; hits {hit_summary(c['memory'])}; "
             f"ms/token gpu {t['gpu_ms']:.2f} cpu {t['cpu_ms']:.2f} copy {t['copy_ms']:.2f} other {t['idle_ms']:.2f}; "
-            f"peak VRAM {_gib(c['peak_vram_bytes'])}")
+            f"peak VRAM {_gib(c['peak_vram_bytes'])}" + _over(c))
+
+
+def _over(c: dict) -> str:
+    """A warning when the peak passed the GPU budget (a bug in the plan's accounting: please report it)."""
+    b = c.get("gpu_budget_bytes")
+    return f" OVER the GPU budget of {_gib(b)} by {(c['peak_vram_bytes'] - b) / 2**20:.0f} MiB" \
+        if b and c["peak_vram_bytes"] > b else ""
 
 
 def _gib(n) -> str:

@@ -445,6 +445,7 @@ class FastTier:
             part = hits[i:i + DEQUANT_EXPERTS]
             gu, dn = self.dequantized([s for s, _, _ in part], xs.dtype, li)
             _grouped(part, [n for _, _, n in part], gu, dn, xs, ys, act)
+            del gu, dn      # before the next part's copies: else two parts are live (measured 32 experts at the peak)
 
     def _run_kernel(self, hits, xs, ys, act, li=None) -> None:
         """GGML experts: every hit row in one kernels.ops.moe call (k = 1, weight 1) on the slots."""

@@ -39,7 +39,9 @@ PCIE_SHARE = 0.25           # share of a decode layer's misses the GPU reads ove
 STAGE_SLOTS = (32, 2)       # fast-tier buffers for prefill copies: two batches of 16 (double buffering) when the budget allows, else 2
 DECODE_MAX = 8              # a call with at most this many tokens is decode (admits misses)
 MAX_ADMIT = 8                # decode misses admitted into the GPU cache per step (memory.doorbell.MAX_ADMIT_PER_STEP)
-CUDA_WORKSPACE = 64 << 20   # cuBLAS workspaces and allocator rounding on the GPU
+# cuBLAS workspaces (32 MiB per thread and stream on sm_90: 4 of them were live at the peak of an H200 run,
+# bench/vram_peak.py) and allocator rounding on the GPU
+CUDA_WORKSPACE = 160 << 20
 
 
 def parse_override(text: str) -> tuple[str, str]:

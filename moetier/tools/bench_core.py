@@ -47,6 +47,12 @@ def peak_vram(device: str) -> int:
     return int(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else 0
 
 
+def gpu_budget(engine) -> int | None:
+    """The GPU budget the memory tiers planned for (None: no tiers, or no GPU)."""
+    pl = getattr(getattr(engine, "tiers", None), "pl", None)
+    return int(pl.gpu_budget) if pl is not None and engine.device.startswith("cuda") else None
+
+
 def release(engine) -> None:
     """Drop an engine before loading the next configuration."""
     tiers = getattr(engine, "tiers", None)
@@ -236,6 +242,7 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
         "ttft_s_by_length": {str(r["prompt_tokens"]): r["ttft_s"] for r in runs},
         "decode_tok_s_by_length": {str(r["prompt_tokens"]): r["decode_tok_s"] for r in runs},
         "peak_vram_bytes": peak_vram(engine.device), "peak_rss_bytes": peak_rss(),
+        "gpu_budget_bytes": gpu_budget(engine),
         "memory": engine.memory_stats(), "decode_memory": first["decode_memory"],
         "time_split": first["time_split"],
         "bound_tok_s": float(f"{bound_tok_s:.5g}"),
