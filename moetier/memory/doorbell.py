@@ -93,6 +93,9 @@ class GraphTiers:
         self._db = doorbell
         self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
+        # the evicted entries' value, made once: torch.tensor(-1, device=...) per step was a pageable copy that
+        # waited for the step being served (the bookkeeping thread then finished after it: account_ms)
+        self._minus1 = torch.full((), -1, dtype=tiers.cache.table.dtype, device=dev)
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
         # (gpt-oss's biases as float32: views of the bank when stored so, else copies kept here)
         names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
@@ -276,7 +279,7 @@ class GraphTiers:
         dev = c.table.device
         if victims:
             li_t, e_t = _to_device(victims, dev)
-            c.table.index_put_((li_t, e_t), torch.tensor(-1, dtype=c.table.dtype, device=dev))
+            c.table.index_put_((li_t, e_t), self._minus1)
         after = torch.cuda.Event()
         after.record()
         slots = list(placed)
