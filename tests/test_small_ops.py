@@ -96,3 +96,169 @@ def test_fused_decode_attention_matches_the_layer(qk_norm, rot_frac, h, hkv, dh,
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(caches[0].k[:pos + 1], caches[1].k[:pos + 1], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(caches[0].v[:pos + 1], caches[1].v[:pos + 1])
+
+
+# ---------------------------------------------------------------- fused router, residual add + RMSNorm
+def _skip_bf16_on_cpu(dtype):
+    if DEV == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16 rounding (checked on CUDA)")
+
+
+def _router_inputs(e, d, dtype, seed, dev=DEV):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, d, generator=g)
+    w = torch.randn(e, d, generator=g) / d ** 0.5 * 1.5              # logits ~ N(0, 1.5): no ties, no overflow
+    return x.to(dev, dtype), w.to(dev, dtype)
+
+
+def _twin_router(x, w, k, normalize):
+    return softmax_topk(torch.nn.functional.linear(x, w), k, normalize)
+
+
+def _check_router(ids, w, x, weight, k, normalize):
+    want_ids, want_w = _twin_router(x, weight, k, normalize)
+    assert ids.dtype == torch.long and w.dtype == x.dtype and ids.shape == w.shape == (1, k)
+    assert (ids >= 0).all() and (ids < weight.shape[0]).all() and torch.isfinite(w).all()
+    assert ids.tolist() == want_ids.tolist()
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-6)
+    else:                                                               # one rounding of x's dtype apart
+        torch.testing.assert_close(w.float(), want_w.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,d,k", [(128, 2048, 8), (60, 256, 4)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_topk_matches_the_twin(dtype, e, d, k, normalize):
+    """GEMV + softmax + top-k in one launch (last program of the grid does the top-k); called twice in a
+    row on poisoned outputs, so the arrival counter must be back at 0 after each launch."""
+    from moetier.kernels import triton_small
+    _skip_bf16_on_cpu(dtype)
+    x, weight = _router_inputs(e, d, dtype, seed=e + k + normalize)
+    for call in range(2):
+        ids = torch.full((1, k), -1, dtype=torch.long, device=DEV)
+        w = torch.full((1, k), float("nan"), dtype=dtype, device=DEV)
+        triton_small.router_topk(x, weight, k, normalize, out=(ids, w))
+        _check_router(ids, w, x, weight, k, normalize)
+        assert triton_small._router_counter(x.device).item() == 0
+    for rows in (1, 4, 8):                                              # other grids, same answer
+        got = triton_small.router_topk(x, weight, k, normalize, rows=rows)
+        _check_router(*got, x, weight, k, normalize)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_softmax_router_module_takes_the_fused_path(normalize, monkeypatch):
+    """SoftmaxRouter: one token -> the fused kernel (the unfused twin is not called), more tokens or the
+    torch backend -> the twin; the answers agree."""
+    from moetier.models.layers import SoftmaxRouter
+    router = SoftmaxRouter(256, 60, 4, normalize).to(DEV)
+    x, weight = _router_inputs(60, 256, torch.float32, seed=3)
+    with torch.no_grad():
+        router.weight.copy_(weight)
+    want = router.native(x)
+    calls = []
+    monkeypatch.setattr(router, "native", lambda y: calls.append(y.shape) or _twin_router(y, weight, 4, normalize))
+    with torch.no_grad(), small_ops.use("triton"):
+        ids, w = router(x)
+        assert calls == []
+        router(torch.cat([x, x]))                                      # two tokens: the twin
+        assert calls == [(2, 256)]
+    assert ids.tolist() == want[0].tolist()
+    torch.testing.assert_close(w, want[1], rtol=1e-6, atol=1e-6)
+    with torch.no_grad(), small_ops.use("torch"):
+        router(x)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 200), (2, 5, 64)])
+def test_add_rms_norm_matches_add_then_norm(dtype, shape):
+    """s is `h + y` bit for bit; normed is the rms_norm kernel's answer on s bit for bit (same math) and
+    the RMSNorm twin's within rounding."""
+    from moetier.kernels import triton_small
+    _skip_bf16_on_cpu(dtype)
+    g = torch.Generator().manual_seed(sum(shape))
+    h = (torch.randn(*shape, generator=g) * 3).to(DEV, dtype)
+    y = torch.randn(*shape, generator=g).to(DEV, dtype)
+    norm = RMSNorm(shape[-1], 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g).to(dtype))
+    for call in range(2):
+        s = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+        out = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+        triton_small.add_rms_norm(h, y, norm.weight, norm.eps, out=(s, out))
+        assert torch.equal(s, h + y)
+        assert torch.equal(out, triton_small.rms_norm(h + y, norm.weight, norm.eps))
+        torch.testing.assert_close(out.float(), norm.native(h + y).float(),
+                                   rtol=1e-5 if dtype == torch.float32 else 1.6e-2, atol=1e-5)
+    with torch.no_grad(), small_ops.use("triton"):
+        got = small_ops.add_rms_norm(h, y, norm.weight, norm.eps, lambda a, b: "twin")
+    assert got != "twin" and torch.equal(got[0], h + y) and torch.equal(got[1], out)
+
+
+def test_add_rms_norm_falls_back_to_the_twin():
+    h, y, w = torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.ones(16)
+    twin = lambda a, b: "twin"                                          # noqa: E731
+    with small_ops.use("triton"):
+        assert small_ops.add_rms_norm(h, y, w, 1e-6, twin) == "twin"                 # prefill-sized
+        assert small_ops.add_rms_norm(h[:2], y[:2].double(), w, 1e-6, twin) == "twin"  # mixed dtypes
+        assert small_ops.router_topk(h[:2], torch.randn(8, 16), 2, True, lambda x: "twin") == "twin"
+    with small_ops.use("torch"):
+        assert small_ops.add_rms_norm(h[:1], y[:1], w, 1e-6, twin) == "twin"
+        assert small_ops.router_topk(h[:1], torch.randn(8, 16), 2, True, lambda x: "twin") == "twin"
+
+
+def test_decoder_block_fused_add_norm_matches_the_unfused_block():
+    """base.Block with the fused residual add + norm (Triton) against the same block on the twins."""
+    from types import SimpleNamespace
+
+    from moetier.models.base import Block
+    from moetier.models.layers import Attention, Rope, SoftmaxMoE
+    from moetier.runtime.kv_cache import KVCache
+    g = torch.Generator().manual_seed(7)
+    args = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           attention_bias=False, rms_norm_eps=1e-6)
+    blk = Block(args, Attention(args, qk_norm=True), SoftmaxMoE(64, 8, 2, True, 32)).to(DEV)
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    rope = Rope({"rope_theta": 1000.0}, 16, 512).to(DEV)
+    x = torch.randn(1, 64, generator=g).to(DEV)
+    start = torch.tensor(5, device=DEV)
+    cs = rope(start + torch.arange(1, device=DEV), torch.float32)
+    outs = []
+    for backend in ("triton", "torch"):
+        kv = KVCache(32, (2, 16), (2, 16), torch.float32, DEV)
+        with torch.no_grad(), small_ops.use(backend):
+            outs.append(blk(x, cs, kv, start))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,d,k,normalize", [(128, 2048, 8, True), (60, 256, 4, False)])
+def test_gpu_router_and_add_norm_in_a_cuda_graph(dtype, e, d, k, normalize):
+    """Both kernels captured once, replayed 3 times on new inputs copied into the static ones."""
+    from moetier.kernels import triton_small
+    x, weight = _router_inputs(e, d, dtype, seed=11, dev="cuda")
+    h = torch.randn(1, d, device="cuda").to(dtype)
+    y = torch.randn(1, d, device="cuda").to(dtype)
+    nw = torch.randn(d, device="cuda").to(dtype)
+    triton_small.router_topk(x, weight, k, normalize)                      # compile before capture
+    triton_small.add_rms_norm(h, y, nw, 1e-6)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, w = triton_small.router_topk(x, weight, k, normalize)
+        s, out = triton_small.add_rms_norm(h, y, nw, 1e-6)
+    for seed in range(3):
+        xs, _ = _router_inputs(e, d, dtype, seed=100 + seed, dev="cuda")
+        x.copy_(xs), h.copy_(torch.randn_like(h)), y.copy_(torch.randn_like(y))
+        ids.fill_(-1), w.fill_(float("nan")), s.fill_(float("nan")), out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_router(ids, w, x, weight, k, normalize)
+        assert torch.equal(s, h + y)
+        assert torch.equal(out, triton_small.rms_norm(h + y, nw, 1e-6))
+    assert triton_small._router_counter(x.device).item() == 0

@@ -1,14 +1,19 @@
-"""The import surface of the decode step's small fused ops: RMSNorm and the softmax top-k router.
+"""The import surface of the decode step's small fused ops: RMSNorm (with the residual add before
+it) and the softmax top-k router (with its GEMV).
 Triton (kernels/triton_small.py) on CUDA for a few tokens, else the twins passed in by the caller
 (models/layers.py keeps the math). The backend follows kernels.ops; `use` overrides it (tests run the
 kernels on CPU tensors under TRITON_INTERPRET=1).
 
     y = rms_norm(x, weight, eps, twin)           # x [..., N]; weight None | [N] | [R, N] over dim -2
     ids, w = softmax_topk(logits, k, norm, twin)  # logits [T, E]
+    ids, w = router_topk(x, weight, k, norm, twin)  # x [1, D], weight [E, D]: the GEMV and the above, one launch
+    s, y = add_rms_norm(h, a, weight, eps, twin)   # s = h + a, y = rms_norm(s): residual add + next norm
 """
 from __future__ import annotations
 
 import os
+
+import torch
 
 from . import ops
 
@@ -47,6 +52,34 @@ def softmax_topk(logits, k: int, normalize: bool, twin):
         return twin(logits, k, normalize)
     from .triton_small import softmax_topk as kernel
     return kernel(logits, k, normalize)
+
+
+ROUTER_MAX_EXPERTS = 256   # the router kernel's last program holds all E probabilities
+
+
+def router_topk(x, weight, k: int, normalize: bool, twin):
+    """softmax_topk(F.linear(x, weight), k, normalize) for one token in one launch (kernels/triton_small.
+    router_topk: logits rounded to x's dtype as F.linear returns them, then the softmax_topk kernel's
+    math); `twin(x)` otherwise (several tokens, CPU, other dtypes)."""
+    e = weight.shape[0]
+    if (not _triton(x, 1) or x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not weight.is_contiguous()
+            or weight.device != x.device or e > ROUTER_MAX_EXPERTS or not 0 < k <= e):
+        return twin(x)
+    from .triton_small import router_topk as kernel
+    return kernel(x, weight, k, normalize)
+
+
+def add_rms_norm(h, y, weight, eps: float, twin):
+    """(s, normed) = (h + y, RMSNorm(s)): the residual add and the following norm in one launch, s
+    rounded to h's dtype as `h + y` is and normed as rms_norm's kernel computes it; `twin(h, y)`
+    otherwise (many tokens, CPU, mixed dtypes)."""
+    if (not _triton(h, h.shape[0] if h.dim() > 1 else 1) or y.shape != h.shape or y.dtype != h.dtype
+            or not y.is_contiguous() or y.device != h.device or weight is None or weight.dtype != h.dtype
+            or weight.shape != h.shape[-1:] or not weight.is_contiguous()):
+        return twin(h, y)
+    from .triton_small import add_rms_norm as kernel
+    return kernel(h, y, weight, eps)
 
 
 def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:

@@ -5,6 +5,9 @@ rms_norm: one row per program: fp32 mean of squares, x * rsqrt(. + eps) rounded 
           [R, N] weight, so q and k heads can share one launch).
 softmax_topk: one token per program: fp32 softmax over E logits, the k largest by repeated arg-max
           (ties: the lower expert id, as torch.topk on CUDA for distinct values), renormalised if asked.
+router_topk: one token: the router GEMV x @ W.T (logits rounded to x's dtype) and softmax_topk in one
+          launch: E/ROWS programs write their logits, the last to arrive (atomic counter) picks the top k.
+add_rms_norm: the residual add s = h + y and RMSNorm(s) of the next sub-layer, one row per program.
 The decode step on CUDA otherwise spends ~7 launches per norm and ~5 per router (LESSONS §10: each
 small launch is ~3-6 us inside a graph).
 """
@@ -44,12 +47,11 @@ def rms_norm(x, weight, eps: float):
 
 
 @triton.jit
-def _softmax_topk_kernel(logit_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr,
-                         BK: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, BE)
-    m = e < E
-    z = tl.load(logit_ptr + t.to(tl.int64) * E + e, mask=m, other=float("-inf")).to(tl.float32)
+def _topk_of_probs(z, e, m, ids_ptr, w_ptr, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr,
+                   BK: tl.constexpr):
+    """z [BE] fp32 logits (lanes where m is False ignored) -> ids_ptr[:K] (int64), w_ptr[:K]: softmax,
+    the K largest by repeated arg-max (ties: the lower id), renormalised if NORM."""
+    z = tl.where(m, z, float("-inf"))
     p = tl.exp(z - tl.max(z, axis=0))
     p = p / tl.sum(tl.where(m, p, 0.0), axis=0)
     p = tl.where(m, p, -1.0)
@@ -64,8 +66,18 @@ def _softmax_topk_kernel(logit_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, NORM: tl
         p = tl.where(e == idx, -1.0, p)
     if NORM:
         sel_w = sel_w / tl.sum(tl.where(kk < K, sel_w, 0.0), axis=0)
-    tl.store(ids_ptr + t.to(tl.int64) * K + kk, sel_i, mask=kk < K)
-    tl.store(w_ptr + t.to(tl.int64) * K + kk, sel_w.to(w_ptr.dtype.element_ty), mask=kk < K)
+    tl.store(ids_ptr + kk, sel_i, mask=kk < K)
+    tl.store(w_ptr + kk, sel_w.to(w_ptr.dtype.element_ty), mask=kk < K)
+
+
+@triton.jit
+def _softmax_topk_kernel(logit_ptr, ids_ptr, w_ptr, E, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr,
+                         BK: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, BE)
+    m = e < E
+    z = tl.load(logit_ptr + t.to(tl.int64) * E + e, mask=m, other=float("-inf")).to(tl.float32)
+    _topk_of_probs(z, e, m, ids_ptr + t.to(tl.int64) * K, w_ptr + t.to(tl.int64) * K, K, NORM, BE, BK)
 
 
 def softmax_topk(logits, k: int, normalize: bool):
@@ -76,6 +88,98 @@ def softmax_topk(logits, k: int, normalize: bool):
     _softmax_topk_kernel[(t,)](logits, ids, w, e, K=k, NORM=normalize, BE=triton.next_power_of_2(e),
                                BK=triton.next_power_of_2(k), num_warps=1 if e <= 256 else 4)
     return ids, w
+
+
+# ---------------------------------------------------------------- fused router (T = 1, graph)
+@triton.jit
+def _router_topk_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, E: tl.constexpr, D: tl.constexpr,
+                        K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                        BE: tl.constexpr, BK: tl.constexpr):
+    """grid (cdiv(E, ROWS),): program p computes logits [p ROWS, (p + 1) ROWS) of the one token (fp32
+    sums rounded to x's dtype, as F.linear returns them) into logit_ptr (fp32 scratch [E]); the last
+    program to arrive (int32 counter, acq_rel) resets the counter and runs the softmax top-k over all E
+    (the threadfence-reduction pattern: one launch, no float atomics, deterministic)."""
+    pid = tl.program_id(0)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rm = r < E
+    d = tl.arange(0, BD)
+    acc = tl.zeros((ROWS, BD), dtype=tl.float32)
+    for d0 in tl.static_range(0, D, BD):     # D constexpr: unrolled, no masks when BD divides D
+        dd = d0 + d
+        dm = dd < D
+        x = tl.load(x_ptr + dd, mask=dm, other=0.0)
+        wt = tl.load(wt_ptr + r.to(tl.int64)[:, None] * D + dd[None, :], mask=rm[:, None] & dm[None, :],
+                     other=0.0)
+        acc += wt.to(tl.float32) * x.to(tl.float32)[None, :]
+    z = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)       # the twin's logits dtype
+    tl.store(logit_ptr + r, z, mask=rm)
+    tl.debug_barrier()                        # every thread's stores happen before the release below
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    if done == tl.num_programs(0) - 1:        # the last program: all logits are visible
+        tl.atomic_xchg(cnt_ptr, 0)            # ready for the next launch (a CUDA-graph replay)
+        e = tl.arange(0, BE)
+        m = e < E
+        zz = tl.load(logit_ptr + e, mask=m, other=float("-inf"), cache_modifier=".cg")
+        _topk_of_probs(zz, e, m, ids_ptr, w_ptr, K, NORM, BE, BK)
+
+
+_router_counters: dict = {}
+
+
+def _router_counter(device):
+    """The router kernel's arrival counter: one int32 per device, zeroed once and reset to 0 by each
+    launch's last program, so a CUDA graph replays with the same (zero) buffer. Launches on one device
+    must not overlap (one decode stream): two routers running at once would share it."""
+    key = (device.type, device.index)
+    c = _router_counters.get(key)
+    if c is None:
+        c = _router_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return c
+
+
+def router_topk(x, weight, k: int, normalize: bool, rows: int | None = None, out=None):
+    """x [1, D] contiguous, weight [E, D] contiguous, same dtype -> ids [1, k] int64, w [1, k] in x's
+    dtype: softmax_topk(F.linear(x, weight), k, normalize) in one launch. `out`: (ids, w) to write."""
+    e, dim = weight.shape
+    if rows is None:
+        rows = 2 if e >= 64 else 1            # ~E/2 programs: enough SMs pulling the weight (E D bytes)
+    bd = min(triton.next_power_of_2(dim), max(64, 4096 // rows))
+    p = triton.cdiv(e, rows)
+    logits = torch.empty(e, dtype=torch.float32, device=x.device)
+    ids, w = out if out is not None else (torch.empty((1, k), dtype=torch.long, device=x.device), x.new_empty((1, k)))
+    _router_topk_kernel[(p,)](x, weight, logits, _router_counter(x.device), ids, w, e, dim, K=k, NORM=normalize,
+                              ROWS=rows, BD=bd, BE=triton.next_power_of_2(e), BK=triton.next_power_of_2(k),
+                              num_warps=4)
+    return ids, w
+
+
+# ---------------------------------------------------------------- residual add + RMSNorm
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.constexpr):
+    """One row per program: s = h + y (rounded to h's dtype), out = RMSNorm(s) * w as _rms_norm_kernel."""
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BN)
+    m = n < N
+    h = tl.load(h_ptr + r * N + n, mask=m, other=0.0)
+    y = tl.load(y_ptr + r * N + n, mask=m, other=0.0)
+    s = (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype)
+    tl.store(s_ptr + r * N + n, s, mask=m)
+    sf = s.to(tl.float32)
+    var = tl.sum(sf * sf, axis=0) / N
+    o = (sf * tl.rsqrt(var + eps)).to(h.dtype)
+    w = tl.load(w_ptr + n, mask=m, other=0.0)
+    o = (w.to(h.dtype) * o).to(h.dtype)
+    tl.store(out_ptr + r * N + n, o, mask=m)
+
+
+def add_rms_norm(h, y, weight, eps: float, out=None):
+    """h, y [..., N] contiguous, same dtype; weight [N] -> (s = h + y, rms_norm(s, weight, eps)).
+    `out`: (s, normed) to write."""
+    n = h.shape[-1]
+    s, out = out if out is not None else (h.new_empty(h.shape), h.new_empty(h.shape))
+    _add_rms_norm_kernel[(h.numel() // n,)](h, y, weight, s, out, n, eps, BN=triton.next_power_of_2(n),
+                                            num_warps=4 if n >= 1024 else 1)
+    return s, out
 
 
 # ---------------------------------------------------------------- decode attention (T = 1, graph)

@@ -418,6 +418,10 @@ class SoftmaxRouter(nn.Module):
         self.k, self.normalize = k, normalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # one token on CUDA: GEMV + softmax + top-k in one launch; else the two steps below
+        return small_ops.router_topk(x, self.weight, self.k, self.normalize, self.native)
+
+    def native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return small_ops.softmax_topk(F.linear(x, self.weight), self.k, self.normalize, softmax_topk)
 
 
