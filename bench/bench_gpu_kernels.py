@@ -9,7 +9,7 @@ Each call touches a different set of slots (16 rotating routings over a 128-slot
 the L2), so weights come from HBM, as in a real decode step. Times: CUDA graph replays of the 16
 calls (the engine's mode; per call) and triton.testing.do_bench (eager launches, L2 flushed).
 
-    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 kernels and tiles, every
+    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 (vs v4) kernels and tiles, every
                                                                # format, Qwen3-30B-A3B T=1 (< 2 min)
     python bench/bench_gpu_kernels.py [--out results.json] [--fmt dense,Q4_0] [--quick]
     python bench/bench_gpu_kernels.py --sweep [decode|grouped] [--fmt Q4_0]   # best tiles per kernel
@@ -286,7 +286,8 @@ def time_kernel(c: Case, gen, kind: str, variant: str, cfg) -> dict:
 def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> list[dict]:
     """Qwen3-30B-A3B decode T=1 in passes over the formats, each step skipped once budget_s has passed
     (Triton compiles dominate): 1. v1 (Q8_0/Q4_0/Q4_K, dense), v2 and v3 (Q8_0/Q4_0/Q4_K), both
-    kernels back to back at the shipped tiles, with the error against the twin; 2. v2pdl / v3pdl
+    kernels back to back at the shipped tiles, with the error against the twin, and v4 (Q8_0/Q4_0: the
+    whole layer in one persistent launch); 2. v2pdl / v3pdl
     (down as a programmatic dependent launch) likewise; 3. each kernel alone, shipped tiles; 4. v3 at
     ALT_TILES_V3; 5. v2 at ALT_TILES. Then per format and variant the best gate_up + best down."""
     t_start, out = time.perf_counter(), []
@@ -307,8 +308,14 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
             ids, w = routings(1, c.k, c.slots, gen)[0]
             want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
             got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, variant=v)
-            gu, dn, uniq = decode_calls(c, 1, gen, variant=v)
-            us = graph_us([lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)])
+            if v == "v4":                       # one launch for the layer: time moe_decode itself
+                rs, out_ = routings(1, c.k, c.slots, gen), torch.empty_like(x)
+                uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
+                us = graph_us([lambda i=i, ww=ww: tm.moe_decode(x, i, ww, c.gw, c.dw, c.code, c.act.alpha, c.act.limit,
+                                                                c.b, out=out_, variant=v) for i, ww in rs])
+            else:
+                gu, dn, uniq = decode_calls(c, 1, gen, variant=v)
+                us = graph_us([lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)])
             gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
             r = {"us": round(us, 2), "GBps": round(gb, 1), "frac_of_copy": round(gb / copy_bw, 3),
                  "max_rel_err": round(rel_err(got, want), 5)}
@@ -337,8 +344,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
     def v3(fmt):                                  # formats with their own v3 kernels (others run v2)
         return fmt in tm.v2.V3_FORMATS
     for c in cases.values():
-        for v in ("v1", "v2", "v3"):
-            if has(c.fmt, v) and (v != "v3" or v3(c.fmt)):
+        for v in ("v1", "v2", "v3", "v4"):    # v4: one persistent launch (Q4_0 / Q8_0; T=1 SwiGLU, else v3)
+            if has(c.fmt, v) and (v != "v3" or v3(c.fmt)) and (v != "v4" or c.fmt in tm.v4.V4_FORMATS):
                 pair(c, v)
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
@@ -488,6 +495,18 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
                           dict(D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), FMT=dn.code, HAS_BIAS=False, BS=bsz,
                                BN=t2.bn, NB1=dp[0], NB2=dp[1], PDL=False, num_warps=t2.warps), k * t2.bn * i)]
                 step.update({f"v3_decode_gate_up{tag}": d, f"v3_decode_down{tag}": i})
+        if fmt in tm.v4.V4_FORMATS:                       # v4: the whole layer, one persistent launch (132 SMs)
+            v4, v2 = tm.v4, tm.v2
+            bsz, p = v2.STEP_BLOCK[fmt], 132
+            br = triton.next_power_of_2(triton.cdiv(d, p))
+            kc = max(1, min(k, 1 << max(0, (v4.CHUNK_BYTES // (br * (i // 2 if fmt == "Q4_0" else i))).bit_length() - 1)))
+            (g1, g2), (n1, n2) = v2.v3_pieces(d, fmt), v2.v3_pieces(i, fmt)
+            h32, sync = torch.empty(k, i, dtype=torch.float32), torch.zeros(v4.SYNC_LEN, dtype=torch.int32)
+            jobs += [("v4_decode_layer", v4._moe_v4_kernel,
+                      (x, ids, w, *gu.v2_planes[:2], *gu.v2_strides[:4], *dn.v2_planes[:2], *dn.v2_strides[:4], h32, x,
+                       sync, v2.ONE_BITS),
+                      dict(P=p, I=i, D=d, KTOP=k, FMT=gu.code, BS=bsz, BI=v4.ITEM_ROWS[fmt], G1=g1, G2=g2, KC=kc, BR=br,
+                           N1=n1, N2=n2, PHASES=3, SPIN=v4.SPIN_LIMIT, HCG=v4.H_CG, num_warps=8), 0)]
         jobs += [("grouped_gate_up", tm._grouped_gate_up_kernel,
                   (x, d, sp, bs, *gu.args(), *gu.extra_args(), x, 0, hh, 1000, 1.0, 7.0),
                   dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **grp), 0),

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import triton_decode as v2
+from . import triton_decode_v4 as v4
 from .triton_decode import _act, gate_up_act, pair_rows
 from .triton_tiles import deq_tile
 from .triton_weights import BLOCK, FMT_CODES, PLANE_DIV, Weights  # noqa: F401 (re-exported)
@@ -433,10 +434,12 @@ def variant_of(fmt: str, variant: str | None) -> str:
     the default for them) or "v2pdl" (v2, the down kernel a programmatic dependent launch on CUDA:
     scheduled while gate_up runs; measured by bench --variants before it can become the default), "v3"
     (opt-in: one-step small-program kernels for Q8_0/Q4_0/Q4_K, other formats run v2; triton_decode) or
-    "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting)."""
+    "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting) or "v4"
+    (opt-in: the whole layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases,
+    triton_decode_v4; anything else, and decode_gate_up / decode_down alone, run v3)."""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
     v = variant or ("v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or "v2")
-    if v not in ("v1", "v2", "v2pdl", "v3", "v3pdl") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
+    if v not in ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
         raise ValueError(f"decode variant {variant!r} does not read {fmt}: v1 reads {', '.join(V1_FORMATS)}, "
                          f"v2 every quantized format ({', '.join(v2.STEP_BLOCK)})")
     return v
@@ -446,7 +449,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    if v in ("v3", "v3pdl"):
+    if v in ("v3", "v3pdl", "v4"):
         return v2.gate_up_v3(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v3pdl" and x.is_cuda)
     if v != "v1":
         return v2.gate_up(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v2pdl" and x.is_cuda)
@@ -464,7 +467,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    if v in ("v3", "v3pdl"):
+    if v in ("v3", "v3pdl", "v4"):
         return v2.down_v3(h, ids, w, down, bias, out, cfg, pdl=v == "v3pdl" and out.is_cuda)
     if v != "v1":
         return v2.down(h, ids, w, down, bias, out, cfg, pdl=v == "v2pdl" and out.is_cuda)
@@ -482,10 +485,13 @@ def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
 def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: float, limit: float,
                biases=(None, None), out=None, cfg_gate_up=None, cfg_down=None, variant=None) -> torch.Tensor:
     """x [T, D], ids/w [T, k] device tensors -> out [T, D] (x's dtype). Two launches, no host sync.
-    variant: None (the default per format), "v1", "v2", "v2pdl", "v3" or "v3pdl" (variant_of)."""
+    variant: None (the default per format), "v1", "v2", "v2pdl", "v3", "v3pdl" or "v4" (variant_of; v4:
+    one launch where v4.supports, else v3)."""
     t, k = ids.shape
     ids, w = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
     v = variant_of(gate_up.fmt, variant)                 # v2, v3: h in float32 (values rounded to x's dtype)
+    if v == "v4" and v4.supports(x, gate_up, down, act, biases):
+        return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
     decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
     return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, variant)
