@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -23,36 +22,7 @@ from moetier.commands.common import add_model_args, engine_config  # noqa: E402
 from moetier.runtime.engine import Engine  # noqa: E402
 from moetier.tools.bench_core import run_prompt  # noqa: E402
 from moetier.tools.synth import stream_for  # noqa: E402
-
-
-def site(frames: list[dict]) -> str:
-    """The innermost frame in moetier (else the innermost frame) as file:line function."""
-    for f in frames:
-        if "moetier" in f.get("filename", ""):
-            name = f["filename"].split("moetier/")[-1]
-            return f"{name}:{f.get('line')} {f.get('name')}"
-    return f"{frames[0].get('filename', '?')}:{frames[0].get('line')}" if frames else "?"
-
-
-def live_at_peak(snapshot: dict) -> tuple[int, dict]:
-    """Replay alloc/free events of device 0: -> (peak bytes seen in the trace, {site: bytes} live then)."""
-    live, peak, at_peak = {}, 0, {}
-    for ev in snapshot["device_traces"][0]:
-        a = ev["action"]
-        if a == "alloc":
-            live[ev["addr"]] = (ev["size"], site(ev.get("frames", [])))
-        elif a in ("free_requested", "free_completed") and ev["addr"] in live:
-            if a == "free_requested":
-                live.pop(ev["addr"])
-        else:
-            continue
-        total = sum(s for s, _ in live.values())
-        if total > peak:
-            peak, at_peak = total, dict(live)
-    by = defaultdict(int)
-    for size, where in at_peak.values():
-        by[where] += size
-    return peak, dict(sorted(by.items(), key=lambda kv: -kv[1]))
+from moetier.tools.vram import live_at_peak, record  # noqa: E402
 
 
 def main() -> None:
@@ -63,7 +33,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     a = p.parse_args()
     a.ctx = a.ctx or a.prompt_len + a.gen + 8
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    record()
     phases = {}
     e = Engine.load(a.model, engine_config(a))
     phases["load"] = torch.cuda.max_memory_allocated()

@@ -102,10 +102,17 @@ def test_gpu_budget_is_a_hard_limit(tiny):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     budget = 256 << 20      # the plan keeps 160 MiB for cuBLAS workspaces (memory.plan.CUDA_WORKSPACE)
-    eng = Engine.load(path, EngineConfig(progress=False, device="cuda", max_context=CTX, gpu_mem=budget,
-                                         ram_mem=1 << 30))
-    eng.complete(prompt_ids=list(range(1, 40)), max_tokens=8, ignore_eos=True)
-    assert torch.cuda.max_memory_allocated() - before <= budget
+    from moetier.tools.vram import live_at_peak, record
+    record()                # on failure the message names what was live at the peak
+    try:
+        eng = Engine.load(path, EngineConfig(progress=False, device="cuda", max_context=CTX, gpu_mem=budget,
+                                             ram_mem=1 << 30))
+        eng.complete(prompt_ids=list(range(1, 40)), max_tokens=8, ignore_eos=True)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= budget, f"peak {peak >> 20} MiB over {budget >> 20} MiB; live then: {list(live_at_peak(snap)[1].items())[:8]}"
     st = eng.memory_stats()
     assert 0 < st["tiers"]["gpu"]["bytes"] <= budget and st["tiers"]["gpu"]["slots"] == 4 * 16
 
