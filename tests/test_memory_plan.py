@@ -187,3 +187,12 @@ def test_pcie_share_follows_the_measured_bandwidths():
                                                                                          "ram_gbs": 40.0})
     assert pcie_share_default({"pcie_gbs": 1000.0, "ram_gbs": 1.0}) == pytest.approx(0.599, abs=1e-3)
     assert pcie_share_default(None) == pcie_share_default({"pcie_gbs": 12.0}) == PCIE_SHARE
+
+
+def test_gpu_bandwidth_test_fits_the_budget():
+    """Engine.load measures HBM and PCIe once (two device buffers): under --gpu-mem they fit in it."""
+    from moetier.memory.bandwidth import gpu_test_bytes
+    assert gpu_test_bytes(None) == 512 << 20
+    assert gpu_test_bytes(8 << 30) == 512 << 20
+    for budget in (256 << 20, 100 << 20, 40 << 20):
+        assert 2 * gpu_test_bytes(budget) <= budget // 2

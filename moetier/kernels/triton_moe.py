@@ -429,16 +429,22 @@ def _bias(b, like: torch.Tensor):
     return (b, b.stride(0)) if b is not None else (like, 0)
 
 
+# the default decode variant per format where another than v2 was measured faster (H200, Qwen3-30B-A3B layer,
+# T=1, graph replays, session 7): Q4_0 v3 24.0 us per gate_up + down vs v2 28.0, Q8_0 19.6 vs 28.6
+DEFAULT_VARIANT = {"Q4_0": "v3", "Q8_0": "v3"}
+
+
 def variant_of(fmt: str, variant: str | None) -> str:
     """The decode kernel variant: "v1" (dense; Q8_0/Q4_0/Q4_K as before), "v2" (all quantized formats,
-    the default for them) or "v2pdl" (v2, the down kernel a programmatic dependent launch on CUDA:
+    the default for those not in DEFAULT_VARIANT) or "v2pdl" (v2, the down kernel a programmatic dependent launch on CUDA:
     scheduled while gate_up runs; measured by bench --variants before it can become the default), "v3"
-    (opt-in: one-step small-program kernels for Q8_0/Q4_0/Q4_K, other formats run v2; triton_decode) or
+    (one-step small-program kernels for Q8_0/Q4_0/Q4_K, the default for Q4_0/Q8_0; other formats run v2) or
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting) or "v4"
     (opt-in: the whole layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases,
     triton_decode_v4; anything else, and decode_gate_up / decode_down alone, run v3)."""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
-    v = variant or ("v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or "v2")
+    default = "v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or DEFAULT_VARIANT.get(fmt, "v2")
+    v = variant or default
     if v not in ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
         raise ValueError(f"decode variant {variant!r} does not read {fmt}: v1 reads {', '.join(V1_FORMATS)}, "
                          f"v2 every quantized format ({', '.join(v2.STEP_BLOCK)})")

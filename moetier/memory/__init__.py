@@ -41,7 +41,7 @@ def plan_for_load(path: Path, config: EngineConfig, device: str, dtype, default_
     ctx = config.max_context or min(args.max_position_embeddings, default_ctx)
     bw = None
     if device.startswith("cuda") and config.prefill_copy_tokens is None:
-        bw = bandwidths(device, None)
+        bw = bandwidths(device, None, gpu_budget=config.gpu_mem)
     pl = placement_with_chunk(Path(path), config, device, dtype, ctx, bw, inspected, chunks)
     if pl.problems:
         raise UserError("the memory budgets do not fit this model: " + "; ".join(pl.problems)

@@ -67,6 +67,13 @@ def measure_cpu_expert(dtype: torch.dtype, dim: int = 2048, hidden: int = 768,
     return per / t / 1e9, 256 * 6 * dim * hidden / tb / 1e9
 
 
+def gpu_test_bytes(budget: int | None) -> int:
+    """Each of measure_gpu's two device buffers: 512 MiB, or a quarter of a smaller --gpu-mem budget (the
+    budget is a hard limit, even for the moment this runs inside Engine.load; an H200 test found 1 GiB
+    allocated under a 256 MiB budget)."""
+    return 512 << 20 if not budget else max(8 << 20, min(512 << 20, budget // 4))
+
+
 def measure_gpu(device: str = "cuda", nbytes: int = 512 << 20) -> tuple[float, float]:
     """(HBM GB/s, pinned host->device GB/s)."""
     a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -116,8 +123,8 @@ def measure_ssd(path: Path, nbytes: int = 512 << 20, threads: int = 4, block: in
 
 
 def measure(device: str = "cpu", keys: set[str] | None = None, checkpoint_file: Path | None = None,
-            dim: int = 2048, hidden: int = 768) -> dict:
-    """Measure `keys` (default: everything that applies here)."""
+            dim: int = 2048, hidden: int = 768, gpu_budget: int | None = None) -> dict:
+    """Measure `keys` (default: everything that applies here). gpu_budget: the GPU test's buffers fit in it."""
     keys = keys or {"ram_gbs", "cpu", "gpu", "ssd_gbs"}
     out = {"host": socket.gethostname(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
            "threads": torch.get_num_threads()}
@@ -129,7 +136,7 @@ def measure(device: str = "cpu", keys: set[str] | None = None, checkpoint_file: 
             name = str(dt).removeprefix("torch.")
             out[f"cpu_gbs_{name}"], out[f"cpu_gflops_{name}"] = round(gbs, 2), round(gflops, 1)
     if keys & {"gpu", "hbm_gbs", "pcie_gbs"} and device.startswith("cuda") and torch.cuda.is_available():
-        out["hbm_gbs"], out["pcie_gbs"] = (round(v, 1) for v in measure_gpu(device))
+        out["hbm_gbs"], out["pcie_gbs"] = (round(v, 1) for v in measure_gpu(device, gpu_test_bytes(gpu_budget)))
     if "ssd_gbs" in keys and checkpoint_file is not None:
         ssd = measure_ssd(checkpoint_file)     # None for a sparse or small file: nothing is cached then
         if ssd is not None:
@@ -138,7 +145,7 @@ def measure(device: str = "cpu", keys: set[str] | None = None, checkpoint_file: 
 
 
 def bandwidths(device: str = "cpu", checkpoint_file: Path | None = None, overrides: dict | None = None,
-               use_cache: bool = True) -> dict:
+               use_cache: bool = True, gpu_budget: int | None = None) -> dict:
     """Cached measurements (measuring what is missing), then the flags' overrides, then defaults.
     Each value's source is in result["source"][key]: flag | measured | assumed."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -158,7 +165,7 @@ def bandwidths(device: str = "cpu", checkpoint_file: Path | None = None, overrid
     if device.startswith("cuda") and not torch.cuda.is_available():
         missing -= {"hbm_gbs", "pcie_gbs"}          # a plan for a GPU this machine lacks: flags or assumed
     if missing:
-        fresh = measure(device, missing, checkpoint_file)
+        fresh = measure(device, missing, checkpoint_file, gpu_budget=gpu_budget)
         cached = {**cached, **fresh}
         if use_cache:
             try:
