@@ -101,7 +101,7 @@ def test_gpu_budget_is_a_hard_limit(tiny):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    budget = 256 << 20      # the plan keeps 160 MiB for cuBLAS workspaces (memory.plan.CUDA_WORKSPACE)
+    budget = 384 << 20      # the plan keeps 224 MiB for cuBLAS workspaces and transients (memory.plan.CUDA_WORKSPACE)
     from moetier.tools.vram import live_at_peak, record
     record()                # on failure the message names what was live at the peak
     try:
