@@ -506,7 +506,7 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
                       (x, ids, w, *gu.v2_planes[:2], *gu.v2_strides[:4], *dn.v2_planes[:2], *dn.v2_strides[:4], h32, x,
                        sync, v2.ONE_BITS),
                       dict(P=p, I=i, D=d, KTOP=k, FMT=gu.code, BS=bsz, BI=v4.ITEM_ROWS[fmt], G1=g1, G2=g2, KC=kc, BR=br,
-                           N1=n1, N2=n2, PHASES=3, SPIN=v4.SPIN_LIMIT, HCG=v4.H_CG, num_warps=8), 0)]
+                           N1=n1, N2=n2, PHASES=3, SPIN=v4.SPIN_LIMIT, HCG=v4.H_CG, num_warps=v4.WARPS), 0)]
         jobs += [("grouped_gate_up", tm._grouped_gate_up_kernel,
                   (x, d, sp, bs, *gu.args(), *gu.extra_args(), x, 0, hh, 1000, 1.0, 7.0),
                   dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **grp), 0),
@@ -531,7 +531,8 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
                 Path(os.environ["SASS_DIR"], f"{fmt}_{name}.llir").write_text(kern.asm["llir"])
             regs, stack = (int(re.search(p + r":(\d+)", usage).group(1)) for p in ("REG", "STACK"))
             r = {"fmt": fmt, "kernel": name, "regs": regs, "spill_stack_bytes": stack,
-                 "shared_bytes": kern.metadata.shared, "compile_s": round(secs, 1), **sass_loop(sass)}
+                 "shared_bytes": kern.metadata.shared, "compile_s": round(secs, 1), **sass_loop(sass),
+                 **sass_waits(sass, 32 * kw["num_warps"])}
             if per_iter:       # per K step, or per program when the K loop was unrolled away (one step)
                 weights = per_iter if r["k_loop"] else per_iter * max(1, (d if "gate_up" in name else i) // step[name])
                 r["instr_per_weight_per_thread"] = round(r["loop_instructions"] * 32 * kw["num_warps"] / weights, 2)
@@ -561,6 +562,37 @@ def sass_loop(sass: str) -> dict:
             ops[m.group(1)] = ops.get(m.group(1), 0) + 1
     return {"sass_instructions": len(ins), "k_loop": bool(loops), "loop_instructions": len(body), "loop_loads": loads,
             "smem_ops": ops}
+
+
+def sass_waits(sass: str, threads: int) -> dict:
+    """Latency cover of the 128-bit global loads up to the first ATOMG (v4: phase 1 and the arrive; other
+    kernels: all), from the scoreboards in each instruction's control bits (sm_70+: second word >> 41,
+    write barrier bits 5-7, wait mask bits 11-16): per load, the instructions from issue to the first wait
+    on its scoreboard (any load on a scoreboard is retired by a wait on it), and the 128-bit loads in
+    flight at each wait that retires some, as KB per SM (threads per program, one program per SM)."""
+    import re
+    lines = sass.splitlines()
+    ins = []
+    for i, line in enumerate(lines[:-1]):
+        if (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*/\* 0x[0-9a-f]{16} \*/", line)) and \
+                (h := re.search(r"/\* (0x[0-9a-f]{16}) \*/", lines[i + 1])):
+            ctl = int(h.group(1), 16) >> 41
+            ins.append((m.group(1), (ctl >> 5) & 7, (ctl >> 11) & 63))
+    pend, dist, kb = {}, [], []
+    for k, (text, wbar, wait) in enumerate(ins):
+        if "ATOMG" in text:
+            break
+        for sb in range(6):
+            if wait >> sb & 1 and pend.get(sb):
+                wide = [i for i, w in pend[sb] if w]
+                if wide:
+                    dist += [k - i for i in wide]
+                    kb.append(sum(w for v in pend.values() for _, w in v) * 16 * threads // 1024)
+                pend[sb] = []
+        if (m := re.match(r"(?:@!?U?P\w+\s+)?LDG(\S*)", text)):
+            pend.setdefault(wbar, []).append((k, ".128" in m.group(1)))
+    return {"ldg128_to_arrive": len(dist), "ldg128_issue_to_wait_instr": round(sum(dist) / max(1, len(dist))),
+            "ldg128_KB_in_flight_per_SM_at_waits": kb}
 
 
 def main():

@@ -118,6 +118,22 @@ def test_v4_falls_back_to_v3(case):
     assert rel_err(run_v4(x, ids, w, gu, dn, fmt, act, biases), want) <= 1e-4
 
 
+def test_v4_needs_aligned_scale_planes():
+    """The fp16 block scales are read as int32 words (triton_decode_v4._wload): a scale plane that does not
+    start on 4 bytes is not v4's (moe_decode then runs v3)."""
+    import copy
+    torch.manual_seed(5)
+    gu, dn, _ = make_experts("Q4_0", 4, 64, 96, bias=False)
+    x = torch.randn(1, 64, device=DEV)
+    xk, gw, dw, code, *_ = ops._kernel_args(x, gu, dn, "Q4_0", ops.Act(), None)
+    assert v4.supports(xk, gw, dw, code, (None, None))
+    odd = copy.copy(gw)
+    d = gw.v2_planes[1]
+    shifted = torch.empty(d.numel() + 1, dtype=d.dtype, device=d.device)[1:].view(d.shape)
+    odd.v2_planes = [gw.v2_planes[0], shifted, *gw.v2_planes[2:]]
+    assert shifted.data_ptr() % 4 == 2 and not v4.supports(xk, odd, dw, code, (None, None))
+
+
 def test_v4_variant_and_env_default(monkeypatch):
     assert tm.variant_of("Q4_0", "v4") == "v4" and tm.variant_of("Q6_K", "v4") == "v4"   # Q6_K: v3's fallback
     with pytest.raises(ValueError):
