@@ -372,12 +372,12 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     int n_miss[Ln], finished[Ln];
     int32_t miss_e[Ln][MAX_K];
     float miss_w[Ln][MAX_K];
-    double t_begin[Ln], t_end[Ln];
+    double t_begin[Ln], t_end[Ln], t_seen[Ln];
     int status = 0, total = 0;
     double t_wait = 0.0, t0 = now_s();
     for (int li = 0; li < L; li++) {
         n_miss[li] = finished[li] = 0;
-        t_begin[li] = t_end[li] = 0.0;
+        t_begin[li] = t_end[li] = t_seen[li] = 0.0;
     }
     claim_ctr cl[c->nthreads > 0 ? c->nthreads : 1];
     for (int t = 0; t < c->nthreads; t++) cl[t].n = 0;
@@ -393,6 +393,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 if (wait_bell(c, li, seq, t0)) {
                     status = -(1 + li);
                 } else {
+                    t_seen[li] = now_s();
                     const int32_t *ids = c->ids + (int64_t)li * k, *sl = c->slots + (int64_t)li * k;
                     const float *w = c->w + (int64_t)li * k;
                     int m = 0;
@@ -445,10 +446,24 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     double t_busy = 0.0;
     for (int li = 0; li < L; li++)          /* layers that ran to their end */
         if (t_end[li] > 0.0) t_busy += t_end[li] - t_begin[li];
-    if (c->timing) {
+    /* the GPU's part between two answered layers: the last answer of layer li - 1 -> layer li's bell seen
+     * (flag and bell over PCIe, the GPU's post-MoE / attention / router kernels); and tid 0's bell work */
+    double t_round = 0.0, t_prep = 0.0;
+    int pairs = 0;
+    for (int li = 1; li < L; li++)
+        if (t_end[li - 1] > 0.0 && t_seen[li] > 0.0) {
+            t_round += t_seen[li] - t_end[li - 1];
+            pairs++;
+        }
+    for (int li = 0; li < L; li++)
+        if (t_seen[li] > 0.0 && t_begin[li] > 0.0) t_prep += t_begin[li] - t_seen[li];
+    if (c->timing) {            /* [6] */
         c->timing[0] = t_busy;
         c->timing[1] = t_wait;
         c->timing[2] = total;
+        c->timing[3] = t_round;
+        c->timing[4] = pairs;
+        c->timing[5] = t_prep;
     }
     return status;
 }

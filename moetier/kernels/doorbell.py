@@ -270,7 +270,8 @@ class MissServer:
         # float h [k, 3I]; per-32 sums / scales / int sums of x and h; int8 x and h (doorbell.c)
         self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + 256,
                                    dtype=torch.float32)
-        self.timing = torch.zeros(3, dtype=torch.float64)
+        self.timing = torch.zeros(6, dtype=torch.float64)   # doorbell.c moetier_serve_step
+        self.detail = (0.0, 0, 0.0)
         self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, gu_id, 0 if act.kind == "swiglu" else 1, threads,
                         act.alpha, act.limit, some.stride(0) * some.element_size(),
                         some_dn.stride(0) * some_dn.element_size(), int(timeout_s * 1e9),
@@ -288,6 +289,8 @@ class MissServer:
         if rc:
             raise RuntimeError(_why(rc, self.ctx.timeout_ns / 1e9))
         t = self.timing.tolist()
+        # (s from a layer's last answer to the next layer's bell, such layer pairs, s of tid 0's bell work)
+        self.detail = (t[3], int(t[4]), t[5])
         return t[0], t[1], int(t[2])
 
 

@@ -89,7 +89,7 @@ class GraphTiers:
         self._accounting = None     # the thread doing the last step's bookkeeping
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
-                       "admitted": 0}
+                       "admitted": 0, "round_s": 0.0, "round_pairs": 0, "prep_s": 0.0}
         self._db = doorbell
         self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
@@ -206,6 +206,10 @@ class GraphTiers:
             tm["serve_s"] += t1 - t0
             tm["cpu_busy_s"] += busy
             tm["bell_wait_s"] += wait
+            round_s, pairs, prep = self.server.detail
+            tm["round_s"] += round_s
+            tm["round_pairs"] += pairs
+            tm["prep_s"] += prep
             # the bookkeeping runs on a thread while the next step is served (the server holds no GIL):
             # off the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md)
             step = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(), busy)
@@ -231,7 +235,10 @@ class GraphTiers:
                 "pcie_per_step": round(self.tiers.stats.pcie["decode"] / n, 3),
                 # account_ms: time the next step waited for the bookkeeping thread (0 when hidden)
                 **{k.removesuffix("_s") + "_ms": round(tm[k] / n * 1e3, 4)
-                   for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s")}}
+                   for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "prep_s")},
+                # the GPU's part between two answered layers, seen from the CPU: the last answer of a layer to
+                # the next layer's bell (the flag over PCIe, post-MoE + attention + router kernels, the bell)
+                "round_trip_us": round(tm["round_s"] / max(1, tm["round_pairs"]) * 1e6, 2)}
 
     def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
         t = self.tiers
