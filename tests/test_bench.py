@@ -125,3 +125,16 @@ def test_a_failing_compare_configuration_is_reported_and_the_rest_run(model, cap
     assert cli(["bench", str(model), "--device", "cpu", "--prompt-len", "12", "--gen", "3", "--warmup", "0",
                 "--compare", "bad:--cache-policy static"]) == 0
     assert "failed [bad]" in capsys.readouterr().out
+
+
+def test_live_at_peak_names_the_blocks_live_at_the_peak():
+    """tools.vram replays an allocator trace: the peak, and what was live then by allocating site."""
+    from moetier.tools.vram import live_at_peak
+
+    def alloc(addr, size, name):
+        return {"action": "alloc", "addr": addr, "size": size,
+                "frames": [{"filename": f"/x/moetier/{name}.py", "line": 7, "name": name}]}
+    trace = [alloc(1, 10, "a"), alloc(2, 30, "b"), {"action": "free_requested", "addr": 1},
+             {"action": "free_completed", "addr": 1}, alloc(3, 5, "a"), {"action": "free_requested", "addr": 2},
+             alloc(4, 20, "c")]
+    assert live_at_peak({"device_traces": [trace]}) == (40, {"b.py:7 b": 30, "a.py:7 a": 10})

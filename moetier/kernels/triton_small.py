@@ -19,14 +19,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _rms(x, N, eps):
+    """A row x [BN] (0 past N) -> x / rms(x) from fp32 statistics, rounded to x's dtype."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    return (xf * tl.rsqrt(var + eps)).to(x.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, rows_per_w, eps, HAS_W: tl.constexpr, BN: tl.constexpr):
     r = tl.program_id(0)
     n = tl.arange(0, BN)
     m = n < N
     x = tl.load(x_ptr + r.to(tl.int64) * N + n, mask=m, other=0.0)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    y = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    y = _rms(x, N, eps)
     if HAS_W:
         wr = (r % rows_per_w).to(tl.int64)
         w = tl.load(w_ptr + wr * N + n, mask=m, other=0.0)
@@ -164,9 +170,7 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.con
     y = tl.load(y_ptr + r * N + n, mask=m, other=0.0)
     s = (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype)
     tl.store(s_ptr + r * N + n, s, mask=m)
-    sf = s.to(tl.float32)
-    var = tl.sum(sf * sf, axis=0) / N
-    o = (sf * tl.rsqrt(var + eps)).to(h.dtype)
+    o = _rms(s, N, eps)
     w = tl.load(w_ptr + n, mask=m, other=0.0)
     o = (w.to(h.dtype) * o).to(h.dtype)
     tl.store(out_ptr + r * N + n, o, mask=m)

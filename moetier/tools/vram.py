@@ -22,21 +22,25 @@ def site(frames: list[dict]) -> str:
 
 
 def live_at_peak(snapshot: dict) -> tuple[int, dict]:
-    """Replay alloc/free events of device 0: -> (peak bytes seen in the trace, {site: bytes} live then)."""
-    live, peak, at_peak = {}, 0, {}
-    for ev in snapshot["device_traces"][0]:
-        a = ev["action"]
-        if a == "alloc":
-            live[ev["addr"]] = (ev["size"], site(ev.get("frames", [])))
-        elif a in ("free_requested", "free_completed") and ev["addr"] in live:
-            if a == "free_requested":
-                live.pop(ev["addr"])
-        else:
-            continue
-        total = sum(s for s, _ in live.values())
-        if total > peak:
-            peak, at_peak = total, dict(live)
+    """Replay alloc/free events of device 0: -> (peak bytes seen in the trace, {site: bytes} live then).
+    One pass keeps a running total and notes where the peak is; a second pass up to there names the blocks."""
+    trace = snapshot["device_traces"][0]
+    size, total, peak, at = {}, 0, 0, -1
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            size[ev["addr"]] = ev["size"]
+            total += ev["size"]
+            if total > peak:
+                peak, at = total, i
+        elif ev["action"] == "free_requested" and ev["addr"] in size:
+            total -= size.pop(ev["addr"])
+    live = {}
+    for ev in trace[:at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_requested":
+            live.pop(ev["addr"], None)
     by = defaultdict(int)
-    for size, where in at_peak.values():
-        by[where] += size
+    for ev in live.values():
+        by[site(ev.get("frames", []))] += ev["size"]
     return peak, dict(sorted(by.items(), key=lambda kv: -kv[1]))
