@@ -268,6 +268,8 @@ ALT_TILES = {"gate_up": [(16, 1024, 4), (16, 512, 4, 2), (32, 512, 8)],
 # v3 (triton_decode.GATE_UP3 / DOWN3 are the defaults): (BN, 0, warps); bk, stages unused (one step)
 ALT_TILES_V3 = {"gate_up": [(2, 0, 2), (8, 0, 4), (8, 0, 8)],
                 "down": [(2, 0, 4), (8, 0, 4), (8, 0, 8)]}
+ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8)],
+                "down": [(4, 0, 4), (8, 0, 4), (16, 0, 4), (16, 0, 8)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -319,6 +321,9 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
             gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
             r = {"us": round(us, 2), "GBps": round(gb, 1), "frac_of_copy": round(gb / copy_bw, 3),
                  "max_rel_err": round(rel_err(got, want), 5)}
+            if v.startswith("v5"):              # int8 activations: also against the twin that quantizes alike
+                q8 = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt, act_q8=True)
+                r["max_rel_err_q8_twin"] = round(rel_err(got, q8), 6)
         except Exception as e:  # noqa: BLE001 (report, go on)
             r = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
         out.append({"fmt": c.fmt, "variant": v, "kernel": "pair_default", **r})
@@ -347,10 +352,19 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
         for v in ("v1", "v2", "v3", "v4"):    # v4: one persistent launch (Q4_0 / Q8_0; T=1 SwiGLU, else v3)
             if has(c.fmt, v) and (v != "v3" or v3(c.fmt)) and (v != "v4" or c.fmt in tm.v4.V4_FORMATS):
                 pair(c, v)
+    def v5(fmt):                                  # formats with dp4a kernels (others run v3)
+        return fmt in tm.v5.FORMATS
+    for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
+        for v in ("v5", "v5pdl") if v5(c.fmt) else ():
+            pair(c, v)
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):
                 pair(c, v)
+    for c in cases.values():
+        for kind in ("gate_up", "down") if v5(c.fmt) else ():
+            for cfg in ALT_TILES_V5[kind]:
+                alone(c, "v5", kind, cfg)
     for c in cases.values():
         for v in ("v1", "v2", "v3"):
             for kind in ("gate_up", "down") if has(c.fmt, v) and (v != "v3" or v3(c.fmt)) else ():
@@ -364,7 +378,7 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
             for cfg in ALT_TILES[kind]:
                 alone(c, "v2", kind, cfg)
     for fmt in fmts:
-        for v in ("v1", "v2", "v3"):
+        for v in ("v1", "v2", "v3", "v5"):
             best = {k: min((o for o in out if o.get("fmt") == fmt and o.get("variant") == v and o.get("kernel") == k
                             and "us" in o), key=lambda o: o["us"], default=None) for k in ("gate_up", "down")}
             if all(best.values()):

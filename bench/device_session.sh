@@ -167,7 +167,7 @@ PY
     done ;;
   kernels)
     timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
-    tail -3 "$OUT/gpu_kernels.err" ;;
+    grep -E "shipped tiles|best|v5|variants:" "$OUT/gpu_kernels.err" | tail -40 ;;
   missbench)
     # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read, old loops vs new (variant 1 / 0)
     timeout ${MSECS:-150} python3 bench/bench_miss_server.py --threads ${MTHREADS:-16} --gib ${MGIB:-12} \

@@ -191,6 +191,41 @@ def test_decode_v3_default_tiles_and_h(fmt):
     assert rel_err(hs["v3"], hs["v2"]) <= 1e-4
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
+def test_decode_v5_matches_its_twin(fmt, gpt_oss):
+    """v5 (triton_decode_q8: x and h as int8 per 32-block, dp4a; emulated under the interpreter): against the
+    twin that quantizes the same way (ops.moe_native act_q8) to 1e-4; against the float twin within int8
+    activation error. 3 tokens x k=3 of 6 slots (k padded to 4 in the down tile, a missing slot), K in two
+    pieces (I = 96: 2 + 1 blocks), wide tiles (rows masked), poisoned output; v5pdl likewise."""
+    d, i = V3_SHAPES[fmt]
+    gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
+    act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
+    ids, w = routing(3, 3, 6)
+    x = torch.randn(3, d, device=DEV) * (3.0 if gpt_oss else 1.0)
+    want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt, act_q8=True)
+    exact = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt)
+    assert 1e-4 < rel_err(want, exact) < 3e-2                           # the int8 activations change something
+    for v in ("v5", "v5pdl"):
+        got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant=v, **V3_WIDE)
+        assert rel_err(got, want) <= 1e-4
+
+
+def test_decode_v5_quantize_matches_twin():
+    """The activation quantizer: random rows with an all-zero block and outliers; q * dx against the twin
+    bit for bit, xs = dx * sum(q), K = 96 (3 blocks, padded to 4 in the kernel)."""
+    from moetier.kernels import triton_decode_q8 as q8
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=g).to(DEV)
+    x[1, 32:64] = 0
+    x[2, 5] = 40.0
+    q, dx, xs = q8.quantize(x)
+    deq = (q.float().view(5, 3, 32) * dx[..., None]).view(5, 96)
+    assert torch.equal(deq, q8.quantize_native(x))
+    assert q.abs().max().item() == 127 and torch.equal(dx[1, 1], torch.zeros((), device=DEV))
+    assert torch.allclose(xs, dx * q.float().view(5, 3, 32).sum(-1))
+
+
 def test_decode_variant_errors_say_what_reads_what():
     with pytest.raises(ValueError, match="v1 reads"):
         tm.variant_of("MXFP4", "v1")
@@ -200,6 +235,7 @@ def test_decode_variant_errors_say_what_reads_what():
     assert tm.variant_of("Q4_0", None) == tm.variant_of("Q8_0", None) == "v3"      # timed faster (H200)
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
     assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels
+    assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v3 kernels under v5
     with pytest.raises(ValueError):
         tm.variant_of("dense", "v3")
 

@@ -231,10 +231,13 @@ def _dense_weight(weight, fmt: str, s: int) -> torch.Tensor:
     return dequantize_repacked(fmt, {name: plane[s] for name, plane in weight.items()})
 
 
-def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
+def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None,
+               act_q8: bool = False):
     """forward_native of moe_decode / moe_grouped: same signature and result, in float32 (h rounded
     to x's dtype between the projections). Syncs with the host (one loop step per used slot):
-    for tests, CPU runs and machines without Triton."""
+    for tests, CPU runs and machines without Triton. act_q8: x and h quantized to int8 per 32-block
+    first, as the v5 decode kernels do (triton_decode_q8.quantize_native)."""
+    q8 = _q8_native if act_q8 else (lambda v: v)
     fmt, down_fmt = split_fmt(fmt, down_fmt)
     fn = as_act(act) or act
     t, k = slot_ids.shape
@@ -247,16 +250,21 @@ def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf
         if s < 0:
             continue
         sel = (flat == s).nonzero()[:, 0]
-        h = x[rows[sel]].float() @ _dense_weight(gate_up, fmt, s).T
+        h = q8(x[rows[sel]].float()) @ _dense_weight(gate_up, fmt, s).T
         if gb is not None:
             h = h + gb[s].float()
         gate, up = h.chunk(2, dim=-1)
-        ys = fn(gate, up).to(x.dtype).float() @ _dense_weight(down, down_fmt, s).T
+        ys = q8(fn(gate, up).to(x.dtype).float()) @ _dense_weight(down, down_fmt, s).T
         if db is not None:
             ys = ys + db[s].float()
         y[sel] = ys * wf[sel, None]
     res = y.view(t, k, -1).sum(1)
     return res.to(x.dtype) if out is None else out.copy_(res)
+
+
+def _q8_native(v: torch.Tensor) -> torch.Tensor:
+    from .triton_decode_q8 import quantize_native
+    return quantize_native(v)
 
 
 moe_decode_native = moe_grouped_native = moe_native

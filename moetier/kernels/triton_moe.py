@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import triton_decode as v2
+from . import triton_decode_q8 as v5
 from . import triton_decode_v4 as v4
 from .triton_decode import _act, gate_up_act, pair_rows
 from .triton_tiles import deq_tile
@@ -439,13 +440,15 @@ def variant_of(fmt: str, variant: str | None) -> str:
     the default for those not in DEFAULT_VARIANT) or "v2pdl" (v2, the down kernel a programmatic dependent launch on CUDA:
     scheduled while gate_up runs; measured by bench --variants before it can become the default), "v3"
     (one-step small-program kernels for Q8_0/Q4_0/Q4_K, the default for Q4_0/Q8_0; other formats run v2) or
-    "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting) or "v4"
+    "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
+    (Q8_0 / Q4_0: x and h quantized to int8 per 32-block, dp4a integer dots, triton_decode_q8; other
+    formats run v3 / v3pdl) or "v4"
     (opt-in: the whole layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases,
     triton_decode_v4; anything else, and decode_gate_up / decode_down alone, run v3)."""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
     default = "v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or DEFAULT_VARIANT.get(fmt, "v2")
     v = variant or default
-    if v not in ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
+    if v not in ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
         raise ValueError(f"decode variant {variant!r} does not read {fmt}: v1 reads {', '.join(V1_FORMATS)}, "
                          f"v2 every quantized format ({', '.join(v2.STEP_BLOCK)})")
     return v
@@ -455,8 +458,11 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    if v in ("v3", "v3pdl", "v4"):
-        return v2.gate_up_v3(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v3pdl" and x.is_cuda)
+    if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
+        return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and x.is_cuda)
+    if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
+        return v2.gate_up_v3(x, ids, gate_up, act, alpha, limit, bias, h, cfg,
+                             pdl=v in ("v3pdl", "v5pdl") and x.is_cuda)
     if v != "v1":
         return v2.gate_up(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v2pdl" and x.is_cuda)
     t, d = x.shape
@@ -473,8 +479,10 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    if v in ("v3", "v3pdl", "v4"):
-        return v2.down_v3(h, ids, w, down, bias, out, cfg, pdl=v == "v3pdl" and out.is_cuda)
+    if v in ("v5", "v5pdl") and v5.supports(down, down.k):
+        return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and out.is_cuda)
+    if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
+        return v2.down_v3(h, ids, w, down, bias, out, cfg, pdl=v in ("v3pdl", "v5pdl") and out.is_cuda)
     if v != "v1":
         return v2.down(h, ids, w, down, bias, out, cfg, pdl=v == "v2pdl" and out.is_cuda)
     t, d = out.shape
