@@ -31,8 +31,8 @@ from .triton_decode import STEP_BLOCK, Tile, _act, _v3_load, v3_pieces
 
 Q8_0, Q4_0 = tl.constexpr(1), tl.constexpr(2)
 FORMATS = ("Q8_0", "Q4_0")
-MAGIC = 0x4B400000                    # bits of 1.5 * 2^23: an int32 added to them is read as 12582912 + int
-MAGIC_F = 12582912.0
+MAGIC = tl.constexpr(0x4B400000)      # bits of 1.5 * 2^23: an int32 added to them is read as 12582912 + int
+MAGIC_F = tl.constexpr(12582912.0)
 ROUND = {torch.bfloat16: 1, torch.float16: 2}      # h rounded to x's dtype (gate_up's ROUND)
 
 
