@@ -74,6 +74,13 @@ def routing(t: int, k: int, slots: int, seed: int = 1, miss: bool = True, dtype=
     return ids.to(DEV), w.to(DEV, dtype)
 
 
+def q8(fmt: str, variant=None) -> bool:
+    """Whether the decode kernels of this variant (None: the default) take x and h as int8 (v5): the twin
+    then quantizes them alike (ops.moe_native act_q8)."""
+    return fmt != "dense" and tm.variant_of(ops.normalize_fmt(fmt), variant).startswith("v5") \
+        and ops.normalize_fmt(fmt) in tm.v5.FORMATS
+
+
 def run_kernel(kind, x, ids, w, gu, dn, fmt, act, biases, **cfg):
     """The triton_moe kernel (decode / grouped) on x, with an output poisoned with NaN."""
     x, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, ops.normalize_fmt(fmt), ops.as_act(act), biases)
@@ -98,7 +105,7 @@ def test_decode_matches_twin(fmt, gpt_oss):
     act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
     ids, w = routing(t, 2, 6)
     x = torch.randn(t, d, device=DEV) * (3.0 if gpt_oss else 1.0)   # big enough to hit the clamps
-    want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt)
+    want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt, act_q8=q8(fmt))   # the default variant's twin
     got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, **SMALL_DECODE)
     assert rel_err(got, want) <= 1e-4
 
@@ -137,7 +144,7 @@ def test_decode_v1_and_v2_agree_with_twin(fmt):
     cfg = {"cfg_gate_up": (64, bk, 4), "cfg_down": (128, bk, 4, 2)}
     assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v2", **cfg), want) <= 1e-4
     if fmt == "Q8_0":                                                   # the shipped v2 tiles
-        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None), want) <= 1e-4
+        assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v2"), want) <= 1e-4
 
 
 @pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K", "IQ3_XXS"])
@@ -232,7 +239,7 @@ def test_decode_variant_errors_say_what_reads_what():
     with pytest.raises(ValueError, match="v2 every quantized"):
         tm.variant_of("dense", "v2")
     assert tm.variant_of("Q4_K", None) == "v2" and tm.variant_of("dense", None) == "v1"
-    assert tm.variant_of("Q4_0", None) == tm.variant_of("Q8_0", None) == "v3"      # timed faster (H200)
+    assert tm.variant_of("Q4_0", None) == tm.variant_of("Q8_0", None) == "v5pdl"   # timed faster (H200)
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
     assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels
     assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v3 kernels under v5
@@ -330,7 +337,7 @@ def test_ops_dispatch_and_activation_recognition():
     ids, w = routing(1, 2, 6, miss=False)
     x = torch.randn(1, 64, device=DEV)
     act = partial(clamped_swiglu, alpha=1.702, limit=7.0)
-    want = ops.moe_native(x, ids, w, gu, dn, act, biases, "q8_0")
+    want = ops.moe_native(x, ids, w, gu, dn, act, biases, "q8_0", act_q8=q8("q8_0"))
     prev = ops.backend()
     try:
         assert ops.set_backend("triton") == "triton"

@@ -211,9 +211,11 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, sq_s, sq_
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
-# Tiles (Tile.bn rows, warps), v3's timed ones to start with (bench --variants times others).
-GATE_UP5 = {"Q8_0": Tile(8, 0, 8), "Q4_0": Tile(8, 0, 4)}
-DOWN5 = {"Q8_0": Tile(8, 0, 4), "Q4_0": Tile(8, 0, 4)}
+# Tiles (Tile.bn rows, warps). Timed on the H200 (session 8, bench --variants, graph replays, per call with
+# its quantize launch, Qwen3-30B-A3B T=1): gate_up Q4_0 (4, 0, 2) 7.73 us vs (8, 0, 4) 8.16, (16, 0, 8) 8.04;
+# Q8_0 10.57 vs 10.8, 10.73; down Q4_0 (4, 0, 4) 6.34 vs (8, 0, 4) 6.64; Q8_0 (16, 0, 8) 8.22 vs (8, 0, 4) 8.82.
+GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2)}
+DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4)}
 
 
 def _planes(w):
