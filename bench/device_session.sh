@@ -10,6 +10,7 @@
 #   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.25 / default, at 8 GiB and --cpu-moe
 #               (AB48=1: again with MOETIER_STAGE_REPACK=triton; KEEP48=1 keeps the model)
 #   share48     48 layers Q4_0: PCIe share 0 vs $SHARE interleaved (0, S, 0, S) at --cpu-moe and 8 GiB
+#   place48     48 layers Q4_0 at the defaults: all on the GPU, --gpu-mem 8GiB, --cpu-moe (one process)
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
@@ -91,6 +92,13 @@ for step in $STEPS; do
       bench share48_$P ${S48SECS:-200} $M --prompt-len 512 --gen 40 $B --pcie-share 0 \
         --compare s1:--pcie-share=$S --compare z2:--pcie-share=0 --compare s2:--pcie-share=$S
     done
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  place48)
+    # the three placements of the issues' targets at the defaults, one process: all on the GPU, 8 GiB, --cpu-moe
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    bench place48 ${PL48SECS:-240} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
+      --compare cpumoe:--cpu-moe
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   gpu48)
     # everything on the GPU, decode kernels v2 (default) vs v3 (MOETIER_DECODE_VARIANT)
