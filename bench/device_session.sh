@@ -10,7 +10,8 @@
 #   pcie48      48 layers Q4_0: the PCIe share of decode misses off / 0.25 / default, at 8 GiB and --cpu-moe
 #               (AB48=1: again with MOETIER_STAGE_REPACK=triton; KEEP48=1 keeps the model)
 #   share48     48 layers Q4_0: PCIe share 0 vs $SHARE interleaved (0, S, 0, S) at --cpu-moe and 8 GiB
-#   place48     48 layers Q4_0 at the defaults: all on the GPU, --gpu-mem 8GiB, --cpu-moe (one process)
+#   place48     48 layers Q4_0 at the defaults: all on the GPU, --gpu-mem 8GiB, --cpu-moe (one process;
+#               PL48DEQ=1: all on the GPU and 8 GiB again with --dequantize-dense)
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
@@ -61,7 +62,7 @@ for step in $STEPS; do
     tail -3 "$OUT/pcie.err"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, d[k]) for k in d if k not in ('gather','gather_base')]" "$OUT/pcie.json" ;;
   tests)
     timeout ${TSECS:-90} python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
-      tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py $(ls tests/test_decode_v4.py 2>/dev/null) \
+      tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py tests/test_quant_linear.py $(ls tests/test_decode_v4.py 2>/dev/null) \
       -k "${TEST_K:-graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module}" \
       -p no:cacheprovider -rf --tb=short 2>&1 | tail -60 > "$OUT/gpu_tests.txt"
     grep -E "^E |passed|failed|FAILED" "$OUT/gpu_tests.txt" | tail -14
@@ -97,8 +98,13 @@ for step in $STEPS; do
     # the three placements of the issues' targets at the defaults, one process: all on the GPU, 8 GiB, --cpu-moe
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
-    bench place48 ${PL48SECS:-240} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
-      --compare cpumoe:--cpu-moe
+    if [ -n "${PL48DEQ:-}" ]; then   # A/B: the dense weights dequantized to bf16 (as before QuantLinear)
+      bench place48 ${PL48SECS:-450} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
+        --compare cpumoe:--cpu-moe --compare deq:--dequantize-dense --compare "g8deq:--gpu-mem=8GiB --dequantize-dense"
+    else
+      bench place48 ${PL48SECS:-240} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
+        --compare cpumoe:--cpu-moe
+    fi
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   gpu48)
     # everything on the GPU, decode kernels v2 (default) vs v3 (MOETIER_DECODE_VARIANT)

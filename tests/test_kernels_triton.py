@@ -198,14 +198,18 @@ def test_decode_v3_default_tiles_and_h(fmt):
     assert rel_err(hs["v3"], hs["v2"]) <= 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+V5_SHAPES = {**V3_SHAPES, "Q6_K": (768, 256)}                           # Q6_K D = 768: 4 + 2 chunks
+
+
+@pytest.mark.parametrize("fmt", list(V5_SHAPES))
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
 def test_decode_v5_matches_its_twin(fmt, gpt_oss):
     """v5 (triton_decode_q8: x and h as int8 per 32-block, dp4a; emulated under the interpreter): against the
     twin that quantizes the same way (ops.moe_native act_q8) to 1e-4; against the float twin within int8
     activation error. 3 tokens x k=3 of 6 slots (k padded to 4 in the down tile, a missing slot), K in two
-    pieces (I = 96: 2 + 1 blocks), wide tiles (rows masked), poisoned output; v5pdl likewise."""
-    d, i = V3_SHAPES[fmt]
+    pieces (Q8_0/Q4_0 I = 96: 2 + 1 blocks; Q4_K D = 768: 8 + 4 chunks, Q6_K 4 + 2), wide tiles (rows
+    masked), poisoned output; v5pdl likewise."""
+    d, i = V5_SHAPES[fmt]
     gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
     act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
     ids, w = routing(3, 3, 6)
@@ -242,7 +246,7 @@ def test_decode_variant_errors_say_what_reads_what():
     assert tm.variant_of("Q4_0", None) == tm.variant_of("Q8_0", None) == "v5pdl"   # timed faster (H200)
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
     assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels
-    assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v3 kernels under v5
+    assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v5 kernels too (triton_decode_q8)
     with pytest.raises(ValueError):
         tm.variant_of("dense", "v3")
 

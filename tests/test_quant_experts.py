@@ -148,7 +148,13 @@ def test_planes_through_triton_interpreter(t, qtype="Q8_0"):
         got = ex(x, ids, w)
     finally:
         ops.set_backend(prev)
-    assert max_rel_err(got, ex.forward_native(x, ids, w)) <= 1e-4
+    from moetier.kernels import triton_moe as tm
+    decode_q8 = t <= ops.MAX_DECODE_TOKENS and tm.variant_of(ops.normalize_fmt(qtype), None).startswith("v5")
+    # v5 decode kernels quantize x and h to int8 per 32-block: the twin that does the same is exact
+    want = ops.moe_native(x, ids, w, ex.planes("gate_up"), ex.planes("down"), ex.act, None, qtype,
+                          act_q8=decode_q8)
+    assert max_rel_err(got, want) <= 1e-4
+    assert max_rel_err(got, ex.forward_native(x, ids, w)) <= (3e-2 if decode_q8 else 1e-4)
 
 
 def test_matvec_and_dequantize_paths_agree(monkeypatch):

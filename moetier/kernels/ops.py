@@ -221,6 +221,50 @@ def dequantize(fmt: str, planes: dict[str, torch.Tensor], idx: torch.Tensor, dty
 
 DEQUANT_GROUP = 16      # experts the torch dequantizer takes at a time
 
+# ------------------------------------------------------------------ dense linear on GGML planes
+MAX_GEMV_ROWS = 8                   # decode rows: the int8 GEMV (triton_qlinear); more: dequantize + cuBLAS
+DENSE_CHUNK_BYTES = 64 << 20        # bound on the float rows of W a qlinear with more rows holds at once
+
+
+def qlinear(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with W [N, K] in GGML planes ([1, N, K'] each, quant.repack) -> [..., N] in x's
+    dtype. Up to MAX_GEMV_ROWS rows on CUDA: x quantized to int8 per 32-block and one dp4a GEMV (no host sync,
+    CUDA-graph capturable); otherwise W is dequantized to x's dtype in row chunks of at most DENSE_CHUNK_BYTES
+    and multiplied by torch."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if backend() == "triton" and (x.is_cuda or _interpret) and 0 < x2.shape[0] <= MAX_GEMV_ROWS:
+        from . import triton_qlinear
+        if triton_qlinear.supports(fmt, x2.shape[1]):
+            with _on_device(x):
+                return triton_qlinear.gemv(x2, planes, fmt, bias).reshape(*shape[:-1], -1)
+    return qlinear_chunked(x2, planes, fmt, bias).reshape(*shape[:-1], -1)
+
+
+def qlinear_chunked(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias=None) -> torch.Tensor:
+    """qlinear by dequantized row chunks (bounded float memory), x [T, K]."""
+    first = next(iter(planes.values()))
+    n, k = first.shape[1], x.shape[1]
+    rows = max(1, DENSE_CHUNK_BYTES // (k * x.element_size()))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    idx = torch.zeros(1, dtype=torch.long, device=first.device)
+    for r0 in range(0, n, rows):
+        w = dequantize(fmt, {name: p[:, r0:r0 + rows] for name, p in planes.items()}, idx, x.dtype)[0]
+        out[:, r0:r0 + rows] = x @ w.T
+    return out if bias is None else out.add_(bias)
+
+
+def qlinear_native(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias=None, act_q8: bool = False
+                   ) -> torch.Tensor:
+    """The twin of qlinear in float32 (act_q8: x quantized as the GEMV does), result in x's dtype."""
+    from moetier.quant.repack import dequantize_repacked
+    w = dequantize_repacked(fmt, {name: p[0] for name, p in planes.items()})
+    xf = _q8_native(x.float()) if act_q8 else x.float()
+    y = xf @ w.T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
 
 # ------------------------------------------------------------------ the pure-torch twin
 def _dense_weight(weight, fmt: str, s: int) -> torch.Tensor:

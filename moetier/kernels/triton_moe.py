@@ -443,8 +443,8 @@ def variant_of(fmt: str, variant: str | None) -> str:
     scheduled while gate_up runs; measured by bench --variants before it can become the default), "v3"
     (one-step small-program kernels for Q8_0/Q4_0/Q4_K, the default for Q4_0/Q8_0; other formats run v2) or
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
-    (Q8_0 / Q4_0: x and h quantized to int8 per 32-block, dp4a integer dots, triton_decode_q8; other
-    formats run v3 / v3pdl) or "v4"
+    (Q8_0 / Q4_0 / Q4_K / Q6_K: x and h quantized to int8 per 32-block, dp4a integer dots,
+    triton_decode_q8; other formats run v3 / v3pdl) or "v4"
     (opt-in: the whole layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases,
     triton_decode_v4; anything else, and decode_gate_up / decode_down alone, run v3)."""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)

@@ -239,7 +239,10 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     args, model, ckpt, layout = inspected or inspect(Path(path))
     L, E = layout.num_layers, layout.num_experts
     cuda = device.startswith("cuda")
-    groups, dense, embed = _groups(model, dtype)
+    from ..models.quant_linear import gpu_bytes
+    quant = {} if getattr(config, "dequantize_dense", False) else \
+        gpu_bytes(ckpt, [n for n, _ in model.named_parameters()], device)
+    groups, dense, embed = _groups(model, dtype, quant)
     check_dense_overrides([n for n, _ in model.named_parameters() if not EXPERT_PARAM.search(n)], config, device)
     kv, state = cache_bytes(model, ctx, dtype, getattr(config, "kv_dtype", "auto"))
     kv_on_host = cuda and getattr(config, "kv_offload", False)     # --kv-offload keeps the KV cache in RAM
@@ -388,8 +391,10 @@ def cache_bytes(model, ctx: int, dtype: torch.dtype, kv_dtype: str = "auto") -> 
     return kv, sum(c.nbytes for c in layers if not isinstance(c, KVCache))
 
 
-def _groups(model, dtype) -> tuple[list[dict], int, int]:
-    """Tensor groups of the non-expert params as loaded (compute dtype) -> (rows, dense, embeddings)."""
+def _groups(model, dtype, quant: dict[str, int] | None = None) -> tuple[list[dict], int, int]:
+    """Tensor groups of the non-expert params as loaded (compute dtype; `quant`: {name: bytes} of those kept in
+    their GGUF blocks, models.quant_linear) -> (rows, dense, embeddings)."""
+    quant = quant or {}
     rows = {"dense (attention, norms, routers, dense MLPs)": [0, 0], "embeddings + lm_head": [0, 0]}
     for n, p in model.named_parameters():
         if EXPERT_PARAM.search(n):
@@ -397,7 +402,8 @@ def _groups(model, dtype) -> tuple[list[dict], int, int]:
         key = "embeddings + lm_head" if ("embed" in n or n.startswith("lm_head")) else \
             "dense (attention, norms, routers, dense MLPs)"
         rows[key][0] += 1
-        rows[key][1] += p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
+        rows[key][1] += quant[n] if n in quant else p.numel() * (dtype.itemsize if p.is_floating_point()
+                                                                  else p.element_size())
     out = [{"group": k, "tensors": v[0], "bytes": v[1]} for k, v in rows.items()]
     return out, rows["dense (attention, norms, routers, dense MLPs)"][1], rows["embeddings + lm_head"][1]
 

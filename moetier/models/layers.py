@@ -15,6 +15,7 @@ from torch import nn
 from ..config import ModelArgs
 from ..kernels import ops, small_ops
 from ..runtime.kv_cache import KVCache
+from .quant_linear import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -198,6 +199,7 @@ class Attention(nn.Module):
         self.window = window
         self.scale = self.dh ** -0.5
         self.qkv_rows = None   # q/k/v row counts of the stacked qkv_weight/qkv_bias, after fuse_qkv()
+        self.qkv_q = None      # after fuse_qkv() of QuantLinear q/k/v (GGUF on CUDA): their stacked QuantLinear
 
     def make_cache(self, max_len: int, dtype, device) -> KVCache:
         return KVCache(max_len, (self.hkv, self.dh), (self.hkv, self.dh), dtype, device)
@@ -208,6 +210,13 @@ class Attention(nn.Module):
         GGUF blocks the loader kept (weights.loader._keep_blocks) are joined row-wise when q, k and v
         share a format; when they differ (Q4_K_M's Q6_K attn_v) the three stay apart on their own blocks."""
         lins = (self.q_proj, self.k_proj, self.v_proj)
+        if any(isinstance(lin, QuantLinear) for lin in lins):     # subclasses with their own forward keep theirs
+            if all(isinstance(lin, QuantLinear) for lin in lins) and len({lin.fmt for lin in lins}) == 1 \
+                    and type(self).forward is Attention.forward:
+                self.qkv_q = QuantLinear.stack(list(lins))       # one GEMV; the parts' planes are freed
+                self.q_proj = self.k_proj = self.v_proj = None
+                self.qkv_rows = [lin.out_features for lin in lins]
+            return
         blocks = [getattr(lin.weight, "ggml_blocks", None) for lin in lins]
         blocks = [b if b is not None and b[2] == lin.weight._version else None for b, lin in zip(blocks, lins)]
         if any(blocks) and len({b and (b[1], b[0].shape[1]) for b in blocks}) > 1:
@@ -227,11 +236,15 @@ class Attention(nn.Module):
         if blocks[0] is not None:
             w.ggml_blocks = (torch.cat([b[0] for b in blocks]), blocks[0][1], w._version)
 
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ [Wq; Wk; Wv]^T (+ biases) after fuse_qkv."""
+        return self.qkv_q(x) if self.qkv_q is not None else F.linear(x, self.qkv_weight, self.qkv_bias)
+
     def _fused_qkv(self, x: torch.Tensor, rope: tuple) -> tuple:
         """The forward's q/k/v after fuse_qkv: one GEMM, and q and k (adjacent heads of its output,
         [T, H + Hkv, Dh]) normed and rotated together: the same math as separately, half the ops."""
         t, nq, nk = x.shape[0], self.qkv_rows[0], self.qkv_rows[1]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)                    # [T, (H + 2 Hkv) Dh]
+        qkv = self._qkv(x)                                                   # [T, (H + 2 Hkv) Dh]
         qk = qkv[:, :nq + nk].view(t, self.h + self.hkv, self.dh)
         if self.qk_norm:   # per-head RMSNorm: q heads take q_norm's weight, k heads k_norm's
             w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.hkv, -1)])
@@ -248,7 +261,7 @@ class Attention(nn.Module):
             # (eager steps too, so a graph replay and an eager step compute the same numbers)
             if not isinstance(start, torch.Tensor):
                 start = torch.tensor(start, device=x.device)
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = self._qkv(x)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
             out = small_ops.decode_attention(qkv, qw, kw, eps, rope[0], rope[1], start, kv, self.h, self.hkv,
@@ -258,7 +271,7 @@ class Attention(nn.Module):
             q, k, v = self._fused_qkv(x, rope)   # eager only: the compiled step ran 3% faster with the form below
         else:
             if self.qkv_rows is not None:
-                q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_rows, -1)
+                q, k, v = self._qkv(x).split(self.qkv_rows, -1)
             else:
                 q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             q, k, v = q.view(t, self.h, self.dh), k.view(t, self.hkv, self.dh), v.view(t, self.hkv, self.dh)

@@ -194,7 +194,8 @@ class Engine:
         # calls the packed experts' kernel as a torch op)
         packed = path.suffix == ".gguf" and placement is None and not config.dequantize_experts
         net, args, ckpt = load_model(path, device=device, dtype=dtype, progress=config.progress,
-                                     skip=memory.EXPERT_PARAM if placement is not None or packed else None)
+                                     skip=memory.EXPERT_PARAM if placement is not None or packed else None,
+                                     quant_dense=not config.dequantize_dense)
         if packed:
             from ..weights.gguf import pack_experts
             pack_experts(net, ckpt, device, dtype)

@@ -108,9 +108,11 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, progress: bool = False,
-               skip: re.Pattern | None = None):
+               skip: re.Pattern | None = None, quant_dense: bool = False):
     """-> (model, args, NamedCheckpoint or GGUFCheckpoint). `directory` is a model directory or a
-    .gguf file. Params whose names match `skip` stay on meta (the memory tiers load experts themselves)."""
+    .gguf file. Params whose names match `skip` stay on meta (the memory tiers load experts themselves).
+    quant_dense (GGUF on CUDA): the dense linear layers models.quant_linear picks load as QuantLinear on their
+    file blocks (no float copy)."""
     directory = Path(directory)
     if is_gguf(directory):  # a .gguf file (or one part of a split set): GGUFCheckpoint, same interface
         ckpt = open_checkpoint(directory)
@@ -126,9 +128,11 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
     with torch.device("meta"):
         model = cls(args)
     params = list(model.named_parameters())
+    from ..models import quant_linear
+    quant = quant_linear.gpu_blocks(ckpt, [n for n, _ in params], device) if quant_dense else {}
     bar = _progress(len(params), f"loading {directory.name}", progress)
     for name, p in params:
-        if skip is not None and skip.search(name):
+        if (skip is not None and skip.search(name)) or name in quant:
             bar.update(1)
             continue
         t = _fetch(ckpt, args, name)
@@ -141,6 +145,7 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
             _keep_blocks(ckpt, model, name)
         bar.update(1)
     bar.close()
+    quant_linear.install(model, quant, device)
     for mod in model.modules():  # buffers were computed on the CPU at construction
         for bname, buf in list(mod._buffers.items()):
             if buf is not None:

@@ -1,0 +1,65 @@
+"""Dense GEMV on GGML planes for decode rows (models.quant_linear.QuantLinear): y [T, N] = x [T, K] @ W^T (+ b).
+
+The expert kernels' v5 math (triton_decode_q8: x quantized to int8 per 32-block by `quantize`, weight words
+against activation words in dp4a, every weight load of a program issued before its math), over one weight
+matrix instead of slots: grid (T, N/BN), tile [K words, 1, BN]. With `pdl` (CUDA) the GEMV is a programmatic
+dependent of the quantizer: its weight loads start while x is quantized.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_decode_q8 as q8
+from .triton_decode import STEP_BLOCK, v3_pieces
+from .triton_weights import BLOCK, Weights
+
+WORDS_PER_PROGRAM = 2048        # BN = this / words per row, as the v5 gate_up tile (4 rows x 2 x 256 Q4_0 words)
+WARPS = 2
+
+
+@triton.jit
+def _gemv_kernel(xw_ptr, xd_ptr, xs_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, sq_s, sq_n, sd_s, sd_n,
+                 sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n, b_ptr, out_ptr, stride_o, N,
+                 K: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                 NB1: tl.constexpr, NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
+    """grid (T, N/BN): out[t, n] = W row n . x[t] (+ b[n]) for BN rows n; slot 0 of the planes."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    r = tl.minimum(n, N - 1).to(tl.int64)[None, :]                                     # [1, BN], in bounds
+    xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (K // 4)
+    xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (K // 32)
+    acc = q8._v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, r * sq_n, r * sd_n, r * sm_n, r * ssc_n,
+                     r * smn_n, r * sh_n, r >= 0, K // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
+    y = tl.sum(acc, axis=0)
+    nm = n < N
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+
+
+def supports(fmt: str, k: int) -> bool:
+    """The GEMV reads the v5 formats with whole blocks per row."""
+    return fmt in q8.FORMATS and k % BLOCK[fmt] == 0
+
+
+def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """x [T, K] (unit last stride) -> [T, N] in x's dtype: the quantizer, then one GEMV launch. No host sync."""
+    t, k = x.shape
+    w = Weights(planes, fmt)
+    if w.k != k:
+        raise ValueError(f"x has {k} columns, the {fmt} weight [{w.n}, {w.k}]")
+    pdl = x.is_cuda if pdl is None else pdl and x.is_cuda
+    out = torch.empty(t, w.n, dtype=x.dtype, device=x.device) if out is None else out
+    xq, xd, xs = q8.quantize(x, trigger=pdl)
+    words_per_row = k // STEP_BLOCK[fmt] * (4 if fmt == "Q4_0" else 8)
+    bn = max(1, min(32, WORDS_PER_PROGRAM // words_per_row))
+    bn = 1 << (bn.bit_length() - 1)
+    nb1, nb2 = v3_pieces(k, fmt)
+    _gemv_kernel[(t, triton.cdiv(w.n, bn))](
+        xq.view(torch.int32), xd, xs, *q8._planes(w), bias if bias is not None else out, out, out.stride(0), w.n,
+        K=k, FMT=w.code, HAS_BIAS=bias is not None, BS=STEP_BLOCK[fmt], BN=bn, NB1=nb1, NB2=nb2, PDL=pdl,
+        EMU=q8._emulate(), num_warps=WARPS, **({"launch_pdl": True} if pdl else {}))
+    return out
