@@ -118,15 +118,21 @@ def test_gate_up_and_down_in_two_formats(kind):
     gu, _, _ = make_experts("Q4_K", 6, d, i, bias=False)
     _, dn, _ = make_experts("Q6_K", 6, d, i, bias=False, seed=1)
     ids, w = routing(3 if kind == "decode" else 12, 2, 6)
-    x = torch.randn(ids.shape[0], d, device=DEV)
-    want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, ("Q4_K", "Q6_K"))
+    x = torch.randn(ids.shape[0], d, generator=torch.Generator().manual_seed(7)).to(DEV)
+    q8s = (q8("Q4_K"), q8("Q6_K")) if kind == "decode" else False      # each projection its format's variant
+    want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, ("Q4_K", "Q6_K"), act_q8=q8s)
+    # h from float math (v2 gate_up) then int8 (v5 down): last-bit differences of h flip a rounding step of
+    # its int8 copy now and then (~1e-3); with both sides float or both int8 the kernels match to 1e-4
+    tol = 3e-3 if q8s and q8s[0] != q8s[1] else 1e-4
     cfg = SMALL_DECODE if kind == "decode" else SMALL_GROUPED
     op = tm.moe_decode if kind == "decode" else tm.moe_grouped
     xk, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, "Q4_K", ops.Act(), None, "Q6_K")
     got = op(xk, ids, w, gw, dw, code, alpha, limit, b, out=torch.full_like(x, float("nan")), **cfg)
-    assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-4
-    assert rel_err(ops.moe(x, ids, w, gu, dn, "swiglu", fmt=("Q4_K", "Q6_K")), want) <= 1e-4
-    assert rel_err(ops.moe(x, ids, w, gu, dn, "swiglu", fmt="Q4_K", down_fmt="Q6_K"), want) <= 1e-4
+    assert torch.isfinite(got).all() and rel_err(got, want) <= tol
+    if not ops.kernel_available(x, "swiglu", ("Q4_K", "Q6_K")):      # ops runs its twin (float activations)
+        want, tol = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, ("Q4_K", "Q6_K")), 1e-4
+    assert rel_err(ops.moe(x, ids, w, gu, dn, "swiglu", fmt=("Q4_K", "Q6_K")), want) <= tol
+    assert rel_err(ops.moe(x, ids, w, gu, dn, "swiglu", fmt="Q4_K", down_fmt="Q6_K"), want) <= tol
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_K"])
@@ -154,7 +160,7 @@ def test_decode_v2_k_tail(fmt):
     ids, w = routing(1, 2, 3, miss=False)
     x = torch.randn(1, 768, device=DEV)
     want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
-    cfg = {"cfg_gate_up": (256, 512, 4), "cfg_down": (1024, 256, 4)}
+    cfg = {"cfg_gate_up": (256, 512, 4), "cfg_down": (1024, 256, 4), "variant": "v2"}     # v2 tiles
     assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, **cfg), want) <= 1e-4
 
 

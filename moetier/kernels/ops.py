@@ -276,12 +276,15 @@ def _dense_weight(weight, fmt: str, s: int) -> torch.Tensor:
 
 
 def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None,
-               act_q8: bool = False):
+               act_q8: bool | tuple[bool, bool] = False):
     """forward_native of moe_decode / moe_grouped: same signature and result, in float32 (h rounded
     to x's dtype between the projections). Syncs with the host (one loop step per used slot):
     for tests, CPU runs and machines without Triton. act_q8: x and h quantized to int8 per 32-block
-    first, as the v5 decode kernels do (triton_decode_q8.quantize_native)."""
-    q8 = _q8_native if act_q8 else (lambda v: v)
+    first, as the v5 decode kernels do (triton_decode_q8.quantize_native); a pair (x, h) where only one of
+    the projections runs v5 (gate_up and down in formats with different default variants)."""
+    qx, qh = act_q8 if isinstance(act_q8, tuple) else (act_q8, act_q8)
+    same = lambda v: v      # noqa: E731
+    q8x, q8h = (_q8_native if qx else same), (_q8_native if qh else same)
     fmt, down_fmt = split_fmt(fmt, down_fmt)
     fn = as_act(act) or act
     t, k = slot_ids.shape
@@ -294,11 +297,11 @@ def moe_native(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf
         if s < 0:
             continue
         sel = (flat == s).nonzero()[:, 0]
-        h = q8(x[rows[sel]].float()) @ _dense_weight(gate_up, fmt, s).T
+        h = q8x(x[rows[sel]].float()) @ _dense_weight(gate_up, fmt, s).T
         if gb is not None:
             h = h + gb[s].float()
         gate, up = h.chunk(2, dim=-1)
-        ys = q8(fn(gate, up).to(x.dtype).float()) @ _dense_weight(down, down_fmt, s).T
+        ys = q8h(fn(gate, up).to(x.dtype).float()) @ _dense_weight(down, down_fmt, s).T
         if db is not None:
             ys = ys + db[s].float()
         y[sel] = ys * wf[sel, None]

@@ -144,17 +144,19 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
         xs_hi = tl.load(xs_ptr + dp + 1, mask=me, other=0.0)
         r = (d.to(tl.float32) * (sc_lo.to(tl.float32) * (v_lo * dx) + sc_hi.to(tl.float32) * (v_hi * dx_hi))
              - dm.to(tl.float32) * (0.125 * (mn_lo.to(tl.float32) * xs_lo + mn_hi.to(tl.float32) * xs_hi)))
-        return tl.sum(r, axis=0)                          # the min term: 1/8 per word of its sub-blocks' 8
+        res = tl.sum(r, axis=0)                           # the min term: 1/8 per word of its sub-blocks' 8
     elif FMT == Q4_0:
         xl = tl.load(xp, mask=me, other=0)
         xh = tl.load(xp + 4, mask=me, other=0)
         r = _dp4a((words >> 4) & 0x0F0F0F0F, xh, _dp4a(words & 0x0F0F0F0F, xl, MAGIC, EMU), EMU)
         xs = tl.load(xs_ptr + dp, mask=me, other=0.0)
         v = (r.to(tl.float32, bitcast=True) - MAGIC_F) * dx - 2.0 * xs       # 8 * xs over the block's 4 words
+        res = tl.sum(d.to(tl.float32) * v, axis=0)
     else:
         xw = tl.load(xp, mask=me, other=0)
         v = (_dp4a(words, xw, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F) * dx
-    return tl.sum(d.to(tl.float32) * v, axis=0)
+        res = tl.sum(d.to(tl.float32) * v, axis=0)
+    return res                  # one return: compiled Triton refuses a return inside a branch (the interpreter not)
 
 
 @triton.jit
@@ -311,8 +313,10 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
 # Tiles (Tile.bn rows, warps). Timed on the H200 (session 8, bench --variants, graph replays, per call with
 # its quantize launch, Qwen3-30B-A3B T=1): gate_up Q4_0 (4, 0, 2) 7.73 us vs (8, 0, 4) 8.16, (16, 0, 8) 8.04;
 # Q8_0 10.57 vs 10.8, 10.73; down Q4_0 (4, 0, 4) 6.34 vs (8, 0, 4) 6.64; Q8_0 (16, 0, 8) 8.22 vs (8, 0, 4) 8.82.
-# Q4_K: v3's tiles, Q6_K the same; neither timed yet.
-GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(2, 0, 1), "Q6_K": Tile(2, 0, 1)}
+# Session 9, Q6_K (pair at (2, 0, 1) / (8, 0, 4): v5 21.1 us, v5pdl 15.6): gate_up (16, 0, 4) 11.13 us vs (4, 0, 2)
+# 11.35, (8, 0, 4) 11.47, (16, 0, 8) 11.9; down (8, 0, 4) 8.61 vs (4, 0, 4) 8.63, (16, 0, 8) 8.95. Q4_K: v3's tiles,
+# not timed yet.
+GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(2, 0, 1), "Q6_K": Tile(16, 0, 4)}
 DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 4)}
 
 

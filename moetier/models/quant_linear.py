@@ -62,6 +62,7 @@ class QuantLinear(nn.Module):
         from ..quant.repack import repack
         fmt = get_format(qtype)
         planes = {k: v.unsqueeze(0).to(device) for k, v in repack(fmt.name, blocks.contiguous()).items()}
+        bias = None if bias is None else bias.to(device)
         return cls(planes, fmt.name, blocks.shape[1] // fmt.type_size * fmt.block_size, blocks.shape[0], bias)
 
     @classmethod

@@ -1,0 +1,73 @@
+"""Compile Triton kernels for an sm_90 target on a machine without a GPU (the frontend and the TTIR/TTGIR
+passes; ptxas only where a CUDA toolkit is installed), so CUDA-only compile errors (the interpreter accepts
+more: a `return` inside a branch, globals that are not constexpr) show up before a device call.
+
+    python bench/compile_check.py            # v5 decode kernels and the dense GEMV, every v5 format
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moetier.kernels import triton_decode_q8 as q8  # noqa: E402
+from moetier.kernels import triton_qlinear  # noqa: E402
+from moetier.kernels.triton_decode import STEP_BLOCK, v3_pieces  # noqa: E402
+from moetier.kernels.triton_weights import FMT_CODES  # noqa: E402
+
+INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr"}
+FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
+
+
+def compile_for_sm90(fn, const: dict) -> str | None:
+    """None when it compiles to the end the local toolchain reaches, else the innermost error."""
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32" if n in INT_PTRS else "*fp32" if n in FLOAT_PTRS else "*u8"
+        elif n in ("alpha", "limit"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i64"
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    except Exception as e:  # noqa: BLE001 (report the innermost cause)
+        while (e.__cause__ or e.__context__) is not None:
+            e = e.__cause__ or e.__context__
+        msg = f"{type(e).__name__}: {e}"
+        if "ptxas" in msg or "PTX" in msg or "cuda" in msg.lower() and "not found" in msg.lower():
+            return None        # past the frontend: no CUDA toolchain here
+        return msg[-600:]
+    return None
+
+
+def main() -> int:
+    bad = 0
+    for fmt in q8.FORMATS:
+        d, i = 2048, 768
+        common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
+        cases = {
+            "gate_up": (q8._gate_up_kernel, dict(common, I=i, D=d, KTOP=8, ACT=0, BN=4,
+                                                 NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1)),
+            "down": (q8._down_kernel, dict(common, D=d, I=i, KTOP=8, KP=8, BN=4,
+                                           NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1])),
+            "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
+                                                       NB2=v3_pieces(d, fmt)[1])),
+        }
+        for kind, (fn, const) in cases.items():
+            err = compile_for_sm90(fn, const)
+            bad += err is not None
+            print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""The v5 decode kernels and the dense GEMV compile for sm_90 (bench/compile_check.py), on a machine without a
+GPU: the Triton interpreter that runs the kernel tests here accepts code the CUDA compiler refuses (a `return`
+inside a branch cost a device run in session 9)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def test_v5_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}     # compile, not interpret
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "compile_check.py")], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(" ok") == 12, r.stdout        # gate_up, down, gemv x Q8_0, Q4_0, Q4_K, Q6_K
