@@ -7,6 +7,8 @@ dependent of the quantizer: its weight loads start while x is quantized.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +53,9 @@ def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch
     w = Weights(planes, fmt)
     if w.k != k:
         raise ValueError(f"x has {k} columns, the {fmt} weight [{w.n}, {w.k}]")
-    pdl = x.is_cuda if pdl is None else pdl and x.is_cuda
+    if pdl is None:     # MOETIER_QLINEAR_PDL=0: plain launches (A/B and diagnosis)
+        pdl = os.environ.get("MOETIER_QLINEAR_PDL", "1") != "0"
+    pdl = pdl and x.is_cuda
     out = torch.empty(t, w.n, dtype=x.dtype, device=x.device) if out is None else out
     xq, xd, xs = q8.quantize(x, trigger=pdl)
     words_per_row = k // STEP_BLOCK[fmt] * (4 if fmt == "Q4_0" else 8)
