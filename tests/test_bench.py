@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 import moetier.tools.bench_core as bench_core
 from moetier.cli import main as cli
@@ -138,3 +139,29 @@ def test_live_at_peak_names_the_blocks_live_at_the_peak():
              {"action": "free_completed", "addr": 1}, alloc(3, 5, "a"), {"action": "free_requested", "addr": 2},
              alloc(4, 20, "c")]
     assert live_at_peak({"device_traces": [trace]}) == (40, {"b.py:7 b": 30, "a.py:7 a": 10})
+
+
+def test_bytes_per_token_counts_packed_gguf_experts(tmp_path):
+    """A GGUF model's experts are packed buffers (QuantExperts), not parameters: the all-on-device bound still
+    reads k of them per MoE layer (the H200 all-GPU bound once counted 0 expert bytes: 5,043 tok/s)."""
+    from types import SimpleNamespace
+
+    from moetier.models.quant_experts import QuantExperts
+    from moetier.runtime.kv_cache import session_cache
+    from moetier.tools.bench_core import bytes_per_token
+    from moetier.tools.synth import synth
+    from moetier.memory import EXPERT_PARAM
+    from moetier.weights.gguf import pack_experts
+    from moetier.weights.loader import load_model
+    path = tmp_path / "q.gguf"
+    synth("qwen3-30b-a3b", "Q4_0", path, layers=2, scale="tiny", log=lambda *a: None, progress=False)
+    model, args, ckpt = load_model(path, skip=EXPERT_PARAM)       # as the engine loads a GGUF without tiers
+    pack_experts(model, ckpt, "cpu", torch.float32)
+    packed = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert len(packed) == 2
+    total = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
+    eng = SimpleNamespace(model=model, args=args, new_session=lambda max_context: SimpleNamespace(
+        cache=session_cache(model, max_context, torch.float32, "cpu")))
+    b = bytes_per_token(eng, 64)
+    assert b["experts"] == total // args.num_experts * args.num_experts_per_tok > 0
+    assert b["dense"] > 0 and b["kv"] > 0

@@ -433,9 +433,9 @@ def _bias(b, like: torch.Tensor):
 # the default decode variant per format where another than v2 was measured faster (H200, Qwen3-30B-A3B layer,
 # T=1, graph replays): session 7 Q4_0 v3 24.0 us per gate_up + down vs v2 28.0, Q8_0 19.6 vs 28.6; session 8
 # v5pdl (int8 activations, dp4a) Q4_0 11.65 us, Q8_0 16.67 (v5 14.77 / 19.43); all on the GPU, 48 layers
-# Q4_0: v5 335.0 tok/s vs v3 296.5; session 9 Q6_K v5pdl 15.56 us vs v2 47.2 (v5 21.1). Q4_K stays v2 until its
-# v5 (which did not compile for sm_90 in that run; fixed after) is timed: v2 28.8, v3 29.5.
-DEFAULT_VARIANT = {"Q4_0": "v5pdl", "Q8_0": "v5pdl", "Q6_K": "v5pdl"}
+# Q4_0: v5 335.0 tok/s vs v3 296.5; session 9 Q6_K v5pdl 15.56 us vs v2 47.2 (v5 21.1), Q4_K v5pdl 13.35 us vs
+# v2 28.8, v3 29.4 (v5 17.3)
+DEFAULT_VARIANT = {"Q4_0": "v5pdl", "Q8_0": "v5pdl", "Q4_K": "v5pdl", "Q6_K": "v5pdl"}
 
 
 def variant_of(fmt: str, variant: str | None) -> str:

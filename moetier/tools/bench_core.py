@@ -164,8 +164,13 @@ def bytes_per_token(engine, context: int) -> dict:
             dense += n // max(1, p.shape[0])
         else:
             dense += n
+    from ..models.quant_experts import QuantExperts
     from ..models.quant_linear import QuantLinear
-    dense += sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))   # GGUF blocks (buffers)
+    for m in model.modules():          # GGUF blocks kept as buffers: dense layers and packed experts
+        if isinstance(m, QuantLinear):
+            dense += m.nbytes
+        elif isinstance(m, QuantExperts):
+            experts += sum(b.numel() * b.element_size() for b in m.buffers() if b.device.type != "meta")
     n_moe = sum(1 for blk in model.model.layers if hasattr(getattr(blk, "mlp", None), "experts"))
     E, k = max(1, args.num_experts), args.num_experts_per_tok
     cache = engine.new_session(max_context=2).cache    # KV bytes per position, without a big allocation
