@@ -2,7 +2,7 @@
 passes; ptxas only where a CUDA toolkit is installed), so CUDA-only compile errors (the interpreter accepts
 more: a `return` inside a branch, globals that are not constexpr) show up before a device call.
 
-    python bench/compile_check.py            # v5 decode kernels and the dense GEMV, every v5 format
+    python bench/compile_check.py    # v5 decode kernels and the dense GEMV (every v5 format), the embedding gather
 """
 from __future__ import annotations
 
@@ -23,12 +23,15 @@ INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr"}
 FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
 
 
-def compile_for_sm90(fn, const: dict) -> str | None:
-    """None when it compiles to the end the local toolchain reaches, else the innermost error."""
+def compile_for_sm90(fn, const: dict, types: dict | None = None) -> str | None:
+    """None when it compiles to the end the local toolchain reaches, else the innermost error. types: argument
+    types that the naming rule below would get wrong."""
     names = fn.arg_names
     sig = {}
     for n in names:
-        if n in const:
+        if types and n in types:
+            sig[n] = types[n]
+        elif n in const:
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
             sig[n] = "*i32" if n in INT_PTRS else "*fp32" if n in FLOAT_PTRS else "*u8"
@@ -66,6 +69,11 @@ def main() -> int:
             err = compile_for_sm90(fn, const)
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")
+    from moetier.kernels import triton_embed
+    err = compile_for_sm90(triton_embed._gather_rows_kernel, dict(D=2048, BLOCK=triton_embed.BLOCK),
+                           {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})
+    bad += err is not None
+    print(f"bf16  embed    {'ok' if err is None else err}")
     return 1 if bad else 0
 
 

@@ -1,4 +1,4 @@
-"""The v5 decode kernels and the dense GEMV compile for sm_90 (bench/compile_check.py), on a machine without a
+"""The v5 decode kernels, the dense GEMV and the embedding gather compile for sm_90 (bench/compile_check.py), on a machine without a
 GPU: the Triton interpreter that runs the kernel tests here accepts code the CUDA compiler refuses (a `return`
 inside a branch cost a device run in session 9)."""
 from __future__ import annotations
@@ -19,4 +19,4 @@ def test_v5_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, str(root / "bench" / "compile_check.py")], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count(" ok") == 12, r.stdout        # gate_up, down, gemv x Q8_0, Q4_0, Q4_K, Q6_K
+    assert r.stdout.count(" ok") == 13, r.stdout        # gate_up, down, gemv x Q8_0, Q4_0, Q4_K, Q6_K; embed

@@ -8,6 +8,7 @@ import torch
 
 from helpers import bandwidths_home
 from moetier.cli import main
+from moetier.memory.plan import HOST_GROUP
 from moetier.weights.safetensors import SafetensorsFile
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -84,19 +85,21 @@ def test_plan_qwen3_30b_on_a_24gb_gpu(qwen30b, no_reads, capsys):
     assert ex["bytes_per_layer"] == 128 * EXPERT == 1_207_959_552           # 1.21 GB (1.125 GiB) per layer
     assert ex["total_bytes"] == 48 * 128 * EXPERT                           # 58.0 GB of experts
     groups = {g["group"].split(" ")[0]: g["bytes"] for g in p["groups"]}
-    assert groups["embeddings"] == 2 * 151936 * 2048 * 2                    # 1.24 GB
+    assert groups["lm_head"] == 151936 * 2048 * 2                           # 622 MB
+    assert groups["token"] == 151936 * 2048 * 2                             # the embedding table, in pinned RAM
+    assert next(g for g in p["groups"] if g["group"].startswith("token"))["group"] == HOST_GROUP
     attn = (4096 * 2048 * 2 + 512 * 2048 * 2) * 2
     assert attn * 48 < groups["dense"] < (attn + 128 * 2048 * 2 + 8 * 2048) * 48
     kv = 48 * 4096 * 2 * 4 * 128 * 2
     assert p["budgets"]["gpu"] == 24 * GiB
     assert p["kv_bytes"] == kv                                              # 384 MiB at 4K tokens
-    fixed = groups["dense"] + groups["embeddings"] + kv + p["workspace_bytes"]
+    fixed = groups["dense"] + groups["lm_head"] + kv + p["workspace_bytes"]
     gpu = p["tiers"]["gpu"]
     used = fixed + (gpu["slots"] + gpu["stage_slots"]) * EXPERT + gpu["staging_bytes"]
     assert used <= 24 * GiB < used + EXPERT                                 # fills the budget, never past it
-    assert 2000 < gpu["slots"] < 2300 and max(gpu["per_layer"]) - min(gpu["per_layer"]) <= 1
+    assert 2050 < gpu["slots"] < 2400 and max(gpu["per_layer"]) - min(gpu["per_layer"]) <= 1
     ram = p["tiers"]["ram"]
-    assert ram["slots"] == 32 * GiB // EXPERT - 4 and not ram["all_experts"]    # 4 read buffers
+    assert ram["slots"] == (32 * GiB - groups["token"]) // EXPERT - 4 and not ram["all_experts"]   # 4 read buffers
     c = p["decode_ceiling"]
     share = gpu["slots"] / (48 * 128)
     assert c["coverage"]["gpu"] == pytest.approx(share)
@@ -108,6 +111,20 @@ def test_plan_qwen3_30b_on_a_24gb_gpu(qwen30b, no_reads, capsys):
     # copying 9 MiB at 24 GB/s = 0.39 ms > one token's gemv on the CPU (9 MiB at 40 GB/s = 0.24 ms), but
     # the CPU does 9.4 MFLOP per token at 400 GFLOP/s = 0.024 ms: from 17 tokens on, copying wins
     assert rule["tokens"] == 17 and rule["copy_ms"] == pytest.approx(EXPERT / 24e9 * 1e3)
+
+
+def test_embeddings_stay_on_the_gpu_with_gpu_embed(qwen30b, no_reads, capsys):
+    """--gpu-embed: the table counts against the GPU budget again (fewer expert slots), not the RAM one."""
+    path, _ = qwen30b
+    _, host = plan_json(capsys, path, "--device", "cuda", "--gpu-mem", "24GiB", "--ram-mem", "32GiB", "--ctx", 4096)
+    rc, dev = plan_json(capsys, path, "--device", "cuda", "--gpu-mem", "24GiB", "--ram-mem", "32GiB", "--ctx", 4096,
+                        "--gpu-embed")
+    table = 151936 * 2048 * 2
+    assert rc == 0 and not any(g["group"] == HOST_GROUP for g in dev["groups"])
+    assert next(g["bytes"] for g in dev["groups"] if g["group"].startswith("embeddings")) == 2 * table
+    slots = host["tiers"]["gpu"]["slots"] - dev["tiers"]["gpu"]["slots"]
+    assert table // EXPERT - 1 <= slots <= table // EXPERT + 1                   # the table's worth of experts
+    assert dev["tiers"]["ram"]["slots"] - host["tiers"]["ram"]["slots"] in (table // EXPERT, table // EXPERT + 1)
 
 
 def test_layer_stage_only_where_the_cache_cannot_use_the_room(qwen30b, no_reads, capsys):

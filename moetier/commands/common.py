@@ -60,7 +60,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "their stored Q8_0/Q4_0/Q4_K blocks (the old behaviour; more memory)")
     g.add_argument("--dequantize-dense", action="store_true",
                    help="GGUF on CUDA: dequantize the attention, lm_head and dense MLP weights at load (to --dtype) "
-                        "instead of computing on their stored Q8_0/Q4_0 blocks (the old behaviour; more VRAM)")
+                        "instead of computing on their stored Q8_0/Q4_0/Q4_K/Q6_K blocks (the old behaviour; more VRAM)")
+    g.add_argument("--gpu-embed", action="store_true",
+                   help="CUDA with memory budgets: keep the token embedding table in VRAM (default: in pinned RAM, "
+                        "one row read over PCIe per token, as llama.cpp does; the VRAM goes to the expert cache)")
     g.add_argument("--gpu-mem", default=None, metavar="SIZE", help="GPU memory budget, e.g. 8GiB, or auto")
     g.add_argument("--ram-mem", default=None, metavar="SIZE", help="RAM budget for the expert bank, or auto")
     g.add_argument("--gpu-reserve", default=None, metavar="SIZE", help="VRAM left free when --gpu-mem is auto")
@@ -92,6 +95,7 @@ def engine_config(args) -> EngineConfig:
                         prompt_cache_mem=parse_size(getattr(args, "prompt_cache_mem", "2GiB")) or 2 << 30,
                         dequantize_experts=getattr(args, "dequantize_experts", False),
                         dequantize_dense=getattr(args, "dequantize_dense", False),
+                        gpu_embed=getattr(args, "gpu_embed", False),
                         gpu_mem=parse_size(args.gpu_mem), ram_mem=parse_size(args.ram_mem),
                         gpu_reserve=parse_size(args.gpu_reserve), seed=getattr(args, "seed", None),
                         **memory_fields(args))

@@ -16,7 +16,7 @@ from ..errors import UserError
 from ..memory.bandwidth import bandwidths
 from ..memory.budget import fmt_bytes
 from ..memory import placement_with_chunk
-from ..memory.plan import decode_ceiling, inspect, prefill_copy_rule
+from ..memory.plan import HOST_GROUP, decode_ceiling, inspect, prefill_copy_rule
 from ..runtime.engine import DEFAULT_CONTEXT, resolve_model_path
 from .common import add_model_args, engine_config
 
@@ -91,7 +91,8 @@ def render(pl, ceiling: dict, rule: dict, bw: dict, notes: list[str]) -> str:
     b = s["budgets"]
     lines.append(f"budgets: gpu {fmt_bytes(b['gpu'])} ({b['gpu_source']}); ram {fmt_bytes(b['ram'])} ({b['ram_source']})")
     dev = "gpu" if pl.fast_device == "cuda" else "ram"
-    rows = [(g["group"], dev, str(g["tensors"]), fmt_bytes(g["bytes"])) for g in pl.groups]
+    rows = [(g["group"], "ram" if g["group"] == HOST_GROUP else dev, str(g["tensors"]), fmt_bytes(g["bytes"]))
+            for g in pl.groups]
     rows.append((f"KV cache ({pl.ctx} tokens)", "ram" if pl.kv_tier == "ram" else dev, "-", fmt_bytes(pl.kv_bytes)))
     if pl.state_bytes:
         rows.append(("recurrent state (linear-attention layers; any context)", dev, "-", fmt_bytes(pl.state_bytes)))

@@ -143,6 +143,8 @@ class Placement:
     kv_tier: str = "device"        # "ram" with --kv-offload on CUDA
     state_bytes: int = 0           # recurrent states (DeltaNet conv + ssm): on the device, never offloaded
     problems: list[str] = field(default_factory=list)
+    embed_host_bytes: int = 0       # token embeddings in pinned RAM (plan.host_embedding), not on the device
+    lm_head_bytes: int = 0          # read whole by every token (in its GGUF blocks where QuantLinear keeps them)
 
     @property
     def fast_device(self) -> str:
@@ -242,7 +244,10 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     from ..models.quant_linear import gpu_bytes
     quant = {} if getattr(config, "dequantize_dense", False) else \
         gpu_bytes(ckpt, [n for n, _ in model.named_parameters()], device)
-    groups, dense, embed = _groups(model, dtype, quant)
+    host_embed = host_embedding(config, device)
+    groups, dense, embed, embed_host = _groups(model, dtype, quant, host_embed)
+    head = dict(model.named_parameters()).get("lm_head.weight")
+    lm_head = quant.get("lm_head.weight", 0 if head is None else head.numel() * dtype.itemsize)
     check_dense_overrides([n for n, _ in model.named_parameters() if not EXPERT_PARAM.search(n)], config, device)
     kv, state = cache_bytes(model, ctx, dtype, getattr(config, "kv_dtype", "auto"))
     kv_on_host = cuda and getattr(config, "kv_offload", False)     # --kv-offload keeps the KV cache in RAM
@@ -301,7 +306,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
             problems.append(f"dense weights ({fmt_bytes(dense + embed)}) + KV cache at {ctx} tokens ({fmt_bytes(kv_dev)}) "
                             f"+ prefill workspace ({fmt_bytes(workspace)}) need {fmt_bytes(fixed)}, but the GPU "
                             f"budget is {fmt_bytes(gpu_budget)}: lower --ctx, raise --gpu-mem, or use a larger GPU")
-        ram_left = ram_budget - (kv if kv_on_host else 0)
+        ram_left = ram_budget - (kv if kv_on_host else 0) - embed_host
     else:
         gpu_left = gpu_budget
         ram_left = ram_budget - fixed
@@ -379,7 +384,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         bank_candidates=len(candidates), bank_order=candidates, scratch=scratch, gpu_budget=gpu_budget,
         ram_budget=ram_budget, budget_notes=notes, policy=policy, prefetch=prefetch,
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",
-        state_bytes=state, problems=problems)
+        state_bytes=state, problems=problems, embed_host_bytes=embed_host, lm_head_bytes=lm_head)
 
 
 def cache_bytes(model, ctx: int, dtype: torch.dtype, kv_dtype: str = "auto") -> tuple[int, int]:
@@ -391,21 +396,37 @@ def cache_bytes(model, ctx: int, dtype: torch.dtype, kv_dtype: str = "auto") -> 
     return kv, sum(c.nbytes for c in layers if not isinstance(c, KVCache))
 
 
-def _groups(model, dtype, quant: dict[str, int] | None = None) -> tuple[list[dict], int, int]:
+def host_embedding(config, device: str) -> bool:
+    """Whether the token embeddings stay in pinned RAM (models.host_embedding): on CUDA with memory tiers (the
+    plan exists only then), unless --gpu-embed."""
+    return str(device).startswith("cuda") and not getattr(config, "gpu_embed", False)
+
+
+HOST_GROUP = "token embeddings (pinned RAM, rows gathered over PCIe)"
+
+
+def _groups(model, dtype, quant: dict[str, int] | None = None, host_embed: bool = False
+            ) -> tuple[list[dict], int, int, int]:
     """Tensor groups of the non-expert params as loaded (compute dtype; `quant`: {name: bytes} of those kept in
-    their GGUF blocks, models.quant_linear) -> (rows, dense, embeddings)."""
+    their GGUF blocks, models.quant_linear; host_embed: the token embeddings in RAM) -> (rows, dense,
+    embeddings + lm_head on the device, embeddings in RAM)."""
+    from ..weights.loader import EMBED
     quant = quant or {}
-    rows = {"dense (attention, norms, routers, dense MLPs)": [0, 0], "embeddings + lm_head": [0, 0]}
+    dense_key = "dense (attention, norms, routers, dense MLPs)"
+    embed_key = "lm_head" if host_embed else "embeddings + lm_head"
+    rows = {dense_key: [0, 0], embed_key: [0, 0]}
+    if host_embed:
+        rows[HOST_GROUP] = [0, 0]
     for n, p in model.named_parameters():
         if EXPERT_PARAM.search(n):
             continue
-        key = "embeddings + lm_head" if ("embed" in n or n.startswith("lm_head")) else \
-            "dense (attention, norms, routers, dense MLPs)"
+        key = HOST_GROUP if host_embed and n == EMBED else \
+            embed_key if ("embed" in n or n.startswith("lm_head")) else dense_key
         rows[key][0] += 1
         rows[key][1] += quant[n] if n in quant else p.numel() * (dtype.itemsize if p.is_floating_point()
                                                                   else p.element_size())
     out = [{"group": k, "tensors": v[0], "bytes": v[1]} for k, v in rows.items()]
-    return out, rows["dense (attention, norms, routers, dense MLPs)"][1], rows["embeddings + lm_head"][1]
+    return out, rows[dense_key][1], rows[embed_key][1], rows.get(HOST_GROUP, [0, 0])[1]
 
 
 def _fast_slots(tiers: list[str], n_fast: int, E: int, policy: str, profile: ExpertProfile | None):
@@ -495,8 +516,7 @@ def decode_ceiling(pl: Placement, bw: dict) -> dict:
     cuda = pl.fast_device == "cuda"
     cpu_dt = pl.layout.qtype or str(pl.storage_dtype if cuda else pl.dtype).removeprefix("torch.")  # block formats: C kernels
     # dense weights are read once per token; the KV cache at the full context; embeddings: one row
-    lm_head = next((g["bytes"] for g in pl.groups if g["group"].startswith("embeddings")), 0) / 2
-    fast_bytes = pl.dense_bytes + lm_head + pl.kv_bytes + pl.state_bytes + routes * cov["gpu"] * pl.expert_fast_bytes
+    fast_bytes = pl.dense_bytes + pl.lm_head_bytes + pl.kv_bytes + pl.state_bytes + routes * cov["gpu"] * pl.expert_fast_bytes
     cpu_bytes = routes * (cov["ram"] + cov["ssd"]) * pl.layout.raw_bytes
     ssd_bytes = routes * cov["ssd"] * pl.layout.raw_bytes
     fast_bw = bw["hbm_gbs"] if cuda else bw["ram_gbs"]

@@ -195,7 +195,8 @@ class Engine:
         packed = path.suffix == ".gguf" and placement is None and not config.dequantize_experts
         net, args, ckpt = load_model(path, device=device, dtype=dtype, progress=config.progress,
                                      skip=memory.EXPERT_PARAM if placement is not None or packed else None,
-                                     quant_dense=not config.dequantize_dense)
+                                     quant_dense=not config.dequantize_dense,
+                                     host_embed=placement is not None and placement.embed_host_bytes > 0)
         if packed:
             from ..weights.gguf import pack_experts
             pack_experts(net, ckpt, device, dtype)

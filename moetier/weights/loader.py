@@ -108,11 +108,12 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, progress: bool = False,
-               skip: re.Pattern | None = None, quant_dense: bool = False):
+               skip: re.Pattern | None = None, quant_dense: bool = False, host_embed: bool = False):
     """-> (model, args, NamedCheckpoint or GGUFCheckpoint). `directory` is a model directory or a
     .gguf file. Params whose names match `skip` stay on meta (the memory tiers load experts themselves).
     quant_dense (GGUF on CUDA): the dense linear layers models.quant_linear picks load as QuantLinear on their
-    file blocks (no float copy)."""
+    file blocks (no float copy). host_embed (CUDA): the token embeddings stay in pinned RAM
+    (models.host_embedding), rows gathered over PCIe."""
     directory = Path(directory)
     if is_gguf(directory):  # a .gguf file (or one part of a split set): GGUFCheckpoint, same interface
         ckpt = open_checkpoint(directory)
@@ -139,6 +140,10 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"but config.json implies {tuple(p.shape)}; the config and weights disagree")
+        if host_embed and name == EMBED:
+            _host_embedding(model, t.to(dtype), pin=str(device).startswith("cuda"))
+            bar.update(1)
+            continue
         t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
         _set_param(model, name, t.contiguous())
         if is_gguf(directory) and str(device) == "cpu":
@@ -152,6 +157,16 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
                 mod._buffers[bname] = buf.to(device)
     model.eval()
     return model, args, ckpt
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def _host_embedding(model: nn.Module, table: torch.Tensor, pin: bool) -> None:
+    """model.model.embed_tokens -> a HostEmbedding of `table` (a copy in pinned memory on CUDA machines)."""
+    from ..models.host_embedding import HostEmbedding
+    table = table.contiguous()
+    model.model.embed_tokens = HostEmbedding(table.pin_memory() if pin else table.clone())
 
 
 def _keep_blocks(ckpt, model: nn.Module, name: str) -> None:
