@@ -11,7 +11,8 @@
 #               (AB48=1: again with MOETIER_STAGE_REPACK=triton; KEEP48=1 keeps the model)
 #   share48     48 layers Q4_0: PCIe share 0 vs $SHARE interleaved (0, S, 0, S) at --cpu-moe and 8 GiB
 #   place48     48 layers Q4_0 at the defaults: all on the GPU, --gpu-mem 8GiB, --cpu-moe (one process;
-#               PL48DEQ=1: all on the GPU and 8 GiB again with --dequantize-dense)
+#               PL48DEQ=1: all on the GPU and 8 GiB again with --dequantize-dense; PL48X=LABEL:FLAGS one more
+#               configuration, e.g. g9:--gpu-mem=9GiB, llama.cpp's 9.5 GB placement with its CUDA context)
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
@@ -103,7 +104,7 @@ for step in $STEPS; do
         --compare cpumoe:--cpu-moe --compare deq:--dequantize-dense --compare "g8deq:--gpu-mem=8GiB --dequantize-dense"
     else
       bench place48 ${PL48SECS:-240} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
-        --compare cpumoe:--cpu-moe
+        --compare cpumoe:--cpu-moe ${PL48X:+--compare} ${PL48X:-}
     fi
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   gpu48)

@@ -7,6 +7,10 @@ const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "max_token
 let history = load("moetier.history", []);   // [{role, content, reasoning?, meta?}]
 let controller = null;                        // AbortController of the running request
 let statsTimer = null;
+// The server records a request's numbers (stats.last) just after its stream ends, so a refresh right after a
+// turn can still return the turn before: a `last` this old is not shown over the turn's own usage.
+let shownFinished = null;                     // stats.last.finished of the numbers on the panel
+let staleFinished;                            // set when a turn of this page ends: the `last` before it
 
 function load(key, fallback) {
   try { return JSON.parse(localStorage.getItem(key)) ?? fallback; } catch { return fallback; }
@@ -188,6 +192,7 @@ async function send(text) {
     live();
     $("stat-finish").textContent = finish || "–";
     if (usage) {
+      staleFinished = shownFinished;
       $("stat-cached").textContent = usage.prompt_tokens_details ? usage.prompt_tokens_details.cached_tokens : 0;
       $("stat-tokens").textContent = `${usage.prompt_tokens} / ${usage.completion_tokens}`;
     }
@@ -207,10 +212,12 @@ async function refreshStats() {
     const res = await fetch("/v1/moetier/stats", { headers: headers() });
     if (!res.ok) { $("tier-note").textContent = res.status === 401 ? "set the API key in Settings" : `stats: ${res.status}`; return; }
     const s = await res.json();
-    if (s.last && !controller) {
+    if (s.last && !controller && s.last.finished !== staleFinished) {
       $("stat-toks").textContent = s.last.decode_tok_s.toFixed(1);
       $("stat-ttft").textContent = `${(s.last.ttft_s * 1000).toFixed(0)} ms`;
       $("stat-cached").textContent = s.last.cached_tokens;
+      shownFinished = s.last.finished;
+      staleFinished = undefined;
     }
     if (!controller) $("stat-queue").textContent = s.queue.waiting ? `${s.queue.waiting} waiting` : (s.queue.running ? "busy" : "idle");
     drawTiers(s);
