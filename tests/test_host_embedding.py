@@ -18,12 +18,18 @@ def test_gather_rows_kernel_matches_embedding():
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
         pytest.skip("runs in the Triton interpreter (CPU-only machine)")
-    from moetier.kernels.triton_embed import gather_rows
+    from moetier.kernels import ops
     g = torch.Generator().manual_seed(0)
     table = torch.randn(50, 1500, generator=g).to(torch.bfloat16)
     tokens = torch.cat([torch.tensor([0, 49]), torch.randint(0, 50, (7,), generator=g)]).view(3, 3)
-    got = gather_rows(table, tokens)
+    prev = ops.backend()
+    try:
+        assert ops.set_backend("triton") == "triton"
+        got = ops.embed_rows(table, tokens)
+    finally:
+        ops.set_backend(prev)
     assert got.shape == (3, 3, 1500) and got.dtype == torch.bfloat16
+    assert torch.equal(got, ops.embed_rows_native(table, tokens))
     assert torch.equal(got, torch.nn.functional.embedding(tokens, table))
 
 

@@ -221,6 +221,23 @@ def dequantize(fmt: str, planes: dict[str, torch.Tensor], idx: torch.Tensor, dty
 
 DEQUANT_GROUP = 16      # experts the torch dequantizer takes at a time
 
+# ------------------------------------------------------------------ embedding rows from host memory
+def embed_rows(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """weight [V, D] in host memory (pinned on CUDA machines), tokens [...] on any device -> [..., D] on the
+    tokens' device: one Triton gather reading the table over PCIe on CUDA (no host sync, graph-capturable),
+    else `embed_rows_native`."""
+    if backend() == "triton" and (tokens.is_cuda or _interpret):
+        from .triton_embed import gather_rows
+        with _on_device(tokens):
+            return gather_rows(weight, tokens)
+    return embed_rows_native(weight, tokens)
+
+
+def embed_rows_native(weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The twin of embed_rows: the rows looked up on the host, then copied to the tokens' device."""
+    return torch.nn.functional.embedding(tokens.cpu(), weight).to(tokens.device)
+
+
 # ------------------------------------------------------------------ dense linear on GGML planes
 MAX_GEMV_ROWS = 8                   # decode rows: the int8 GEMV (triton_qlinear); more: dequantize + cuBLAS
 DENSE_CHUNK_BYTES = 64 << 20        # bound on the float rows of W a qlinear with more rows holds at once

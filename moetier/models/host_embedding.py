@@ -34,8 +34,8 @@ class HostEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.device.type == "cpu":
             return nn.functional.embedding(tokens, self.weight)
-        from ..kernels.triton_embed import gather_rows
-        return gather_rows(self.weight, tokens)
+        from ..kernels import ops
+        return ops.embed_rows(self.weight, tokens)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, host (pinned={self.weight.is_pinned()})"
