@@ -268,8 +268,8 @@ ALT_TILES = {"gate_up": [(16, 1024, 4), (16, 512, 4, 2), (32, 512, 8)],
 # v3 (triton_decode.GATE_UP3 / DOWN3 are the defaults): (BN, 0, warps); bk, stages unused (one step)
 ALT_TILES_V3 = {"gate_up": [(2, 0, 2), (8, 0, 4), (8, 0, 8)],
                 "down": [(2, 0, 4), (8, 0, 4), (8, 0, 8)]}
-ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8)],
-                "down": [(4, 0, 4), (8, 0, 4), (16, 0, 4), (16, 0, 8)]}
+ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8), (2, 0, 1), (8, 0, 2)],
+                "down": [(4, 0, 4), (8, 0, 4), (16, 0, 4), (16, 0, 8), (8, 0, 2), (32, 0, 8)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
