@@ -609,6 +609,54 @@ def sass_waits(sass: str, threads: int) -> dict:
             "ldg128_KB_in_flight_per_SM_at_waits": kb}
 
 
+QLINEAR_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}   # Qwen3-30B-A3B [N, K]
+QLINEAR_TILES = [(2048, 2), (1024, 2), (4096, 2), (2048, 4), (4096, 4)]      # (words per program, warps)
+
+
+def qlinear_bench(fmts, gen, copy_bw: float, budget_s: float, shapes=None) -> list[dict]:
+    """Dense decode GEMVs on GGML blocks (triton_qlinear.gemv, its quantizer launch included) at the model's
+    attention and lm_head shapes, T=1, against cuBLAS on the bf16 weights (the --dequantize-dense path). Weight
+    copies rotate through > 2x the L2 so every call reads HBM. Tiles: WORDS_PER_PROGRAM x warps."""
+    from moetier.kernels import triton_qlinear as tq
+    t_start, out = time.perf_counter(), []
+    saved = tq.WORDS_PER_PROGRAM, tq.WARPS
+    for name, (n, k) in (shapes or QLINEAR_SHAPES).items():
+        for fmt in ["dense", *fmts]:
+            if time.perf_counter() - t_start > budget_s:
+                out.append({"skipped": f"{name} {fmt}"})
+                continue
+            per = n * k * 2 if fmt == "dense" else None
+            w0 = make_weights(fmt, 1, n, k, gen)
+            per = per or nbytes(w0)
+            n_copies = 1 if DEV == "cpu" else -(-120_000_000 // per)
+            copies = [w0] + [make_weights(fmt, 1, n, k, gen) for _ in range(n_copies - 1)]
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEV, XDT)
+            y = torch.empty(1, n, device=DEV, dtype=XDT)
+            for tile in [None] if fmt == "dense" else QLINEAR_TILES:
+                try:
+                    if fmt == "dense":
+                        calls = [lambda w=w: torch.mm(x, w[0].t(), out=y) for w in copies]
+                    else:
+                        tq.WORDS_PER_PROGRAM, tq.WARPS = tile
+                        calls = [lambda w=w: tq.gemv(x, w, fmt, out=y) for w in copies]
+                    us = graph_us(calls)
+                    r = {"us": round(us, 2), "GBps": round(per / (us * 1e-6) / 1e9, 1)}
+                    r["frac_of_copy"] = round(r["GBps"] / copy_bw, 3)
+                    if fmt != "dense":          # against the twin that quantizes x alike
+                        r["max_rel_err_q8_twin"] = round(rel_err(tq.gemv(x, w0, fmt),
+                                                                 ops.qlinear_native(x, w0, fmt, act_q8=True)), 6)
+                except Exception as e:  # noqa: BLE001 (report, go on)
+                    r = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
+                finally:
+                    tq.WORDS_PER_PROGRAM, tq.WARPS = saved
+                out.append({"shape": name, "n": n, "k": k, "fmt": fmt, "tile": tile, "bytes": per, **r})
+                log(f"  qlinear {name} [{n}, {k}] {fmt} {tile or 'cuBLAS bf16'}: {r}")
+            del copies
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fmt", default="dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS")
@@ -620,6 +668,8 @@ def main():
                     help="decode v1 vs v2 and tiles, Qwen3-30B-A3B T=1, every format (fmt order: --fmt)")
     ap.add_argument("--budget", type=float, default=80.0, help="--variants: seconds after which the "
                     "remaining measurements are skipped (compiles dominate; the whole run stays < 2 min)")
+    ap.add_argument("--qlinear", action="store_true", help="dense GEMVs on GGML blocks (QuantLinear) at the "
+                    "attention / lm_head shapes vs cuBLAS bf16, several tiles (--fmt: the quantized formats)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (Triton interpreter, tiny shapes)")
     ap.add_argument("--compile-sm90", action="store_true", help="no GPU needed: compile for sm_90, report registers")
@@ -644,6 +694,13 @@ def main():
            "torch": torch.__version__,
            "triton": triton.__version__, "hbm_copy_GBps": round(copy_bw, 1), "cases": []}
     log(f"{res['device']}: HBM copy (read + write) {copy_bw:.0f} GB/s")
+    if a.qlinear:
+        from moetier.kernels.triton_qlinear import supports
+        fmts = [f for f in ("Q4_0,Q8_0,Q4_K,Q6_K" if a.fmt == ap.get_default("fmt") else a.fmt).split(",")
+                if supports(f, 4096)]
+        res["qlinear"] = qlinear_bench(fmts, cgen, copy_bw, a.budget,
+                                       {"tiny": (40, 256)} if a.interpret else None)
+        a.models = ""
     if a.variants:
         fmts = (VARIANT_FMTS if a.fmt == ap.get_default("fmt") else a.fmt).split(",")
         res["variants"] = variants("tiny" if a.interpret else "qwen3-30b-a3b", fmts, gen, cgen, copy_bw, a.budget)

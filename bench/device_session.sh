@@ -23,6 +23,7 @@
 #   default     the embedded default model on real text (its real routing) at GPU budgets that cache
 #               all / about half / few of its 32 experts: tok/s, hit rate, time split
 #   kernels     Triton decode kernels' GB/s against HBM (bench/bench_gpu_kernels.py --variants)
+#   qlinear     dense GEMVs on GGUF blocks (QuantLinear) vs cuBLAS bf16 at Qwen3-30B-A3B's shapes, tiles
 #   missbench   the C miss server alone against the RAM read bandwidth (bench/bench_miss_server.py)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
@@ -183,6 +184,11 @@ PY
   kernels)
     timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
     grep -E "shipped tiles|best|v5|variants:" "$OUT/gpu_kernels.err" | tail -40 ;;
+  qlinear)
+    # dense GEMVs on GGUF blocks (QuantLinear) at the attention / lm_head shapes vs cuBLAS bf16, tiles
+    timeout ${QSECS:-120} python3 bench/bench_gpu_kernels.py --qlinear --budget ${QBUDGET:-90} --fmt ${QFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
+      > "$OUT/qlinear.json" 2> "$OUT/qlinear.err"
+    grep -E "qlinear" "$OUT/qlinear.err" | tail -40 ;;
   missbench)
     # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read, old loops vs new (variant 1 / 0)
     timeout ${MSECS:-150} python3 bench/bench_miss_server.py --threads ${MTHREADS:-16} --gib ${MGIB:-12} \
