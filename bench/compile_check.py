@@ -74,6 +74,12 @@ def main() -> int:
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})
     bad += err is not None
     print(f"bf16  embed    {'ok' if err is None else err}")
+    from moetier.kernels import triton_small
+    err = compile_for_sm90(triton_small._attn_combine_kernel, dict(REP=8, DH=128, NSPLIT=16, BR=16, BD=128, Q8=True),
+                           {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*bf16",
+                            "q_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"})
+    bad += err is not None
+    print(f"bf16  combine+q8 {'ok' if err is None else err}")
     return 1 if bad else 0
 
 

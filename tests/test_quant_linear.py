@@ -140,3 +140,33 @@ def test_engine_quant_dense_on_cuda(tmp_path):
     assert rel_err(q["graph"], q["eager"]) <= 1e-2, rel_err(q["graph"], q["eager"])
     assert rel_err(q["eager"], logits[True]["eager"]) <= 5e-2, rel_err(q["eager"], logits[True]["eager"])
     assert rel_err(logits[True]["graph"], logits[True]["eager"]) <= 1e-2
+
+
+def test_decode_attention_hands_o_proj_its_int8_copy():
+    """The fused decode attention with q8: its output's int8 copy is exactly quantize(output) (so the o_proj
+    GEMV can skip its quantizer launch), the output itself unchanged, and the GEMV on that copy gives the
+    same result as on its own quantization."""
+    import os
+
+    from moetier.kernels import triton_decode_q8 as q8
+    from moetier.kernels import triton_small
+    from moetier.models.layers import Rope
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs Triton's interpreter or CUDA")
+    h, hkv, dh, pos = 4, 2, 32, 21
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(1, (h + 2 * hkv) * dh, generator=g).to(DEV)
+    caches = [(torch.randn(64, hkv, dh, generator=g).to(DEV), torch.randn(64, hkv, dh, generator=g).to(DEV))]
+    caches.append((caches[0][0].clone(), caches[0][1].clone()))
+    start = torch.tensor(pos, device=DEV)
+    cos, sin = Rope({"rope_theta": 1000.0}, dh, 4096).to(DEV)(start + torch.arange(1, device=DEV), torch.float32)
+    plain = triton_small.decode_attention(qkv, None, None, 1e-6, cos, sin, start, *caches[0], h, hkv, dh ** -0.5)
+    out, pre = triton_small.decode_attention(qkv, None, None, 1e-6, cos, sin, start, *caches[1], h, hkv, dh ** -0.5,
+                                             q8=True)
+    assert torch.equal(out, plain)
+    for got, want in zip(pre, q8.quantize(out)):
+        assert torch.equal(got, want)
+    lin = layer("Q8_0", 48, h * dh, True)
+    from moetier.kernels import triton_qlinear
+    assert torch.equal(triton_qlinear.gemv(out, lin.planes, "Q8_0", lin.bias, pre=pre),
+                       triton_qlinear.gemv(out, lin.planes, "Q8_0", lin.bias))

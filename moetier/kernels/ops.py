@@ -243,12 +243,13 @@ MAX_GEMV_ROWS = 8                   # decode rows: the int8 GEMV (triton_qlinear
 DENSE_CHUNK_BYTES = 64 << 20        # bound on the float rows of W a qlinear with more rows holds at once
 
 
-def qlinear(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None
-            ) -> torch.Tensor:
+def qlinear(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None,
+            pre: tuple | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W [N, K] in GGML planes ([1, N, K'] each, quant.repack) -> [..., N] in x's
     dtype. Up to MAX_GEMV_ROWS rows on CUDA: x quantized to int8 per 32-block and one dp4a GEMV (no host sync,
     CUDA-graph capturable); otherwise W is dequantized to x's dtype in row chunks of at most DENSE_CHUNK_BYTES
-    and multiplied by torch."""
+    and multiplied by torch. pre: x's int8 copy (q, dx, xs) made by the kernel that produced x (the GEMV then
+    skips its quantizer)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -256,7 +257,7 @@ def qlinear(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: to
         from . import triton_qlinear
         if triton_qlinear.supports(fmt, x2.shape[1]):
             with _on_device(x):
-                return triton_qlinear.gemv(x2, planes, fmt, bias).reshape(*shape[:-1], -1)
+                return triton_qlinear.gemv(x2, planes, fmt, bias, pre=pre).reshape(*shape[:-1], -1)
     return qlinear_chunked(x2, planes, fmt, bias).reshape(*shape[:-1], -1)
 
 

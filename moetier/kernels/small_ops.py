@@ -89,8 +89,9 @@ def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:
             and type(kv) is KVCache and kv.k.dtype == x.dtype)
 
 
-def decode_attention(qkv, q_w, k_w, eps, cos, sin, pos, kv, h: int, hkv: int, scale: float):
+def decode_attention(qkv, q_w, k_w, eps, cos, sin, pos, kv, h: int, hkv: int, scale: float, q8: bool = False):
     """qkv [1, (H + 2 Hkv) Dh] of one token at device position `pos`: q/k RMSNorm and RoPE, k/v into
-    the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_small.decode_attention)."""
+    the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_small.decode_attention); q8: -> (out,
+    its int8 copy for a QuantLinear o_proj, or None)."""
     from .triton_small import decode_attention as kernel
-    return kernel(qkv, q_w, k_w, eps, cos, sin, pos, kv.k, kv.v, h, hkv, scale)
+    return kernel(qkv, q_w, k_w, eps, cos, sin, pos, kv.k, kv.v, h, hkv, scale, q8=q8)

@@ -47,8 +47,9 @@ def supports(fmt: str, k: int) -> bool:
 
 
 def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
-    """x [T, K] (unit last stride) -> [T, N] in x's dtype: the quantizer, then one GEMV launch. No host sync."""
+         out: torch.Tensor | None = None, pdl: bool | None = None, pre: tuple | None = None) -> torch.Tensor:
+    """x [T, K] (unit last stride) -> [T, N] in x's dtype: the quantizer, then one GEMV launch. No host sync.
+    pre: (q int8 [T, K], dx, xs [T, K/32]) = quantize(x) made already (by the kernel that wrote x): one launch."""
     t, k = x.shape
     w = Weights(planes, fmt)
     if w.k != k:
@@ -57,7 +58,7 @@ def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch
         pdl = os.environ.get("MOETIER_QLINEAR_PDL", "1") != "0"
     pdl = pdl and x.is_cuda
     out = torch.empty(t, w.n, dtype=x.dtype, device=x.device) if out is None else out
-    xq, xd, xs = q8.quantize(x, trigger=pdl)
+    xq, xd, xs = pre if pre is not None else q8.quantize(x, trigger=pdl)
     words_per_row = k // STEP_BLOCK[fmt] * (4 if fmt == "Q4_0" else 8)
     bn = max(1, min(32, WORDS_PER_PROGRAM // words_per_row))
     bn = 1 << (bn.bit_length() - 1)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_decode_q8 import MAGIC_F
+
 
 @triton.jit
 def _rms(x, N, eps):
@@ -271,9 +273,11 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr,
 
 
 @triton.jit
-def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, REP: tl.constexpr, DH: tl.constexpr,
-                         NSPLIT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """grid (H,): head h = g * REP + j combines its NSPLIT partials."""
+def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, REP: tl.constexpr,
+                         DH: tl.constexpr, NSPLIT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                         Q8: tl.constexpr):
+    """grid (H,): head h = g * REP + j combines its NSPLIT partials. Q8 (DH = BD, a multiple of 32): the head's
+    output also quantized to int8 per 32-block, as triton_decode_q8.quantize does it (for the o_proj GEMV)."""
     h = tl.program_id(0)
     g = h // REP
     j = h % REP
@@ -286,14 +290,27 @@ def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, REP: tl.constexpr, D
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
     acc = tl.load(pacc_ptr + base[:, None] * BD + d[None, :])
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
-    tl.store(out_ptr + h * DH + d, out.to(out_ptr.dtype.element_ty), mask=d < DH)
+    o = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + h * DH + d, o, mask=d < DH)
+    if Q8:      # quantize's math on the rounded output: dx = max|x| / 127, q = round-half-even(x / dx)
+        x = tl.reshape(o.to(tl.float32), [BD // 32, 32])
+        amax = tl.max(tl.abs(x), axis=1)
+        dx = amax / 127.0
+        y = tl.math.div_rn(x, tl.where(amax > 0, dx, 1.0)[:, None])
+        qf = (y + MAGIC_F) - MAGIC_F
+        b = tl.arange(0, BD // 32)
+        tl.store(q_ptr + h * DH + b[:, None] * 32 + tl.arange(0, 32)[None, :], qf.to(tl.int8))
+        tl.store(dx_ptr + h * (DH // 32) + b, dx)
+        tl.store(xs_ptr + h * (DH // 32) + b, dx * tl.sum(qf, axis=1))
 
 
 def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos, k_cache, v_cache, h: int, hkv: int, scale: float,
-                     nsplit: int = 16):
+                     nsplit: int = 16, q8: bool = False):
     """One token: qkv [1, (H + 2 Hkv) Dh] -> per-head RMSNorm (q_w / k_w [Dh] or None) and RoPE
     (cos / sin [1, R], first R features, halves) of q and k, k and v written to the caches [S, Hkv, Dh]
-    at the device position `pos`, attention of q over keys [0, pos] -> [1, H Dh]. Three launches."""
+    at the device position `pos`, attention of q over keys [0, pos] -> [1, H Dh]. Three launches.
+    q8: -> (out, (q int8, dx, xs)), the output also quantized as triton_decode_q8.quantize(out) would (what
+    QuantLinear's GEMV takes; one launch fewer), or (out, None) where Dh is not a power of two >= 32."""
     dh = k_cache.shape[-1]
     rep, rot = h // hkv, cos.shape[-1]
     bd = triton.next_power_of_2(dh)
@@ -309,5 +326,10 @@ def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos, k_cache, v_cache,
                                       NSPLIT=nsplit, BR=br, BS=32, BD=bd, num_warps=4,
                                       PREC="ieee" if k_cache.dtype == torch.float32 else "tf32")
     out = qkv.new_empty((1, h * dh))
-    _attn_combine_kernel[(h,)](pm, pl, pacc, out, REP=rep, DH=dh, NSPLIT=nsplit, BR=br, BD=bd, num_warps=1)
-    return out
+    want_q8, q8 = q8, q8 and dh == bd and dh % 32 == 0
+    xq = torch.empty(1, h * dh, dtype=torch.int8, device=qkv.device) if q8 else out
+    xd = torch.empty(1, h * dh // 32, dtype=torch.float32, device=qkv.device) if q8 else out
+    xs = torch.empty_like(xd) if q8 else out
+    _attn_combine_kernel[(h,)](pm, pl, pacc, out, xq, xd, xs, REP=rep, DH=dh, NSPLIT=nsplit, BR=br, BD=bd, Q8=q8,
+                               num_warps=1)
+    return (out, (xq, xd, xs) if q8 else None) if want_q8 else out

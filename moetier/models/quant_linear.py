@@ -46,9 +46,11 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.planes.values())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pre: tuple | None = None) -> torch.Tensor:
+        """pre: x already quantized (int8 q, dx, xs per 32-block: triton_decode_q8.quantize of x), from the
+        kernel that produced x; used by the GEMV, ignored by the other paths."""
         from ..kernels import ops
-        return ops.qlinear(x, self.planes, self.fmt, self.bias)
+        return ops.qlinear(x, self.planes, self.fmt, self.bias, pre=pre)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, " \
