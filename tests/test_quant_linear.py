@@ -58,20 +58,23 @@ def test_chunked_path_matches_twin(fmt, monkeypatch):
 
 
 def test_fused_qkv_is_one_stacked_layer():
-    """fuse_qkv on QuantLinear q/k/v: one QuantLinear of the stacked rows, the same products as the three."""
+    """fuse_qkv on QuantLinear q/k/v: one QuantLinear of the stacked rows per run of a format (one, or two when v
+    has its own format as in Q4_K_M), the same products as the three."""
     from moetier.config import ModelArgs
     from moetier.models.layers import Attention
     args = ModelArgs(model_type="qwen3_moe", vocab_size=100, num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      attention_bias=True)
-    att = Attention(args)
-    parts = [layer("Q8_0", n, 64, True, seed=s) for s, n in enumerate((64, 32, 32))]
-    att.q_proj, att.k_proj, att.v_proj = parts
-    att.fuse_qkv()
-    assert att.qkv_rows == [64, 32, 32] and att.q_proj is None and isinstance(att.qkv_q, QuantLinear)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(DEV)
     gemv = x.is_cuda            # CUDA: 5 rows take the int8 GEMV; the CPU the chunked float path
-    want = torch.cat([ops.qlinear_native(x, p.planes, "Q8_0", p.bias, act_q8=gemv) for p in parts], dim=-1)
-    assert rel_err(att._qkv(x), want) <= (1e-4 if gemv else 1e-6)
+    for fmts, n_runs in ((("Q8_0",) * 3, 1), (("Q8_0", "Q8_0", "Q4_0"), 2)):   # Q4_K_M-like: v in its own format
+        att = Attention(args)
+        parts = [layer(f, n, 64, True, seed=s) for s, (f, n) in enumerate(zip(fmts, (64, 32, 32)))]
+        att.q_proj, att.k_proj, att.v_proj = parts
+        att.fuse_qkv()
+        assert att.qkv_rows == [64, 32, 32] and att.q_proj is None and len(att.qkv_q) == n_runs
+        assert all(isinstance(m, QuantLinear) for m in att.qkv_q)
+        want = torch.cat([ops.qlinear_native(x, p.planes, p.fmt, p.bias, act_q8=gemv) for p in parts], dim=-1)
+        assert rel_err(att._qkv(x), want) <= (1e-4 if gemv else 1e-6)
 
 
 def test_loader_pieces_on_a_synth_gguf(tmp_path):
@@ -170,3 +173,16 @@ def test_decode_attention_hands_o_proj_its_int8_copy():
     from moetier.kernels import triton_qlinear
     assert torch.equal(triton_qlinear.gemv(out, lin.planes, "Q8_0", lin.bias, pre=pre),
                        triton_qlinear.gemv(out, lin.planes, "Q8_0", lin.bias))
+
+
+def test_repacked_block_bytes_match_repack():
+    """The plan counts QuantLinear's GPU bytes as repacked planes (Q4_K: 148 bytes a block, the file's 144)."""
+    from moetier.models.quant_linear import REPACKED_BLOCK_BYTES
+    from moetier.quant.formats import get_format
+    from moetier.quant.repack import repack
+    for name, per in REPACKED_BLOCK_BYTES.items():
+        fmt = get_format(name)
+        blocks = torch.randint(0, 256, (3, 2 * fmt.type_size), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(0))
+        planes = repack(name, blocks)
+        assert sum(t.numel() * t.element_size() for t in planes.values()) == 6 * per, name

@@ -2,7 +2,7 @@
 
 The expert kernels' v5 math (triton_decode_q8: x quantized to int8 per 32-block by `quantize`, weight words
 against activation words in dp4a, every weight load of a program issued before its math), over one weight
-matrix instead of slots: grid (T, N/BN), tile [K words, 1, BN]. With `pdl` (CUDA) the GEMV is a programmatic
+matrix instead of slots: grid (N/BN, T), tile [K words, 1, BN]. With `pdl` (CUDA) the GEMV is a programmatic
 dependent of the quantizer: its weight loads start while x is quantized.
 """
 from __future__ import annotations
@@ -26,9 +26,10 @@ def _gemv_kernel(xw_ptr, xd_ptr, xs_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_
                  sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n, b_ptr, out_ptr, stride_o, N,
                  K: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                  NB1: tl.constexpr, NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
-    """grid (T, N/BN): out[t, n] = W row n . x[t] (+ b[n]) for BN rows n; slot 0 of the planes."""
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    """grid (N/BN, T): out[t, n] = W row n . x[t] (+ b[n]) for BN rows n; slot 0 of the planes. The row tiles
+    on axis 0: a vocabulary of 129K rows at BN = 1 is past the 65,535 programs axis 1 allows."""
+    t = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.minimum(n, N - 1).to(tl.int64)[None, :]                                     # [1, BN], in bounds
     xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (K // 4)
     xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (K // 32)
@@ -63,7 +64,7 @@ def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch
     bn = max(1, min(32, WORDS_PER_PROGRAM // words_per_row))
     bn = 1 << (bn.bit_length() - 1)
     nb1, nb2 = v3_pieces(k, fmt)
-    _gemv_kernel[(t, triton.cdiv(w.n, bn))](
+    _gemv_kernel[(triton.cdiv(w.n, bn), t)](
         xq.view(torch.int32), xd, xs, *q8._planes(w), bias if bias is not None else out, out, out.stride(0), w.n,
         K=k, FMT=w.code, HAS_BIAS=bias is not None, BS=STEP_BLOCK[fmt], BN=bn, NB1=nb1, NB2=nb2, PDL=pdl,
         EMU=q8._emulate(), num_warps=WARPS, **({"launch_pdl": True} if pdl else {}))

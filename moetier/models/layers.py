@@ -199,7 +199,7 @@ class Attention(nn.Module):
         self.window = window
         self.scale = self.dh ** -0.5
         self.qkv_rows = None   # q/k/v row counts of the stacked qkv_weight/qkv_bias, after fuse_qkv()
-        self.qkv_q = None      # after fuse_qkv() of QuantLinear q/k/v (GGUF on CUDA): their stacked QuantLinear
+        self.qkv_q = None      # after fuse_qkv() of QuantLinear q/k/v (GGUF on CUDA): ModuleList, one per format run
 
     def make_cache(self, max_len: int, dtype, device) -> KVCache:
         return KVCache(max_len, (self.hkv, self.dh), (self.hkv, self.dh), dtype, device)
@@ -211,9 +211,16 @@ class Attention(nn.Module):
         share a format; when they differ (Q4_K_M's Q6_K attn_v) the three stay apart on their own blocks."""
         lins = (self.q_proj, self.k_proj, self.v_proj)
         if any(isinstance(lin, QuantLinear) for lin in lins):     # subclasses with their own forward keep theirs
-            if all(isinstance(lin, QuantLinear) for lin in lins) and len({lin.fmt for lin in lins}) == 1 \
-                    and type(self).forward is Attention.forward:
-                self.qkv_q = QuantLinear.stack(list(lins))       # one GEMV; the parts' planes are freed
+            if all(isinstance(lin, QuantLinear) for lin in lins) and type(self).forward is Attention.forward:
+                # one GEMV per run of a format (Q4_K_M: q, k Q4_K then v Q6_K in some layers); the parts' planes
+                # are freed
+                runs = [[lins[0]]]
+                for lin in lins[1:]:
+                    if lin.fmt == runs[-1][-1].fmt and lin.in_features == runs[-1][-1].in_features:
+                        runs[-1].append(lin)
+                    else:
+                        runs.append([lin])
+                self.qkv_q = nn.ModuleList(QuantLinear.stack(r) if len(r) > 1 else r[0] for r in runs)
                 self.q_proj = self.k_proj = self.v_proj = None
                 self.qkv_rows = [lin.out_features for lin in lins]
             return
@@ -238,7 +245,11 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         """x @ [Wq; Wk; Wv]^T (+ biases) after fuse_qkv."""
-        return self.qkv_q(x) if self.qkv_q is not None else F.linear(x, self.qkv_weight, self.qkv_bias)
+        if self.qkv_q is None:
+            return F.linear(x, self.qkv_weight, self.qkv_bias)
+        if len(self.qkv_q) == 1:
+            return self.qkv_q[0](x)
+        return torch.cat([lin(x) for lin in self.qkv_q], dim=-1)
 
     def _fused_qkv(self, x: torch.Tensor, rope: tuple) -> tuple:
         """The forward's q/k/v after fuse_qkv: one GEMM, and q and k (adjacent heads of its output,

@@ -109,6 +109,16 @@ def install(model: nn.Module, found: dict[str, tuple[torch.Tensor, int]], device
         setattr(parent, attr, new)
 
 
+# bytes of one block as quant.repack's planes (Q4_K's 6-bit scales and mins unpacked to a byte each: 148 of 144)
+REPACKED_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 148, "Q6_K": 210}
+
+
 def gpu_bytes(ckpt, names, device: str) -> dict[str, int]:
-    """{name: bytes on the GPU} of the params that would load as QuantLinear (for the memory plan)."""
-    return {n: b.numel() for n, (b, _) in gpu_blocks(ckpt, names, device).items()}
+    """{name: bytes on the GPU} of the params that would load as QuantLinear (for the memory plan): the repacked
+    planes, not the file's blocks."""
+    from ..quant.formats import get_format
+    out = {}
+    for n, (b, qtype) in gpu_blocks(ckpt, names, device).items():
+        fmt = get_format(qtype)
+        out[n] = b.numel() // fmt.type_size * REPACKED_BLOCK_BYTES[fmt.name]
+    return out
