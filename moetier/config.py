@@ -149,8 +149,8 @@ class EngineConfig:
     dequantize_experts: bool = False  # GGUF: dequantize expert tensors at load (default: computed on their
                                       # stored Q8_0/Q4_0/Q4_K blocks where a kernel exists)
     dequantize_dense: bool = False  # GGUF on CUDA: dequantize attention / lm_head / dense MLP weights at load
+                                    # (default: Q8_0/Q4_0/Q4_K/Q6_K ones stay in their blocks, models.quant_linear)
     gpu_embed: bool = False         # CUDA with memory tiers: keep the token embeddings on the GPU (default: pinned RAM)
-                                    # (default: Q8_0/Q4_0 ones stay in their blocks, models.quant_linear)
     # memory tiers (moetier/memory); any of these turns them on
     tiers: bool = False             # set when a budget flag was given, even "auto"
     cpu_moe: bool = False           # every layer's experts stay off the fast tier (llama.cpp --cpu-moe)

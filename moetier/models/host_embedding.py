@@ -8,7 +8,7 @@ launch, no host sync, CUDA-graph capturable. A prefill chunk of 8192 tokens read
 
 `HostEmbedding(weight)` replaces nn.Embedding: `weight` [V, D] float in host memory (pinned when CUDA is there),
 forward(tokens [T] on any device) -> [T, D] on the tokens' device. The memory plan decides (plan.host_embedding):
-on CUDA with memory tiers, unless the embedding is tied to lm_head or `--gpu-embed` asks otherwise.
+on CUDA with memory tiers, unless `--gpu-embed` (a tied lm_head is loaded as its own copy either way).
 """
 from __future__ import annotations
 
@@ -32,8 +32,6 @@ class HostEmbedding(nn.Module):
         return self.weight.numel() * self.weight.element_size()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.device.type == "cpu":
-            return nn.functional.embedding(tokens, self.weight)
         from ..kernels import ops
         return ops.embed_rows(self.weight, tokens)
 
