@@ -13,6 +13,7 @@
 #   place48     48 layers Q4_0 at the defaults: all on the GPU, --gpu-mem 8GiB, --cpu-moe (one process;
 #               PL48DEQ=1: all on the GPU and 8 GiB again with --dequantize-dense; PL48X=LABEL:FLAGS one more
 #               configuration, e.g. g9:--gpu-mem=9GiB, llama.cpp's 9.5 GB placement with its CUDA context)
+#   pf48        48 layers Q4_0: the CPU's prefetch of guessed misses on / off at 8 GiB and --cpu-moe, and 9 GiB
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
@@ -107,6 +108,15 @@ for step in $STEPS; do
       bench place48 ${PL48SECS:-240} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
         --compare cpumoe:--cpu-moe ${PL48X:+--compare} ${PL48X:-}
     fi
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  pf48)
+    # A/B of the CPU's prefetch of guessed misses (doorbell.c prefetch_guess; --prefetch off), at 8 GiB and --cpu-moe,
+    # interleaved, plus 9 GiB (llama.cpp's 9.5 GB placement with its CUDA context), one process
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    bench pf48 ${PF48SECS:-360} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
+      --compare "g8off:--gpu-mem=8GiB --prefetch=off" --compare cpumoe:--cpu-moe \
+      --compare "cpumoeoff:--cpu-moe --prefetch=off" --compare g9:--gpu-mem=9GiB
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   gpu48)
     # everything on the GPU, decode kernels v2 (default) vs v3 (MOETIER_DECODE_VARIANT)

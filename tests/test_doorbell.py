@@ -6,6 +6,7 @@ kernels themselves (interpreted on CPU) around the experts op, with the server o
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -284,6 +285,64 @@ def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
     for li in range(L):
         want = dense(xs[li][0], ids[li][0], ws[li][0], f_gu[li], f_dn[li])
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype,q8,threads", [("Q4_0", True, 2), ("Q4_K+Q6_K", True, 3), ("F32", False, 2)])
+def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads):
+    """The GPU's guess of each layer's misses (hint rows, flagged with the step): the server loads the guessed rows
+    between layers, which must not change one bit of y (a wrong or stale guess included: layer 2's flag is an older
+    step's), and counts guesses per layer with a fresh flag: guessed experts, right ones, misses."""
+    s_gu, s_dn, f_gu, f_dn, tid = experts(qtype, seed=21)
+    g = torch.Generator().manual_seed(22)
+    ys = []
+    for hints in (False, True):
+        req = db.Requests(L, D, K, pin=False)
+        srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=threads, q8_act=q8, hints=hints)
+        g.manual_seed(22)
+        req.x[:] = torch.randn(L, D, generator=g)
+        req.ids[:] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).int()
+        req.w[:] = torch.rand(L, K, generator=g)
+        req.slots[:] = torch.tensor([[-1, 3, -1, -1], [-1, -1, 0, 1], [-1, -1, -1, -1]], dtype=torch.int32)
+        # layer 1's guess: two of its misses (one twice), one wrong expert, one out of range;
+        # layer 2's: its whole set, but from step 0
+        wrong = next(e for e in range(E) if e not in req.ids[1].tolist())
+        req.hint[1] = torch.tensor([int(req.ids[1, 1]), int(req.ids[1, 0]), wrong, E + 3], dtype=torch.int32)
+        req.hint[1, 3] = int(req.ids[1, 1]) if threads == 3 else E + 3
+        req.hint[2] = req.ids[2]
+        req.hint_flag[1 * db.BELL_STRIDE] = 1
+        req.hint_flag[2 * db.BELL_STRIDE] = 0
+        req.y.fill_(float("nan"))
+
+        def gpu():      # the bells 20 ms apart: the threads prefetch in between
+            for li in range(L):
+                req.bell[li * db.BELL_STRIDE] = 1
+                time.sleep(0.02)
+        th = threading.Thread(target=gpu)
+        th.start()
+        assert srv.serve(1)[2] == 3 + 2 + 4
+        th.join()
+        ys.append(req.y.clone())
+        if hints:
+            assert srv.guesses == (3, 2, 2)      # 3 valid guesses in layer 1, 2 right, 2 misses there
+        else:
+            assert srv.guesses == (0, 0, 0)
+    assert torch.equal(ys[0], ys[1])
+    for li in range(L):
+        want = reference(req.x[li], req.ids[li], req.w[li], req.slots[li], f_gu[li], f_dn[li], Act())
+        err = ((ys[1][li] - want).abs().max() / want.abs().max()).item()
+        assert err <= (3e-2 if q8 else 2e-5), (qtype, li, err)
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+def test_hint_kernel_writes_the_guessed_misses(monkeypatch):
+    """hint (interpreted): the guessed experts the GPU table does not hold, -1 for those it does, then the flag =
+    the device's step number."""
+    _, _, _, _, req, _ = interpreted(monkeypatch, seed=4)
+    table = torch.tensor([[3, -1, -1, 0, -1, 2]] * L, dtype=torch.int32)
+    seq = torch.tensor([7], dtype=torch.int64)
+    db.hint(torch.tensor([[5, 1, 3, 4]]), table[2], seq, req, 2)
+    assert req.hint[2].tolist() == [-1, 1, -1, 4]
+    assert int(req.hint_flag[2 * db.BELL_STRIDE]) == 7 and int(req.hint_flag[1 * db.BELL_STRIDE]) == 0
 
 
 def test_bank_offsets_are_from_the_lowest_buffer():

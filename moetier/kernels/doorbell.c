@@ -53,6 +53,8 @@ typedef struct {
     const float *const *gu_bias;          /* NULL, or [L * E] float32 [2I] (gpt-oss), added before the activation */
     const float *const *dn_bias;          /* NULL, or [L * E] float32 [D], added to each expert's output */
     int32_t variant;                      /* 0; 1: the old per-row loops (A/B in bench/bench_miss_server.py) */
+    const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
+    volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
 } serve_ctx;
 
 static int is_quant(int qtype) { return qtype != F32 && qtype != BF16 && qtype != F16; }
@@ -204,6 +206,7 @@ typedef struct {
     int gq, dq, q8g, q8d, m;
     int64_t gu_rb, dn_rb;
     const int32_t *e;                      /* [m] missed experts */
+    const int32_t *ord;                    /* [m] their indices by expert id: the order phase 1 splits over threads */
     const float *wt;                       /* [m] their routing weights */
     const uint8_t *const *gu, *const *dn;  /* [E] this layer's pointers */
     const float *const *gub, *const *dnb;  /* NULL or [E] */
@@ -273,7 +276,8 @@ static int64_t claim(claim_ctr *cl, int nt, int t, int64_t ph, int *owner) {
 }
 
 /* Thread t of nt's share of a layer (variant 0). Three phases, each over chunks as above (*ph: the phase count):
- *  1. gate_up: (gate row i, up row i) pairs of all m experts, in units of 4; per chunk a thread streams its gate
+ *  1. gate_up: (gate row i, up row i) pairs of all m experts (taken in expert-id order, so a guess of the set
+ *     alone tells each thread its rows: prefetch_guess), in units of 4; per chunk a thread streams its gate
  *     rows then its up rows (one contiguous run each per expert, 4 rows per kernel call: the x loads shared, 4
  *     independent accumulator chains) and applies the activation to its own pairs (no serial activation step,
  *     which ran on m of the threads). Barrier.
@@ -297,8 +301,9 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         split((int64_t)m * I, 4, ch, C, &lo, &hi);
         split((int64_t)m * I, 4, (v + 1) * CHUNKS - 1, C, &home_lo, &home_hi);
         for (int64_t p = lo; p < hi;) {
-            const int64_t j = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
-            const int64_t pf = home_hi - j * I < I ? home_hi - j * I : I;     /* prefetch bound (row) */
+            const int64_t r = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
+            const int64_t pf = home_hi - r * I < I ? home_hi - r * I : I;     /* prefetch bound (row) */
+            const int64_t j = ly->ord[r];
             const int e = ly->e[j];
             const uint8_t *g = ly->gu[e];
             const float *b = ly->gub ? ly->gub[e] : NULL;
@@ -347,6 +352,61 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     ++*ph;
 }
 
+/* Touch [p, p + n) toward this core's L2 (software prefetch per 64-byte line); 1 if `bell` rang (== seq) meanwhile. */
+static int touch(const uint8_t *p, int64_t n, volatile int64_t *bell, int64_t seq) {
+    for (int64_t o = 0; o < n; o += 64) {
+        if ((o & 4095) == 0 && __atomic_load_n(bell, __ATOMIC_RELAXED) == seq) return 1;
+        __builtin_prefetch(p + o, 0, 2);
+    }
+    return 0;
+}
+
+/* The guessed misses of layer li (the GPU applied li's router to layer li - 1's input: c->hint), valid ones, unique,
+ * sorted by expert id, in e; -> how many. */
+static int guess_of(const serve_ctx *c, int li, int32_t *e) {
+    const int k = c->k;
+    int m = 0;
+    for (int j = 0; j < k; j++) {
+        const int32_t x = c->hint[(int64_t)li * k + j];
+        const int64_t at = li * (int64_t)c->E + x;
+        if (x < 0 || x >= c->E || !c->gate_up[at] || !c->down[at]) continue;
+        int i = m;
+        while (i > 0 && e[i - 1] > x) i--;
+        if (i > 0 && e[i - 1] == x) continue;
+        memmove(e + i + 1, e + i, (size_t)(m - i) * sizeof *e);
+        e[i] = x;
+        m++;
+    }
+    return m;
+}
+
+/* While the GPU runs the kernels between layer li - 1's answer and layer li's bell (~50-70 us on the H200 box), thread
+ * t loads the rows it will compute in layer li if the guess is right: layer_runs' home ranges for the guessed set
+ * (phase 1 splits in expert-id order, phase 3 by rows of D: the set decides both, not the routing order). The CPU's
+ * RAM stream then overlaps the GPU's part instead of following it. Stops when layer li's bell rings. */
+static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int nt) {
+    if (!c->hint || __atomic_load_n(c->hint_flag + (int64_t)li * BELL_STRIDE, __ATOMIC_ACQUIRE) != seq) return;
+    int32_t e[MAX_K];
+    const int m = guess_of(c, li, e);
+    if (!m) return;
+    const int64_t I = c->I, D = c->D, C = (int64_t)nt * CHUNKS;
+    const int64_t gu_rb = layer_row_bytes(c, li, 0), dn_rb = layer_row_bytes(c, li, 1);
+    volatile int64_t *bell = c->bell + (int64_t)li * BELL_STRIDE;
+    int64_t lo, hi, a, b;
+    split((int64_t)m * I, 4, (int64_t)t * CHUNKS, C, &lo, &a);
+    split((int64_t)m * I, 4, (int64_t)(t + 1) * CHUNKS - 1, C, &b, &hi);
+    for (int64_t p = lo; p < hi;) {
+        const int64_t r = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
+        const uint8_t *g = c->gate_up[li * (int64_t)c->E + e[r]];
+        if (touch(g + i0 * gu_rb, n * gu_rb, bell, seq) || touch(g + (I + i0) * gu_rb, n * gu_rb, bell, seq)) return;
+        p += n;
+    }
+    split(D, 4, (int64_t)t * CHUNKS, C, &lo, &a);
+    split(D, 4, (int64_t)(t + 1) * CHUNKS - 1, C, &b, &hi);
+    for (int j = 0; j < m; j++)
+        if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq)) return;
+}
+
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang
  * (timeout), -100 - li if a missed expert has no RAM pointer, -200 on bad arguments. */
 int moetier_serve_step(const serve_ctx *c, int64_t seq) {
@@ -370,7 +430,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     s.qhv = s.qxv + D;
     const int Ln = L > 0 ? L : 1;
     int n_miss[Ln], finished[Ln];
-    int32_t miss_e[Ln][MAX_K];
+    int32_t miss_e[Ln][MAX_K], miss_ord[Ln][MAX_K];
+    int64_t guessed = 0, guessed_right = 0, guessed_misses = 0;   /* layers with a fresh guess */
     float miss_w[Ln][MAX_K];
     double t_begin[Ln], t_end[Ln], t_seen[Ln];
     int status = 0, total = 0;
@@ -408,6 +469,22 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     }
                     n_miss[li] = m;
                     total += m;
+                    for (int j = 0; j < m; j++) {       /* phase 1's order: by expert id */
+                        int i = j;
+                        while (i > 0 && miss_e[li][miss_ord[li][i - 1]] > miss_e[li][j]) {
+                            miss_ord[li][i] = miss_ord[li][i - 1];
+                            i--;
+                        }
+                        miss_ord[li][i] = j;
+                    }
+                    if (c->hint && __atomic_load_n(c->hint_flag + (int64_t)li * BELL_STRIDE, __ATOMIC_ACQUIRE) == seq) {
+                        int32_t g[MAX_K];
+                        const int ng = guess_of(c, li, g);
+                        guessed += ng;
+                        guessed_misses += m;
+                        for (int j = 0; j < m; j++)
+                            for (int i = 0; i < ng; i++) guessed_right += g[i] == miss_e[li][j];
+                    }
                     if (m && is_quant(gq)) block_sums(c->x + (int64_t)li * D, D, s.xs);
 #ifdef MOE_Q8
                     if (m && q8g) moe_quantize_q8(c->x + (int64_t)li * D, D, s.qxv, s.dx, s.sxv);
@@ -419,9 +496,12 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             #pragma omp barrier
             if (status) break;
             const int m = n_miss[li];
-            if (m == 0) continue;
+            if (m == 0) {
+                if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt);
+                continue;
+            }
             const serve_layer ly = {gq, dq, q8g, q8d, m, layer_row_bytes(c, li, 0), layer_row_bytes(c, li, 1),
-                                    miss_e[li], miss_w[li], c->gate_up + li * (int64_t)c->E,
+                                    miss_e[li], miss_ord[li], miss_w[li], c->gate_up + li * (int64_t)c->E,
                                     c->down + li * (int64_t)c->E,
                                     c->gu_bias ? c->gu_bias + li * (int64_t)c->E : NULL,
                                     c->dn_bias ? c->dn_bias + li * (int64_t)c->E : NULL,
@@ -441,6 +521,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     __atomic_store_n(c->done + (int64_t)li * BELL_STRIDE, seq, __ATOMIC_RELEASE);
                 }
             }
+            if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt);     /* after this thread's answer is in */
         }
     }
     double t_busy = 0.0;
@@ -457,7 +538,10 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         }
     for (int li = 0; li < L; li++)
         if (t_seen[li] > 0.0 && t_begin[li] > 0.0) t_prep += t_begin[li] - t_seen[li];
-    if (c->timing) {            /* [6] */
+    if (c->timing) {            /* [9] */
+        c->timing[6] = (double)guessed;
+        c->timing[7] = (double)guessed_right;
+        c->timing[8] = (double)guessed_misses;
         c->timing[0] = t_busy;
         c->timing[1] = t_wait;
         c->timing[2] = total;

@@ -123,6 +123,18 @@ if triton is not None:
 
 
     @triton.jit
+    def _hint_kernel(ids_ptr, table_ptr, seq_ptr, hint_ptr, flag_ptr, K: tl.constexpr, SYS: tl.constexpr,
+                     BK: tl.constexpr):
+        """hint[j] = ids[j] where table[ids[j]] < 0 (not on the GPU), else -1; then flag = seq (release)."""
+        kk = tl.arange(0, BK)
+        km = kk < K
+        e = tl.load(ids_ptr + kk, mask=km, other=0)
+        s = tl.load(table_ptr + e, mask=km, other=0)
+        tl.store(hint_ptr + kk, tl.where(s < 0, e, -1).to(tl.int32), mask=km)
+        tl.debug_barrier()
+        _store_release(flag_ptr, tl.load(seq_ptr), SYS)
+
+    @triton.jit
     def _gather_kernel(base_ptr, soff_ptr, dst_ptr, N_EL: tl.constexpr, CHUNK: tl.constexpr, VEC: tl.constexpr):
         """Stage j: N_EL int32 from base + soff[j] bytes (pinned host memory, read over PCIe) to dst[j];
         soff[j] < 0: nothing. Offsets are multiples of 16 bytes, so the loads are 16 bytes wide (4-byte
@@ -169,6 +181,14 @@ def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool,
                        NP=n_p, BNP=triton.next_power_of_2(max(1, n_p)), num_warps=4)
 
 
+def hint(ids, table_row, seq, req: "Requests", li: int) -> None:
+    """ids [1, k] (device): a guess of layer li's experts -> req.hint[li] (those the GPU table does not hold, -1
+    for the rest) and hint_flag[li] = seq, for the miss server's prefetch (doorbell.c prefetch_guess)."""
+    k = ids.numel()
+    _hint_kernel[(1,)](ids, table_row, seq, req.hint[li], req.hint_flag[li * BELL_STRIDE:], K=k,
+                       SYS=not _interpret(), BK=triton.next_power_of_2(k), num_warps=1)
+
+
 def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 << 40,
              timeout_s: float = 5.0) -> None:
     """out [1, D] = hits + (y[li] once done[li] == seq, when any slot is -1)."""
@@ -192,6 +212,9 @@ class Requests:
         self.ids, self.slots = buf(n_layers, k, dtype=torch.int32), buf(n_layers, k, dtype=torch.int32)
         self.w = buf(n_layers, k, dtype=torch.float32)
         self.err = buf(1, dtype=torch.int64)
+        # the GPU's guess of layer li's misses (hint), written during layer li - 1; hint_flag[li] = its step
+        self.hint = buf(n_layers, k, dtype=torch.int32)
+        self.hint_flag = buf(n_layers * BELL_STRIDE, dtype=torch.int64)
 
 
 # ------------------------------------------------------------------ the C server
@@ -204,7 +227,8 @@ class _Ctx(ctypes.Structure):
         ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32),
         ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p),
         ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p),
-        ("variant", ctypes.c_int32)]       # 0; 1: the old per-row loops (A/B in bench/bench_miss_server.py)
+        ("variant", ctypes.c_int32),       # 0; 1: the old per-row loops (A/B in bench/bench_miss_server.py)
+        ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p)]   # the GPU's guess of the next layer's misses
 
 
 def library() -> ctypes.CDLL:
@@ -230,10 +254,12 @@ class MissServer:
     14 Q6_K, 39 MXFP4, 18 IQ3_XXS), or (gate_up id, down id) when they differ (Q4_K_M: (12, 14)), or
     a list of L such pairs when they vary by layer (Q4_K_M's down: Q6_K in some layers); act: ops.Act.
     q8_act: Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 / IQ3_XXS weights meet int8 activations (one scale
-    per 32 values, as llama.cpp does) in integer dot products; otherwise float32 activations."""
+    per 32 values, as llama.cpp does) in integer dot products; otherwise float32 activations.
+    hints: after answering layer li, each thread prefetches the rows it would compute in layer li + 1 for the
+    guess the GPU wrote (`hint`), while the GPU runs up to that layer's bell."""
 
     def __init__(self, req: Requests, gate_up, down, qtype_id: int, dim: int, hidden: int, act,
-                 threads: int, timeout_s: float = 10.0, q8_act: bool = True, biases=None):
+                 threads: int, timeout_s: float = 10.0, q8_act: bool = True, biases=None, hints: bool = False):
         n_layers, n_exp = len(gate_up), len(gate_up[0])
         k = req.ids.shape[1]
         self.req, self.lib = req, library()
@@ -270,8 +296,9 @@ class MissServer:
         # float h [k, 3I]; per-32 sums / scales / int sums of x and h; int8 x and h (doorbell.c)
         self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + 256,
                                    dtype=torch.float32)
-        self.timing = torch.zeros(6, dtype=torch.float64)   # doorbell.c moetier_serve_step
+        self.timing = torch.zeros(9, dtype=torch.float64)   # doorbell.c moetier_serve_step
         self.detail = (0.0, 0, 0.0)
+        self.guesses = (0, 0, 0)
         self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, gu_id, 0 if act.kind == "swiglu" else 1, threads,
                         act.alpha, act.limit, some.stride(0) * some.element_size(),
                         some_dn.stride(0) * some_dn.element_size(), int(timeout_s * 1e9),
@@ -281,7 +308,8 @@ class MissServer:
                         self.timing.data_ptr(), int(q8_act), dn_id,
                         None if self._types is None else self._types.data_ptr(),
                         None if self._row_bytes is None else self._row_bytes.data_ptr(),
-                        *(None if b is None else ctypes.cast(b, ctypes.c_void_p) for b in self._bias))
+                        *(None if b is None else ctypes.cast(b, ctypes.c_void_p) for b in self._bias), 0,
+                        req.hint.data_ptr() if hints else None, req.hint_flag.data_ptr() if hints else None)
 
     def serve(self, seq: int) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed)."""
@@ -291,6 +319,8 @@ class MissServer:
         t = self.timing.tolist()
         # (s from a layer's last answer to the next layer's bell, such layer pairs, s of tid 0's bell work)
         self.detail = (t[3], int(t[4]), t[5])
+        # (experts guessed, right guesses, misses) over the layers that had a fresh guess
+        self.guesses = (int(t[6]), int(t[7]), int(t[8]))
         return t[0], t[1], int(t[2])
 
 

@@ -89,7 +89,8 @@ class GraphTiers:
         self._accounting = None     # the thread doing the last step's bookkeeping
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
-                       "admitted": 0, "round_s": 0.0, "round_pairs": 0, "prep_s": 0.0}
+                       "admitted": 0, "round_s": 0.0, "round_pairs": 0, "prep_s": 0.0,
+                       "guessed": 0, "guessed_right": 0, "guessed_misses": 0}
         self._db = doorbell
         self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
@@ -109,9 +110,15 @@ class GraphTiers:
                         t = w[n]
                         table[li][e] = t.float().contiguous() if n.endswith("_bias") else t
         self.biases = (tables["gate_up_bias"], tables["down_bias"])
+        # the next layer's misses guessed from this layer's input (its router on it): the CPU loads their rows
+        # while the GPU runs up to that layer's bell (doorbell.c prefetch_guess)
+        routers = getattr(tiers, "routers", None) or []
+        self.guess = [routers[li + 1] if tiers.pl.miss_prefetch and li + 1 < min(self.L, len(routers)) else None
+                      for li in range(self.L)]
         self.server = doorbell.MissServer(self.req, tables["gate_up_proj"], tables["down_proj"], _qtype_id(lay),
                                           self.dim, self.hidden, self.act, threads,
-                                          biases=self.biases if any(b is not None for b in self.biases) else None)
+                                          biases=self.biases if any(b is not None for b in self.biases) else None,
+                                          hints=any(r is not None for r in self.guess))
         self.share = tiers.pl.pcie_share     # 0 where the placement has no stage slots
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
@@ -173,6 +180,8 @@ class GraphTiers:
         slots = self.slots[li]
         pcie = (self.pcie_off[li], self.stage_off, self.share, self.stage0) if self.n_pcie else None
         self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0, pcie=pcie)
+        if self.guess[li] is not None:      # off the critical path: the CPU needs it only after answering this layer
+            self._db.hint(self.guess[li](x)[0], self.tiers.cache.table[li + 1], self.seq, self.req, li + 1)
         if self.n_pcie:     # this layer's PCIe share: bank -> staging rows -> stage slots
             self._db.gather(self.base, self.stage_off, self.staging)
             self._stage_repack(li)
@@ -210,6 +219,8 @@ class GraphTiers:
             tm["round_s"] += round_s
             tm["round_pairs"] += pairs
             tm["prep_s"] += prep
+            for key, v in zip(("guessed", "guessed_right", "guessed_misses"), self.server.guesses):
+                tm[key] += v
             # the bookkeeping runs on a thread while the next step is served (the server holds no GIL):
             # off the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md)
             step = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(), busy)
@@ -238,7 +249,11 @@ class GraphTiers:
                    for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "prep_s")},
                 # the GPU's part between two answered layers, seen from the CPU: the last answer of a layer to
                 # the next layer's bell (the flag over PCIe, post-MoE + attention + router kernels, the bell)
-                "round_trip_us": round(tm["round_s"] / max(1, tm["round_pairs"]) * 1e6, 2)}
+                "round_trip_us": round(tm["round_s"] / max(1, tm["round_pairs"]) * 1e6, 2),
+                # the CPU's prefetch of guessed misses: share of the misses guessed, share of the guesses right
+                "miss_prefetch": any(r is not None for r in self.guess),
+                "guess_recall": round(tm["guessed_right"] / tm["guessed_misses"], 4) if tm["guessed_misses"] else None,
+                "guess_precision": round(tm["guessed_right"] / tm["guessed"], 4) if tm["guessed"] else None}
 
     def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
         t = self.tiers

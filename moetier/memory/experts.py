@@ -72,6 +72,7 @@ class Tiers:
         self.copy_tokens = pl.prefill_copy_tokens if pl.stage_slots else None
         self.stats = Counters(pl.num_layers)
         self.profile = ExpertProfile(self.layout.layers, self.E, pl.model_type, pl.device)
+        self.routers = routers      # routers[li]: MoE layer li's router (None = unknown); the graph path guesses with them
         self.prefetcher = Prefetcher(self, routers) if pl.prefetch else None
         self.save_profile_path = config.save_profile
         self._conv = None

@@ -22,8 +22,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
                    help="expert profile (moetier profile): pin/preload the hottest experts")
     g.add_argument("--save-profile", default=None, metavar="FILE", help="write the expert counts seen to FILE at exit")
     g.add_argument("--prefetch", choices=("on", "off", "auto"), default="auto",
-                   help="guess the next layer's experts and start their reads/copies early "
-                        "(auto: on only for a GPU fast tier with the mix policy, where it was measured to help)")
+                   help="guess the next layer's experts from this layer's input: in the graphed CUDA decode "
+                        "the CPU loads the guessed misses' rows while the GPU runs attention (on unless off); "
+                        "SSD reads and GPU copies started early (auto: only with the mix policy, where it was "
+                        "measured to help)")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N", help="threads for CPU expert work")
     g.add_argument("--pcie-share", type=_share, default=None, metavar="F",
                    help="CUDA decode: share of each layer's cache misses the GPU reads straight from pinned RAM "

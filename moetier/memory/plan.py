@@ -137,7 +137,7 @@ class Placement:
     ram_budget: int
     budget_notes: dict
     policy: str
-    prefetch: bool
+    prefetch: bool                  # the eager path's guesses: SSD reads and fast-tier copies started early
     prefill_copy_tokens: int | None
     share: np.ndarray              # expected route share per (li, e)
     kv_tier: str = "device"        # "ram" with --kv-offload on CUDA
@@ -145,6 +145,7 @@ class Placement:
     problems: list[str] = field(default_factory=list)
     embed_host_bytes: int = 0       # token embeddings in pinned RAM (plan.host_embedding), not on the device
     lm_head_bytes: int = 0          # read whole by every token (in its GGUF blocks where QuantLinear keeps them)
+    miss_prefetch: bool = True      # graphed CUDA decode: the CPU loads its guessed next-layer misses early (doorbell.c)
 
     @property
     def fast_device(self) -> str:
@@ -384,7 +385,8 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         bank_candidates=len(candidates), bank_order=candidates, scratch=scratch, gpu_budget=gpu_budget,
         ram_budget=ram_budget, budget_notes=notes, policy=policy, prefetch=prefetch,
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",
-        state_bytes=state, problems=problems, embed_host_bytes=embed_host, lm_head_bytes=lm_head)
+        state_bytes=state, problems=problems, embed_host_bytes=embed_host, lm_head_bytes=lm_head,
+        miss_prefetch=config.prefetch != "off")
 
 
 def cache_bytes(model, ctx: int, dtype: torch.dtype, kv_dtype: str = "auto") -> tuple[int, int]:
