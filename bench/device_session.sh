@@ -114,9 +114,12 @@ for step in $STEPS; do
     # interleaved, plus 9 GiB (llama.cpp's 9.5 GB placement with its CUDA context), one process
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    # (PF48S0=1: both again with --pcie-share 0 and the prefetch on, instead of 9 GiB)
+    if [ -n "${PF48S0:-}" ]; then X=(--compare "g8s0:--gpu-mem=8GiB --pcie-share=0" --compare "cpumoes0:--cpu-moe --pcie-share=0")
+    else X=(--compare g9:--gpu-mem=9GiB); fi
     bench pf48 ${PF48SECS:-360} $M --prompt-len 512 --gen ${PL48GEN:-48} --compare g8:--gpu-mem=8GiB \
       --compare "g8off:--gpu-mem=8GiB --prefetch=off" --compare cpumoe:--cpu-moe \
-      --compare "cpumoeoff:--cpu-moe --prefetch=off" --compare g9:--gpu-mem=9GiB
+      --compare "cpumoeoff:--cpu-moe --prefetch=off" "${X[@]}"
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   gpu48)
     # everything on the GPU, decode kernels v2 (default) vs v3 (MOETIER_DECODE_VARIANT)

@@ -340,9 +340,24 @@ def test_hint_kernel_writes_the_guessed_misses(monkeypatch):
     _, _, _, _, req, _ = interpreted(monkeypatch, seed=4)
     table = torch.tensor([[3, -1, -1, 0, -1, 2]] * L, dtype=torch.int32)
     seq = torch.tensor([7], dtype=torch.int64)
-    db.hint(torch.tensor([[5, 1, 3, 4]]), table[2], seq, req, 2)
+    guess = torch.tensor([[5, 1, 3, 4]])
+    db.hint(guess, table[2], seq, req, 2)
     assert req.hint[2].tolist() == [-1, 1, -1, 4]
     assert int(req.hint_flag[2 * db.BELL_STRIDE]) == 7 and int(req.hint_flag[1 * db.BELL_STRIDE]) == 0
+    # with the PCIe share, the experts the ring would send over PCIe (lowest ids among the misses the bank can
+    # serve; expert 4 has no bank offset) are not the CPU's: not guessed for it
+    table[2] = torch.tensor([3, -1, -1, 0, -1, -1])
+    poff = torch.tensor([0, 16, 32, 48, -1, 80])
+    for share, want in ((0.5, [-1, -1, -1, 4]), (0.3, [5, -1, -1, 4]), (0.0, [5, 1, -1, 4])):
+        db.hint(guess, table[2], seq, req, 2, pcie=(poff, share, 2))
+        assert req.hint[2].tolist() == want, share
+        # the ring picks the same experts for the stage slots (stage0 = 10 + rank by id)
+        slots, stage_off = torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+        db.ring(torch.randn(1, D), guess, torch.rand(1, 4), table[2], seq, slots, req, 2, bump=False,
+                pcie=(poff, stage_off, share, 10))
+        staged = [e for e, s in zip(guess[0].tolist(), slots.tolist()) if s >= 10]
+        assert sorted(staged) == sorted(e for e, w in zip(guess[0].tolist(), want) if w < 0 and table[2, e] < 0)
+        assert all(s == 10 + sorted(staged).index(e) for e, s in zip(guess[0].tolist(), slots.tolist()) if s >= 10)
 
 
 def test_bank_offsets_are_from_the_lowest_buffer():

@@ -10,7 +10,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from helpers import tiny_checkpoint
 from moetier.config import EngineConfig
-from moetier.memory.plan import make_placement
+from moetier.memory.plan import make_placement, pinned_bytes
 from moetier.memory.profile import Recorder
 from moetier.runtime.engine import Engine
 from moetier.runtime.generate import greedy_tokens
@@ -57,7 +57,8 @@ def variants(path, dtype, tmp_path):
         "all_resident": dict(gpu_mem=big, ram_mem=big),
         "few_gpu_slots": dict(gpu_mem=pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes
                               + 10 * fb, ram_mem=big),
-        "ssd_streaming": dict(gpu_mem=big, cpu_moe=True, ram_mem=2 * eb + 4 * eb),
+        # the RAM budget also holds the token embeddings, pinned (HostEmbedding), at the host allocator's size
+        "ssd_streaming": dict(gpu_mem=big, cpu_moe=True, ram_mem=pinned_bytes(pl.embed_host_bytes) + 2 * eb + 4 * eb),
         "prefill_copies": dict(gpu_mem=big, n_cpu_moe=3, ram_mem=big, prefill_copy_tokens=2),
         "profile_mix": dict(gpu_mem=big, ram_mem=big, expert_profile=str(tmp_path / "p.json"), prefetch="on",
                             override_tensor=((r"layers\.0\.mlp\.experts", "cpu"),)),

@@ -58,6 +58,18 @@ if triton is not None:
         return t
 
     @triton.jit
+    def _pcie_pick(e, miss, cand, share, NP: tl.constexpr, BK: tl.constexpr):
+        """The misses the GPU reads over PCIe: the round(share * misses) (at most NP) candidates of lowest expert id
+        (an order the guess of the next layer's misses reproduces from the set alone). -> (taken, rank by id)."""
+        n_miss = tl.sum(miss.to(tl.int32), axis=0)
+        m = tl.minimum((n_miss.to(tl.float32) * share + 0.5).to(tl.int32), NP)
+        ej = tl.reshape(e, (BK, 1))
+        ci = tl.reshape(cand, (1, BK))
+        ei = tl.reshape(e, (1, BK))
+        rank = tl.sum((ci & (ei < ej)).to(tl.int32), axis=1)
+        return cand & (rank < m), rank
+
+    @triton.jit
     def _ring_kernel(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
                      hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
                      D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
@@ -70,14 +82,11 @@ if triton is not None:
         km = kk < K
         e = tl.load(ids_ptr + kk, mask=km, other=0)
         s = tl.load(table_ptr + e, mask=km, other=0)
-        if NP > 0:      # the first round(share * misses) misses (at most NP) go to stage slots over PCIe
+        if NP > 0:      # round(share * misses) misses (at most NP), lowest expert ids first, go to stage slots over PCIe
             miss = km & (s < 0)
             off = tl.load(poff_ptr + e, mask=miss, other=-1)
             cand = miss & (off >= 0)
-            n_miss = tl.sum(miss.to(tl.int32), axis=0)
-            m = tl.minimum((n_miss.to(tl.float32) * share + 0.5).to(tl.int32), NP)
-            rank = tl.cumsum(cand.to(tl.int32), axis=0) - 1
-            take = cand & (rank < m)
+            take, rank = _pcie_pick(e, miss, cand, share, NP, BK)
             s = tl.where(take, stage0 + rank, s)
             jj = tl.arange(0, BNP)
             tl.store(soff_ptr + jj, tl.full([BNP], -1, tl.int64), mask=jj < NP)
@@ -123,14 +132,20 @@ if triton is not None:
 
 
     @triton.jit
-    def _hint_kernel(ids_ptr, table_ptr, seq_ptr, hint_ptr, flag_ptr, K: tl.constexpr, SYS: tl.constexpr,
-                     BK: tl.constexpr):
-        """hint[j] = ids[j] where table[ids[j]] < 0 (not on the GPU), else -1; then flag = seq (release)."""
+    def _hint_kernel(ids_ptr, table_ptr, seq_ptr, hint_ptr, flag_ptr, poff_ptr, share, K: tl.constexpr,
+                     SYS: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr):
+        """hint[j] = ids[j] where the CPU would compute it: not on the GPU (table < 0) and not among the PCIe share's
+        picks (NP > 0: _pcie_pick as the ring makes it); else -1. Then flag = seq (release)."""
         kk = tl.arange(0, BK)
         km = kk < K
         e = tl.load(ids_ptr + kk, mask=km, other=0)
         s = tl.load(table_ptr + e, mask=km, other=0)
-        tl.store(hint_ptr + kk, tl.where(s < 0, e, -1).to(tl.int32), mask=km)
+        cpu = km & (s < 0)
+        if NP > 0:
+            off = tl.load(poff_ptr + e, mask=cpu, other=-1)
+            take, rank = _pcie_pick(e, cpu, cpu & (off >= 0), share, NP, BK)
+            cpu = cpu & ~take
+        tl.store(hint_ptr + kk, tl.where(cpu, e, -1).to(tl.int32), mask=km)
         tl.debug_barrier()
         _store_release(flag_ptr, tl.load(seq_ptr), SYS)
 
@@ -169,8 +184,8 @@ def _interpret() -> bool:
 def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool, pcie=None) -> None:
     """x [1, D], ids / w [1, k] (device) -> slots [k] int64 (device) and the request of layer li.
     pcie: None, or (offsets [E] int64: byte offset of each expert in the pinned bank from its base,
-    -1 where it is not there; stage_off [NP] int64 out; share; first stage slot): then the first
-    round(share * misses) misses (at most NP) get stage slots (stage0 + j, their bank offsets in
+    -1 where it is not there; stage_off [NP] int64 out; share; first stage slot): then the
+    round(share * misses) misses (at most NP) of lowest expert id get stage slots (stage0 + j, their bank offsets in
     stage_off[j], -1 in unused rows), which the CPU skips as it skips hits."""
     d, k = x.shape[-1], ids.numel()
     poff, soff, share, stage0 = pcie if pcie is not None else (ids, ids, 0.0, 0)
@@ -181,12 +196,14 @@ def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool,
                        NP=n_p, BNP=triton.next_power_of_2(max(1, n_p)), num_warps=4)
 
 
-def hint(ids, table_row, seq, req: "Requests", li: int) -> None:
-    """ids [1, k] (device): a guess of layer li's experts -> req.hint[li] (those the GPU table does not hold, -1
-    for the rest) and hint_flag[li] = seq, for the miss server's prefetch (doorbell.c prefetch_guess)."""
+def hint(ids, table_row, seq, req: "Requests", li: int, pcie=None) -> None:
+    """ids [1, k] (device): a guess of layer li's experts -> req.hint[li] (those the CPU would compute: not in the GPU
+    table, not the PCIe share's picks, -1 for the rest) and hint_flag[li] = seq, for the miss server's prefetch
+    (doorbell.c prefetch_guess). pcie: None, or (layer li's bank offsets [E], share, rows) as the ring has them."""
     k = ids.numel()
-    _hint_kernel[(1,)](ids, table_row, seq, req.hint[li], req.hint_flag[li * BELL_STRIDE:], K=k,
-                       SYS=not _interpret(), BK=triton.next_power_of_2(k), num_warps=1)
+    poff, share, n_p = pcie if pcie is not None else (ids, 0.0, 0)
+    _hint_kernel[(1,)](ids, table_row, seq, req.hint[li], req.hint_flag[li * BELL_STRIDE:], poff, float(share), K=k,
+                       SYS=not _interpret(), BK=triton.next_power_of_2(k), NP=n_p, num_warps=1)
 
 
 def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 << 40,

@@ -180,13 +180,15 @@ class GraphTiers:
         slots = self.slots[li]
         pcie = (self.pcie_off[li], self.stage_off, self.share, self.stage0) if self.n_pcie else None
         self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0, pcie=pcie)
-        if self.guess[li] is not None:      # off the critical path: the CPU needs it only after answering this layer
-            self._db.hint(self.guess[li](x)[0], self.tiers.cache.table[li + 1], self.seq, self.req, li + 1)
         if self.n_pcie:     # this layer's PCIe share: bank -> staging rows -> stage slots
             self._db.gather(self.base, self.stage_off, self.staging)
             self._stage_repack(li)
         hits = ops.moe_decode(x, slots.view(1, k), w, gu, dn, self.act, fmt=fmt,
                               biases=self.tiers.fast.kernel_biases())
+        if self.guess[li] is not None:
+            # after the hits (the GPU's share of this layer first): the CPU needs the guess only once it answered
+            nxt = (self.pcie_off[li + 1], self.share, self.n_pcie) if self.n_pcie else None
+            self._db.hint(self.guess[li](x)[0], self.tiers.cache.table[li + 1], self.seq, self.req, li + 1, pcie=nxt)
         out = torch.empty_like(x)
         self._db.wait_add(hits, slots, self.seq, self.req, li, out)
         return out
