@@ -207,6 +207,17 @@ def test_pcie_share_follows_the_measured_bandwidths():
     assert pcie_share_default(None) == pcie_share_default({"pcie_gbs": 12.0}) == PCIE_SHARE
 
 
+def test_pcie_share_beside_the_prefetch_of_guessed_misses():
+    """With the CPU's prefetch of guessed misses the PCIe share is 0 where up to PREFETCH_SHARE_FROM of the routes
+    come from RAM (measured: 8 GiB, 55%), the full share where all do (--cpu-moe), linear between."""
+    from moetier.memory.plan import PREFETCH_SHARE_FROM, prefetch_share
+    assert prefetch_share(0.211, 0.55) == prefetch_share(0.211, PREFETCH_SHARE_FROM) == 0.0
+    assert prefetch_share(0.211, 1.0) == 0.211
+    mid = (PREFETCH_SHARE_FROM + 1.0) / 2
+    assert prefetch_share(0.2, mid) == pytest.approx(0.1, abs=1e-3)
+    assert prefetch_share(0.2, 0.0) == 0.0 and prefetch_share(0.0, 1.0) == 0.0
+
+
 def test_gpu_bandwidth_test_fits_the_budget():
     """Engine.load measures HBM and PCIe once (two device buffers): under --gpu-mem they fit in it."""
     from moetier.memory.bandwidth import gpu_test_bytes

@@ -133,7 +133,7 @@ class GraphTiers:
         if not fast.stage:
             return "no stage slots on the GPU"
         if self.share <= 0:
-            return "--pcie-share 0"
+            return "share 0 (--pcie-share 0, or the CPU's prefetch of guessed misses at this RAM coverage)"
         if all(s >= self.E for s in t.cache.sizes):
             return "every expert is on the GPU"
         if not bank.slots or not bank.slots[0].is_pinned():

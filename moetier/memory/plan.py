@@ -375,7 +375,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     else:   # round robin over layers, so each layer gets an even share of a partial bank
         candidates.sort(key=lambda p: (p in in_fast, p[1], p[0]))
     prefetch = {"on": True, "off": False}.get(config.prefetch, cuda and policy == "mix")
-    return Placement(
+    pl = Placement(
         model=Path(path).name, model_type=args.model_type, device=device, dtype=dtype, ctx=ctx,
         prefill_chunk=prefill_chunk, layout=layout, top_k=args.num_experts_per_tok,
         storage_dtype=layout.params[0].dtype, expert_bytes=eb, expert_fast_bytes=fb, groups=groups,
@@ -387,6 +387,23 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",
         state_bytes=state, problems=problems, embed_host_bytes=embed_host, lm_head_bytes=lm_head,
         miss_prefetch=config.prefetch != "off")
+    if pl.pcie_share and pl.miss_prefetch and config.pcie_share is None:
+        pl.pcie_share = prefetch_share(pl.pcie_share, pl.expected_coverage()["ram"])
+    return pl
+
+
+# The CPU's prefetch of guessed misses (doorbell.c prefetch_guess) and the PCIe share compete: both shorten the CPU's
+# part of a layer, and the GPU's reads come from the RAM the CPU streams. Measured on the H200 box (48-layer
+# Qwen3-30B-A3B Q4_0, docs/perf-log.md session 10): at 8 GiB (55% of routes from RAM) share 0 with the prefetch
+# 109.5 tok/s, share 0.211 94.5; at --cpu-moe (100%) 0.211 75.1, share 0 61.1. Between the two points the share
+# grows linearly from 0 at PREFETCH_SHARE_FROM to the full share at all routes from RAM (not measured in between).
+PREFETCH_SHARE_FROM = 0.6
+
+
+def prefetch_share(share: float, ram_coverage: float) -> float:
+    """The PCIe share beside the CPU's prefetch, for the expected share of routes served from RAM."""
+    f = (ram_coverage - PREFETCH_SHARE_FROM) / (1.0 - PREFETCH_SHARE_FROM)
+    return round(share * min(1.0, max(0.0, f)), 3)
 
 
 def cache_bytes(model, ctx: int, dtype: torch.dtype, kv_dtype: str = "auto") -> tuple[int, int]:
