@@ -176,9 +176,10 @@ for step in $STEPS; do
       bench uniform12_skew$S 45 $DATA/q30-12-skew$S.gguf --prompt-len 512 --gen 40 --gpu-mem 3GiB
     done ;;
   default)
-    # bf16 on CUDA: dense 15 MiB + KV (1024 tokens) 2 MiB + prefill workspace 37 MiB, experts 32 x 576 KiB
+    # bf16 on CUDA: dense + lm_head 9 MiB + KV (1024 tokens) 2 MiB + prefill workspace 238 MiB, experts 32 x 576 KiB:
+    # 262 MiB caches 20 of 32 (5 a layer), 256 MiB 9 (`moetier plan moetier/assets/default --device cuda --ctx 1024`)
     TEXT="$(head -c 1800 docs/perf-log.md | tr '\n' ' ')"
-    for G in none 104MiB 99MiB; do
+    for G in none 262MiB 256MiB; do
       B=""; [ $G != none ] && B="--gpu-mem $G"
       timeout 60 python3 -m moetier run --device cuda --ctx 1024 --max-tokens 200 --temperature 0 $B $FLAGS --json \
         --prompt "$TEXT" > "$OUT/default_$G.json" 2> "$OUT/default_$G.err"
