@@ -221,8 +221,11 @@ class GraphTiers:
             tm["round_s"] += round_s
             tm["round_pairs"] += pairs
             tm["prep_s"] += prep
-            for key, v in zip(("guessed", "guessed_right", "guessed_misses"), self.server.guesses):
+            pf = self.tiers.stats.prefetch      # the run's prefetch figures (stats.prefetch_summary): of the CPU's misses
+            for key, stat, v in zip(("guessed", "guessed_right", "guessed_misses"), ("predicted", "correct", "actual"),
+                                    self.server.guesses):
                 tm[key] += v
+                pf[stat] += v
             # the bookkeeping runs on a thread while the next step is served (the server holds no GIL):
             # off the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md)
             step = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(), busy)
