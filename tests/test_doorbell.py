@@ -399,6 +399,46 @@ def test_step_bookkeeping_thread_runs_in_inference_mode():
     assert buf.tolist() == [1.0] * 4
 
 
+def test_step_bookkeeping_runs_during_the_next_serve():
+    """A graphed step's bookkeeping runs on the worker while the next step is served (never between a serve and
+    the next launch, where its Python held the GIL the main thread needed): step n is accounted for during serve
+    n + 1 with the request rows as serve n left them, and drain() accounts for the last one; a worker error
+    surfaces at the next step."""
+    from types import SimpleNamespace
+
+    from moetier.memory.doorbell import GraphTiers, _Worker
+    req = db.Requests(2, 8, 2, pin=False)
+    seen, during = [], []
+
+    class FakeServer:
+        detail, guesses = (0.0, 0, 0.0), (0, 0, 0)
+
+        def serve(self, seq):
+            time.sleep(0.05)                      # the accounting of step seq - 1 happens in here
+            during.append(list(seen))
+            req.ids.fill_(seq)                    # this step's rows
+            return 0.001, 0.0, 1
+    gt = object.__new__(GraphTiers)
+    gt.host_seq, gt._pending, gt._worker, gt.counting = 0, None, _Worker(), True
+    gt.server, gt.req = FakeServer(), req
+    gt.timing = {k: 0 for k in ("steps", "serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "round_s",
+                                "round_pairs", "prep_s", "guessed", "guessed_right", "guessed_misses")}
+    gt.tiers = SimpleNamespace(stats=SimpleNamespace(prefetch={"predicted": 0, "correct": 0, "actual": 0}))
+    gt._account = lambda ids, slots, w, busy: seen.append(int(ids[0, 0]))
+    for _ in range(3):
+        gt.after_step()
+    assert during == [[], [1], [1, 2]] and seen == [1, 2]
+    gt.drain()
+    assert seen == [1, 2, 3] and gt._pending is None and gt.timing["steps"] == 3
+
+    def boom(*a):
+        raise ValueError("bookkeeping failed")
+    gt._account = boom
+    gt.after_step()
+    with pytest.raises(ValueError, match="bookkeeping failed"):
+        gt.after_step()
+
+
 # ---- the chunked runs (doorbell.c layer_runs, variant 0) against the old per-row loops (variant 1) ----
 def odd_experts(qtype: str, dim: int, hidden: int, n_exp: int, seed: int):
     """[1][n_exp] gate_up [2 hidden, dim] / down [dim, hidden] stored as qtype ("A+B": gate_up A, down B), float

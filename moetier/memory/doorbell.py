@@ -1,9 +1,11 @@
 """The tiered decode step inside one CUDA graph (issue #3 item 6, issue #5 item 3).
 
 `TieredExperts` on a captured decode token calls `GraphTiers.forward` instead of the eager
-path, which syncs with the host in every layer. Per MoE layer the graph holds four kernels:
+path, which syncs with the host in every layer. Per MoE layer the graph holds:
   ring      slots = table[li][ids] on the device; x, ids, w, slots to pinned host memory; bell
+  (gather, repack: the PCIe share's experts into stage slots, when it is on)
   hits      ops.moe_decode over the GPU cache slots (slot -1: skipped)
+  guess     layer li+1's router on x, its guessed CPU misses to host memory (the CPU prefetches their rows)
   wait_add  if the layer missed: spin until the CPU answered, out = hits + y_cpu
 and the host, after `graph.replay()`, runs `after_step`: the C server answers every layer's
 misses from the RAM bank (kernels/doorbell.c, GIL released) while the GPU computes the hits;
@@ -18,6 +20,7 @@ inside the graph). Otherwise decode stays eager (`unavailable` says why).
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 
@@ -86,7 +89,8 @@ class GraphTiers:
         self.host_seq = 0
         self.capturing = False
         self.counting = True
-        self._accounting = None     # the thread doing the last step's bookkeeping
+        self._pending = None        # the last served step's request rows, not yet accounted for
+        self._worker = _Worker()    # accounts for each step while the next one is served
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
                        "admitted": 0, "round_s": 0.0, "round_pairs": 0, "prep_s": 0.0,
@@ -201,8 +205,14 @@ class GraphTiers:
         return _Server(self.after_step)
 
     def after_step(self) -> None:
-        """Answer the misses of the step just launched, then account for it."""
+        """Answer the misses of the step just launched. The previous step's bookkeeping (counters, cache policy,
+        admissions) runs on the worker thread meanwhile: the serve holds no GIL, so the worker's Python never
+        delays the main thread's sampling and next launch, as a thread started after the serve did (its Python
+        held the GIL while the main thread waited for the logits, then wanted it back)."""
         self.host_seq += 1
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._worker.submit(lambda: self._account_thread(*pending))
         t0 = time.perf_counter()
         busy, wait, n_miss = self.server.serve(self.host_seq)
         t1 = time.perf_counter()
@@ -211,7 +221,7 @@ class GraphTiers:
             self.req.err[0] = 0
             raise RuntimeError(f"decode step {bad}: the GPU stopped waiting for the CPU's expert results")
         if self.counting:
-            self.drain()
+            self._wait_worker()
             tm = self.timing
             tm["steps"] += 1
             tm["serve_s"] += t1 - t0
@@ -226,22 +236,28 @@ class GraphTiers:
                                     self.server.guesses):
                 tm[key] += v
                 pf[stat] += v
-            # the bookkeeping runs on a thread while the next step is served (the server holds no GIL):
-            # off the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md)
-            step = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(), busy)
-            self._accounting = _Server(lambda: self._account_thread(*step))
+            # the bookkeeping runs on the worker while the next step is served (the server holds no GIL): off the
+            # critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md); its admissions then
+            # reach the GPU table one step later. The request rows are copied now: the next replay rewrites them.
+            self._pending = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(),
+                             busy)
 
     def _account_thread(self, *step) -> None:
         with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
             self._account(*step)
 
+    def _wait_worker(self) -> None:
+        t0 = time.perf_counter()
+        self._worker.wait()
+        self.timing["account_s"] += time.perf_counter() - t0
+
     def drain(self) -> None:
-        """Wait for the last step's bookkeeping (before anything else reads or changes the tiers)."""
-        th, self._accounting = self._accounting, None
-        if th is not None:
-            t0 = time.perf_counter()
-            th.join()
-            self.timing["account_s"] += time.perf_counter() - t0
+        """Finish the graphed steps' bookkeeping (before anything else reads or changes the tiers): the worker's,
+        then the last step's, here."""
+        self._wait_worker()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._account_thread(*pending)
 
     def report(self) -> dict:
         """Mean host milliseconds per graphed decode step."""
@@ -335,6 +351,36 @@ def _to_device(rows: list[tuple], dev) -> torch.Tensor:
     """Small index columns to the device without blocking the host (a pageable copy would wait for
     the stream, i.e. for the end of the step being served)."""
     return torch.tensor(rows, dtype=torch.long).T.contiguous().pin_memory().to(dev, non_blocking=True)
+
+
+class _Worker:
+    """One daemon thread running submitted functions in order; `wait()` blocks until all are done and re-raises
+    the first error."""
+
+    def __init__(self):
+        self._q: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, daemon=True, name="moetier-accounting").start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            try:
+                fn()
+            except BaseException as e:    # noqa: BLE001 - handed to wait()
+                if self.error is None:
+                    self.error = e
+            finally:
+                self._q.task_done()
+
+    def submit(self, fn) -> None:
+        self._q.put(fn)
+
+    def wait(self) -> None:
+        self._q.join()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise e
 
 
 class _Server(threading.Thread):
