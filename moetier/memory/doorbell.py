@@ -116,9 +116,10 @@ class GraphTiers:
         self.biases = (tables["gate_up_bias"], tables["down_bias"])
         # the next layer's misses guessed from this layer's input (its router on it): the CPU loads their rows
         # while the GPU runs up to that layer's bell (doorbell.c prefetch_guess)
+        # (none for a layer whose experts all have GPU slots: it never misses)
         routers = getattr(tiers, "routers", None) or []
-        self.guess = [routers[li + 1] if tiers.pl.miss_prefetch and li + 1 < min(self.L, len(routers)) else None
-                      for li in range(self.L)]
+        self.guess = [routers[li + 1] if tiers.pl.miss_prefetch and li + 1 < min(self.L, len(routers))
+                      and tiers.cache.sizes[li + 1] < self.E else None for li in range(self.L)]
         self.server = doorbell.MissServer(self.req, tables["gate_up_proj"], tables["down_proj"], _qtype_id(lay),
                                           self.dim, self.hidden, self.act, threads,
                                           biases=self.biases if any(b is not None for b in self.biases) else None,
