@@ -310,7 +310,7 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
             ids, w = routings(1, c.k, c.slots, gen)[0]
             want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
             got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, variant=v)
-            if v == "v4":                       # one launch for the layer: time moe_decode itself
+            if v in ("v4", "v5q"):              # moe_decode's own launches (v4: one; v5q: x quantizer, gate_up, down)
                 rs, out_ = routings(1, c.k, c.slots, gen), torch.empty_like(x)
                 uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
                 us = graph_us([lambda i=i, ww=ww: tm.moe_decode(x, i, ww, c.gw, c.dw, c.code, c.act.alpha, c.act.limit,
@@ -355,7 +355,7 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float) -> li
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
-        for v in ("v5", "v5pdl") if v5(c.fmt) else ():
+        for v in ("v5", "v5pdl", "v5q") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session 10)
             pair(c, v)
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):

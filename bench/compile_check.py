@@ -2,7 +2,9 @@
 passes; ptxas only where a CUDA toolkit is installed), so CUDA-only compile errors (the interpreter accepts
 more: a `return` inside a branch, globals that are not constexpr) show up before a device call.
 
-    python bench/compile_check.py    # v5 decode kernels and the dense GEMV (every v5 format), the embedding gather
+    python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
+                                     # v5 format), the embedding gather, the attention combine, the doorbell's
+                                     # ring and hint kernels
 """
 from __future__ import annotations
 
@@ -59,14 +61,18 @@ def main() -> int:
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
         cases = {
             "gate_up": (q8._gate_up_kernel, dict(common, I=i, D=d, KTOP=8, ACT=0, BN=4,
-                                                 NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1)),
+                                                 NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
+                                                 QH=False)),
+            "gate_up+qh": (q8._gate_up_kernel, dict(common, I=i, D=d, KTOP=8, ACT=0, BN=4,
+                                                    NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
+                                                    QH=True)),
             "down": (q8._down_kernel, dict(common, D=d, I=i, KTOP=8, KP=8, BN=4,
                                            NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1])),
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
                                                        NB2=v3_pieces(d, fmt)[1])),
         }
         for kind, (fn, const) in cases.items():
-            err = compile_for_sm90(fn, const)
+            err = compile_for_sm90(fn, const, {"hq_ptr": "*i8", "cnt_ptr": "*i32"})
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")
     from moetier.kernels import triton_embed
@@ -80,6 +86,18 @@ def main() -> int:
                             "q_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"})
     bad += err is not None
     print(f"bf16  combine+q8 {'ok' if err is None else err}")
+    from moetier.kernels import doorbell
+    for name, fn, const, types in (
+            ("ring+pcie", doorbell._ring_kernel, dict(D=2048, K=8, BUMP=True, SYS=True, BD=2048, BK=8, NP=2, BNP=2),
+             {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "table_ptr": "*i32", "seq_ptr": "*i64",
+              "slots_ptr": "*i64", "hx_ptr": "*fp32", "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32",
+              "bell_ptr": "*i64", "poff_ptr": "*i64", "soff_ptr": "*i64", "share": "fp32", "stage0": "i32"}),
+            ("hint+pcie", doorbell._hint_kernel, dict(K=8, SYS=True, BK=8, NP=2),
+             {"ids_ptr": "*i64", "table_ptr": "*i32", "seq_ptr": "*i64", "hint_ptr": "*i32", "flag_ptr": "*i64",
+              "poff_ptr": "*i64", "share": "fp32"})):
+        err = compile_for_sm90(fn, const, types)
+        bad += err is not None
+        print(f"      {name:9} {'ok' if err is None else err}")
     return 1 if bad else 0
 
 

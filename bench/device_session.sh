@@ -17,7 +17,8 @@
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
-#   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py)
+#   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py;
+#               PPLEN=512 another length; PPBENCH=1 the bench's 8K figure at both)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
 #   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
@@ -149,11 +150,12 @@ for step in $STEPS; do
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120   # KEEP48=1 pcie48 leaves it
     for F in ${PPF:---cpu-moe --gpu-mem=8GiB}; do
-      timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M ${F/=/ } --prompt-len 8192 > "$OUT/prefill48_$F.txt" 2>&1
+      timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M ${F/=/ } --prompt-len ${PPLEN:-8192} > "$OUT/prefill48_$F.txt" 2>&1
       head -${PPHEAD:-40} "$OUT/prefill48_$F.txt"
     done
-    # the bench's own figure: prefill of an 8K prompt with all experts in RAM (target 9,000 tok/s)
-    [ -n "${PPBENCH:-}" ] && bench prefill48_bench ${PPBSECS:-150} $M --prompt-len 8192 --gen 16 --cpu-moe
+    # the bench's own figure: prefill of an 8K prompt with all experts in RAM (target 9,000 tok/s), and at 8 GiB
+    [ -n "${PPBENCH:-}" ] && bench prefill48_bench ${PPBSECS:-200} $M --prompt-len 8192 --gen 16 --cpu-moe \
+      --compare g8:--gpu-mem=8GiB
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   g8skew)
     M=$DATA/q30-Q4_0-48-skew.gguf

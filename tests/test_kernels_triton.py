@@ -228,6 +228,24 @@ def test_decode_v5_matches_its_twin(fmt, gpt_oss):
         assert rel_err(got, want) <= 1e-4
 
 
+@pytest.mark.parametrize("fmt,gpt_oss", [("Q8_0", False), ("Q4_0", True), ("Q4_K", False), ("Q6_K", False)])
+def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
+    """v5q: h quantized by gate_up's last program of each 32-block instead of a launch of its own: the same bits as
+    v5pdl (one quantizer definition, the same float32 h), twice in a row (the arrival counters reset themselves),
+    at a gate_up tile of 16 rows (2 programs a block: the interpreter is slow at the shipped 4-16); a tile wider
+    than 32 rows falls back to the quantizer launch, same bits."""
+    d, i = V5_SHAPES[fmt]
+    gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
+    act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
+    ids, w = routing(1, 3, 6)                                          # one token: the decode step
+    x = torch.randn(1, d, device=DEV) * (3.0 if gpt_oss else 1.0)
+    tiles = {"cfg_gate_up": (16, 0, 4), "cfg_down": V3_WIDE["cfg_down"]}
+    want = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5pdl", **tiles)
+    for cfg in (tiles, tiles, V3_WIDE):
+        got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5q", **cfg)
+        assert torch.equal(got, want), (cfg, (got - want).abs().max().item())
+
+
 def test_decode_v5_quantize_matches_twin():
     """The activation quantizer: random rows with an all-zero block and outliers; q * dx against the twin
     bit for bit, xs = dx * sum(q), K = 96 (3 blocks, padded to 4 in the kernel)."""

@@ -18,6 +18,7 @@
 #include <math.h>
 #include <omp.h>
 #include <time.h>
+#include <unistd.h>
 
 enum { F32 = 0, F16 = 1, BF16 = 30 };
 enum { ACT_SWIGLU = 0, ACT_CLAMPED = 1 };
@@ -352,13 +353,30 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     ++*ph;
 }
 
-/* Touch [p, p + n) toward this core's L2 (software prefetch per 64-byte line); 1 if `bell` rang (== seq) meanwhile. */
-static int touch(const uint8_t *p, int64_t n, volatile int64_t *bell, int64_t seq) {
+/* Touch [p, p + n) toward this core's L2 (software prefetch per 64-byte line), at most *budget bytes (lowered by what
+ * was touched); 1 if `bell` rang (== seq) meanwhile or the budget ran out. */
+static int touch(const uint8_t *p, int64_t n, volatile int64_t *bell, int64_t seq, int64_t *budget) {
+    if (n > *budget) n = *budget;
     for (int64_t o = 0; o < n; o += 64) {
         if ((o & 4095) == 0 && __atomic_load_n(bell, __ATOMIC_RELAXED) == seq) return 1;
         __builtin_prefetch(p + o, 0, 2);
     }
-    return 0;
+    *budget -= n;
+    return *budget <= 0;
+}
+
+/* Bytes a thread prefetches per layer at most: 3/4 of this core's L2 (gate/up rows come first and must still be there
+ * when the layer starts), 1 MiB where the size is unknown. */
+static int64_t prefetch_budget(void) {
+    static int64_t cached = 0;
+    if (!cached) {
+        long l2 = -1;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+        cached = l2 > 0 ? (int64_t)l2 * 3 / 4 : (int64_t)1 << 20;
+    }
+    return cached;
 }
 
 /* The guessed misses of layer li (the GPU applied li's router to layer li - 1's input: c->hint), valid ones, unique,
@@ -384,27 +402,39 @@ static int guess_of(const serve_ctx *c, int li, int32_t *e) {
  * t loads the rows it will compute in layer li if the guess is right: layer_runs' home ranges for the guessed set
  * (phase 1 splits in expert-id order, phase 3 by rows of D: the set decides both, not the routing order). The CPU's
  * RAM stream then overlaps the GPU's part instead of following it. Stops when layer li's bell rings. */
-static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int nt) {
-    if (!c->hint || __atomic_load_n(c->hint_flag + (int64_t)li * BELL_STRIDE, __ATOMIC_ACQUIRE) != seq) return;
+static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start) {
+    if (!c->hint || !c->hint_flag) return;
+    volatile int64_t *bell = c->bell + (int64_t)li * BELL_STRIDE;
+    volatile int64_t *flag = c->hint_flag + (int64_t)li * BELL_STRIDE;
+    /* after a layer the CPU had little or nothing to do for, the GPU may not have written the guess yet: wait for it
+     * (or for the bell, which follows it; on a timeout thread 0's wait for the bell reports the stall) */
+    for (uint64_t n = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) != seq; n++) {
+        if (__atomic_load_n(bell, __ATOMIC_RELAXED) == seq) return;
+        if ((n & 1023) == 1023 && (now_s() - t_start) * 1e9 > (double)c->timeout_ns) return;
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
     int32_t e[MAX_K];
     const int m = guess_of(c, li, e);
     if (!m) return;
     const int64_t I = c->I, D = c->D, C = (int64_t)nt * CHUNKS;
     const int64_t gu_rb = layer_row_bytes(c, li, 0), dn_rb = layer_row_bytes(c, li, 1);
-    volatile int64_t *bell = c->bell + (int64_t)li * BELL_STRIDE;
+    int64_t budget = prefetch_budget();
     int64_t lo, hi, a, b;
     split((int64_t)m * I, 4, (int64_t)t * CHUNKS, C, &lo, &a);
     split((int64_t)m * I, 4, (int64_t)(t + 1) * CHUNKS - 1, C, &b, &hi);
     for (int64_t p = lo; p < hi;) {
         const int64_t r = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
         const uint8_t *g = c->gate_up[li * (int64_t)c->E + e[r]];
-        if (touch(g + i0 * gu_rb, n * gu_rb, bell, seq) || touch(g + (I + i0) * gu_rb, n * gu_rb, bell, seq)) return;
+        if (touch(g + i0 * gu_rb, n * gu_rb, bell, seq, &budget) || touch(g + (I + i0) * gu_rb, n * gu_rb, bell, seq,
+                                                                            &budget)) return;
         p += n;
     }
     split(D, 4, (int64_t)t * CHUNKS, C, &lo, &a);
     split(D, 4, (int64_t)(t + 1) * CHUNKS - 1, C, &b, &hi);
     for (int j = 0; j < m; j++)
-        if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq)) return;
+        if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq, &budget)) return;
 }
 
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang
@@ -477,7 +507,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                         }
                         miss_ord[li][i] = j;
                     }
-                    if (c->hint && __atomic_load_n(c->hint_flag + (int64_t)li * BELL_STRIDE, __ATOMIC_ACQUIRE) == seq) {
+                    if (c->hint && c->hint_flag && __atomic_load_n(c->hint_flag + (int64_t)li * BELL_STRIDE, __ATOMIC_ACQUIRE) == seq) {
                         int32_t g[MAX_K];
                         const int ng = guess_of(c, li, g);
                         guessed += ng;
@@ -497,7 +527,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             if (status) break;
             const int m = n_miss[li];
             if (m == 0) {
-                if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt);
+                if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0);
                 continue;
             }
             const serve_layer ly = {gq, dq, q8g, q8d, m, layer_row_bytes(c, li, 0), layer_row_bytes(c, li, 1),
@@ -521,7 +551,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     __atomic_store_n(c->done + (int64_t)li * BELL_STRIDE, seq, __ATOMIC_RELEASE);
                 }
             }
-            if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt);     /* after this thread's answer is in */
+            if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0);     /* after this thread's answer is in */
         }
     }
     double t_busy = 0.0;

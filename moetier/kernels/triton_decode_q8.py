@@ -78,13 +78,21 @@ def _quantize_kernel(x_ptr, stride_x, q_ptr, d_ptr, s_ptr, K: tl.constexpr, NBP:
     j = tl.arange(0, 32)
     mb = b < K // 32
     x = tl.load(x_ptr + r * stride_x + b[:, None] * 32 + j[None, :], mask=mb[:, None], other=0.0).to(tl.float32)
+    q, dx, xs = _q8_blocks(x)
+    tl.store(q_ptr + r * K + b[:, None] * 32 + j[None, :], q.to(tl.int8), mask=mb[:, None])
+    tl.store(d_ptr + r * (K // 32) + b, dx, mask=mb)
+    tl.store(s_ptr + r * (K // 32) + b, xs, mask=mb)
+
+
+@triton.jit
+def _q8_blocks(x):
+    """x float32 [NB, 32] -> (q float32 [NB, 32] integral, dx [NB], xs [NB]): dx = max|x| / 127, q = round-half-even(x /
+    dx) (0 where the block is all zero), xs = dx * sum(q). The one definition: `quantize` and gate_up's fused h."""
     amax = tl.max(tl.abs(x), axis=1)
     dx = amax / 127.0
     y = tl.math.div_rn(x, tl.where(amax > 0, dx, 1.0)[:, None])
     q = (y + MAGIC_F) - MAGIC_F                                   # round half to even (|y| <= 127)
-    tl.store(q_ptr + r * K + b[:, None] * 32 + j[None, :], q.to(tl.int8), mask=mb[:, None])
-    tl.store(d_ptr + r * (K // 32) + b, dx, mask=mb)
-    tl.store(s_ptr + r * (K // 32) + b, dx * tl.sum(q, axis=1), mask=mb)
+    return q, dx, dx * tl.sum(q, axis=1)
 
 
 def quantize(x: torch.Tensor, wait: bool = False, trigger: bool = False
@@ -243,12 +251,15 @@ def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh
 @triton.jit
 def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr,
                     sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
-                    b_ptr, sb_s, out_ptr, alpha, limit,
+                    b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr,
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
-                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr):
+                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
-    tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's)."""
+    tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH (BN divides 32): h also
+    quantized for down (`quantize`'s q, dx, xs, bit-equal): the last of a 32-block's 32 / BN programs to finish
+    (an acq_rel counter per block, reset by that program for the next launch) quantizes the block, so down
+    needs no quantizer launch."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
@@ -279,6 +290,17 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
     elif ROUND == 2:
         h = h.to(tl.float16).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * I + n, h, mask=n < I)
+    if QH:
+        tl.debug_barrier()                   # every thread's h stores happen before the release below
+        cb = cnt_ptr + p.to(tl.int64) * (I // 32) + (tl.program_id(1) * BN) // 32
+        if tl.atomic_add(cb, 1, sem="acq_rel") == 32 // BN - 1:     # the block's last program: all of it visible
+            tl.atomic_xchg(cb, 0)
+            o = p.to(tl.int64) * I + (tl.program_id(1) * BN) // 32 * 32 + tl.arange(0, 32)[None, :]
+            q, dx, xs = _q8_blocks(tl.load(out_ptr + o, cache_modifier=".cg"))
+            tl.store(hq_ptr + o, q.to(tl.int8))
+            z = tl.zeros([1], dtype=tl.int64) + p.to(tl.int64) * (I // 32) + (tl.program_id(1) * BN) // 32
+            tl.store(hd_ptr + z, dx)
+            tl.store(hs_ptr + z, xs)
 
 
 @triton.jit
@@ -328,29 +350,55 @@ def _planes(w):
     return a[0:6] + a[7:19]
 
 
-def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False):
+def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
+               quantize_h: bool = False):
     """As triton_decode.gate_up (h float32 [T*k, I], values rounded to x's dtype), x quantized to int8 per
-    32-block first (one more launch). FORMATS (supports)."""
+    32-block first (one more launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8
+    copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`."""
     t, d = x.shape
     k, i = ids.numel() // t, w.n // 2
     tile = Tile(*(cfg or GATE_UP5[w.fmt])[:4])
+    qh = quantize_h and 32 % tile.bn == 0
     xq, xd, xs = quantize(x, trigger=pdl)
     b, sb = (bias, bias.stride(0)) if bias is not None else (h, 0)
     nb1, nb2 = v3_pieces(d, w.fmt)
+    if qh:
+        hq = torch.empty(t * k, i, dtype=torch.int8, device=x.device)
+        hd, hs = (torch.empty(t * k, i // 32, dtype=torch.float32, device=x.device) for _ in range(2))
+        cnt = _block_counters(x.device, t * k * (i // 32))
+    else:
+        hq, hd, hs, cnt = h, h, h, xd
     _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
-        xq.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit,
+        xq.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, hq, hd, hs, cnt,
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
-        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=ROUND.get(x.dtype, 0),
+        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=ROUND.get(x.dtype, 0), QH=qh,
         num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+    if quantize_h:
+        return h, ((hq, hd, hs) if qh else None)
     return h
 
 
-def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False):
-    """As triton_decode.down, h quantized to int8 per 32-block first (one more launch) (supports)."""
+_counters: dict = {}
+
+
+def _block_counters(device, n: int) -> torch.Tensor:
+    """Arrival counters of gate_up's fused h quantizer: int32, zeroed once, reset to 0 by the programs that use
+    them (so a CUDA graph replays with zeros); one buffer per device, grown (before a capture: warm-up calls
+    come first) when a launch needs more. Launches on one device must not overlap (one decode stream)."""
+    key = (device.type, device.index)
+    c = _counters.get(key)
+    if c is None or c.numel() < n:
+        c = _counters[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return c
+
+
+def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False, pre: tuple | None = None):
+    """As triton_decode.down, h quantized to int8 per 32-block first (one more launch) (supports); pre: h's int8
+    copy made already (gate_up_v5's quantize_h): no quantizer launch."""
     t, d = out.shape
     k, i = ids.numel() // t, w.k
     tile = Tile(*(cfg or DOWN5[w.fmt])[:4])
-    hq, hd, hs = quantize(hx, wait=pdl, trigger=pdl)
+    hq, hd, hs = pre if pre is not None else quantize(hx, wait=pdl, trigger=pdl)
     b, sb = (bias, bias.stride(0)) if bias is not None else (out, 0)
     nb1, nb2 = v3_pieces(i, w.fmt)
     _down_kernel[(t, triton.cdiv(d, tile.bn))](

@@ -445,13 +445,14 @@ def variant_of(fmt: str, variant: str | None) -> str:
     (one-step small-program kernels for Q8_0/Q4_0/Q4_K, the default for Q4_0/Q8_0; other formats run v2) or
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
     (Q8_0 / Q4_0 / Q4_K / Q6_K: x and h quantized to int8 per 32-block, dp4a integer dots,
-    triton_decode_q8; other formats run v3 / v3pdl) or "v4"
+    triton_decode_q8; other formats run v3 / v3pdl), "v5q" (v5pdl with h quantized by gate_up's last programs
+    instead of a launch of its own: moe_decode only; decode_gate_up / decode_down alone run v5pdl) or "v4"
     (opt-in: the whole layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases,
     triton_decode_v4; anything else, and decode_gate_up / decode_down alone, run v3)."""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
     default = "v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or DEFAULT_VARIANT.get(fmt, "v2")
     v = variant or default
-    if v not in ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
+    if v not in ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q") or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
         raise ValueError(f"decode variant {variant!r} does not read {fmt}: v1 reads {', '.join(V1_FORMATS)}, "
                          f"v2 every quantized format ({', '.join(v2.STEP_BLOCK)})")
     return v
@@ -461,6 +462,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
         return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and x.is_cuda)
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -482,6 +484,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and out.is_cuda)
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -510,6 +513,11 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     if v == "v4" and v4.supports(x, gate_up, down, act, biases):
         return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
+    if v == "v5q" and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
+        pdl = x.is_cuda
+        _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True)
+        return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
+                          pre=pre)
     decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
     return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, variant)
 

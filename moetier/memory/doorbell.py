@@ -90,7 +90,7 @@ class GraphTiers:
         self.capturing = False
         self.counting = True
         self._pending = None        # the last served step's request rows, not yet accounted for
-        self._worker = _Worker()    # accounts for each step while the next one is served
+        self._worker = _Worker(dev)     # accounts for each step while the next one is served
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
                        "admitted": 0, "round_s": 0.0, "round_pairs": 0, "prep_s": 0.0,
@@ -211,8 +211,8 @@ class GraphTiers:
         delays the main thread's sampling and next launch, as a thread started after the serve did (its Python
         held the GIL while the main thread waited for the logits, then wanted it back)."""
         self.host_seq += 1
-        pending, self._pending = self._pending, None
-        if pending is not None:
+        if self.counting and self._pending is not None:     # (warm-up steps leave it to drain())
+            pending, self._pending = self._pending, None
             self._worker.submit(lambda: self._account_thread(*pending))
         t0 = time.perf_counter()
         busy, wait, n_miss = self.server.serve(self.host_seq)
@@ -222,6 +222,9 @@ class GraphTiers:
             self.req.err[0] = 0
             raise RuntimeError(f"decode step {bad}: the GPU stopped waiting for the CPU's expert results")
         if self.counting:
+            # the request rows first (the next replay rewrites them), so an error of the worker loses no step
+            self._pending = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(),
+                             busy)
             self._wait_worker()
             tm = self.timing
             tm["steps"] += 1
@@ -237,11 +240,9 @@ class GraphTiers:
                                     self.server.guesses):
                 tm[key] += v
                 pf[stat] += v
-            # the bookkeeping runs on the worker while the next step is served (the server holds no GIL): off the
-            # critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md); its admissions then
-            # reach the GPU table one step later. The request rows are copied now: the next replay rewrites them.
-            self._pending = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(),
-                             busy)
+            # _pending's bookkeeping runs on the worker while the next step is served (the server holds no GIL): off
+            # the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md); its admissions
+            # then reach the GPU table one step later
 
     def _account_thread(self, *step) -> None:
         with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
@@ -358,12 +359,15 @@ class _Worker:
     """One daemon thread running submitted functions in order; `wait()` blocks until all are done and re-raises
     the first error."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         self._q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.device = device
         threading.Thread(target=self._run, daemon=True, name="moetier-accounting").start()
 
     def _run(self) -> None:
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(self.device)      # the thread's events and streams on the tiers' GPU
         while True:
             fn = self._q.get()
             try:

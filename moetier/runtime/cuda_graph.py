@@ -17,6 +17,8 @@ class DecodeGraph:
     def __init__(self, model, cache: Cache, t: int = 1, warmup: int = 2, tiers=None):
         """tiers: a memory.doorbell.GraphTiers whose CPU side answers each replay (tiered experts)."""
         self.model, self.cache, self.t, self.tiers = model, cache, t, tiers
+        if tiers is not None:
+            tiers.drain()       # no bookkeeping of an earlier graph's steps may run CUDA work during the capture
         dev = next(model.parameters()).device
         self.tokens = torch.zeros(t, dtype=torch.long, device=dev)
         self.pos = torch.zeros((), dtype=torch.long, device=dev)
