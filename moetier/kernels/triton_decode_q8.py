@@ -388,8 +388,12 @@ def _block_counters(device, n: int) -> torch.Tensor:
     key = (device.type, device.index)
     c = _counters.get(key)
     if c is None or c.numel() < n:
-        c = _counters[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        c = _counters[key] = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
+        _outgrown.append(c)     # never freed: a captured graph may still point at a buffer a later launch outgrew
     return c
+
+
+_outgrown: list = []
 
 
 def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False, pre: tuple | None = None):
