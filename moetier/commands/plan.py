@@ -144,6 +144,10 @@ def render(pl, ceiling: dict, rule: dict, bw: dict, notes: list[str]) -> str:
                  f"({rule['cpu_ms_per_token']:.3f} ms per token at {bw['cpu_gflops_bfloat16']:g} GFLOP/s bf16, "
                  f"{rule['cpu_gemv_ms']:.2f} ms for one token) once a chunk routes >= {rule['tokens']} tokens "
                  "to it" + ("" if pl.fast_device == "cuda" else " (no GPU here: every miss runs on the CPU)"))
+    if pl.fast_device == "cuda" and ceiling["bytes"]["ram"]:
+        lines.append("decode misses: " + ("the CPU loads the next layer's guessed misses while the GPU runs attention "
+                                          "(--prefetch off: not)" if pl.miss_prefetch else
+                                          "no prefetch of guessed misses (--prefetch off)"))
     if pl.problems:
         lines += [""] + [f"DOES NOT FIT: {p}" for p in pl.problems]
     return "\n".join(lines)

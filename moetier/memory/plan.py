@@ -210,7 +210,7 @@ class Placement:
                 "ssd": {"experts": self.num_layers * self.num_experts - self.bank_slots - sum(self.fast_slots)
                         if not self.bank_all else 0, "expected_share": cov["ssd"]},
             },
-            "layer_tiers": self.layer_tiers, "policy": self.policy, "prefetch": self.prefetch,
+            "layer_tiers": self.layer_tiers, "policy": self.policy, "prefetch": self.prefetch, "miss_prefetch": self.miss_prefetch,
             "prefill_copy_tokens": self.prefill_copy_tokens, "problems": self.problems,
         }
 
