@@ -276,6 +276,13 @@ static int64_t claim(claim_ctr *cl, int nt, int t, int64_t ph, int *owner) {
     return -1;
 }
 
+/* [lo, hi): thread t's home in a phase over [0, n) in units of g: its chunks t CHUNKS .. (t + 1) CHUNKS - 1 */
+static void home(int64_t n, int64_t g, int t, int nt, int64_t *lo, int64_t *hi) {
+    int64_t a, b;
+    split(n, g, (int64_t)t * CHUNKS, (int64_t)nt * CHUNKS, lo, &a);
+    split(n, g, (int64_t)(t + 1) * CHUNKS - 1, (int64_t)nt * CHUNKS, &b, hi);
+}
+
 /* Thread t of nt's share of a layer (variant 0). Three phases, each over chunks as above (*ph: the phase count):
  *  1. gate_up: (gate row i, up row i) pairs of all m experts (taken in expert-id order, so a guess of the set
  *     alone tells each thread its rows: prefetch_guess), in units of 4; per chunk a thread streams its gate
@@ -300,7 +307,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     int v;
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
         split((int64_t)m * I, 4, ch, C, &lo, &hi);
-        split((int64_t)m * I, 4, (v + 1) * CHUNKS - 1, C, &home_lo, &home_hi);
+        home((int64_t)m * I, 4, v, nt, &home_lo, &home_hi);
         for (int64_t p = lo; p < hi;) {
             const int64_t r = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
             const int64_t pf = home_hi - r * I < I ? home_hi - r * I : I;     /* prefetch bound (row) */
@@ -335,7 +342,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     float r[DOWN_RUN];
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
         split(D, 4, ch, C, &lo, &hi);
-        split(D, 4, (v + 1) * CHUNKS - 1, C, &home_lo, &home_hi);
+        home(D, 4, v, nt, &home_lo, &home_hi);
         for (int j = 0; j < m; j++) {
             const int e = ly->e[j];
             const float wj = ly->wt[j], *b = ly->dnb ? ly->dnb[e] : NULL;
@@ -418,12 +425,11 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
     int32_t e[MAX_K];
     const int m = guess_of(c, li, e);
     if (!m) return;
-    const int64_t I = c->I, D = c->D, C = (int64_t)nt * CHUNKS;
+    const int64_t I = c->I, D = c->D;
     const int64_t gu_rb = layer_row_bytes(c, li, 0), dn_rb = layer_row_bytes(c, li, 1);
     int64_t budget = prefetch_budget();
-    int64_t lo, hi, a, b;
-    split((int64_t)m * I, 4, (int64_t)t * CHUNKS, C, &lo, &a);
-    split((int64_t)m * I, 4, (int64_t)(t + 1) * CHUNKS - 1, C, &b, &hi);
+    int64_t lo, hi;
+    home((int64_t)m * I, 4, t, nt, &lo, &hi);
     for (int64_t p = lo; p < hi;) {
         const int64_t r = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
         const uint8_t *g = c->gate_up[li * (int64_t)c->E + e[r]];
@@ -431,8 +437,7 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
                                                                             &budget)) return;
         p += n;
     }
-    split(D, 4, (int64_t)t * CHUNKS, C, &lo, &a);
-    split(D, 4, (int64_t)(t + 1) * CHUNKS - 1, C, &b, &hi);
+    home(D, 4, t, nt, &lo, &hi);
     for (int j = 0; j < m; j++)
         if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq, &budget)) return;
 }

@@ -365,7 +365,7 @@ def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=Non
     if qh:
         hq = torch.empty(t * k, i, dtype=torch.int8, device=x.device)
         hd, hs = (torch.empty(t * k, i // 32, dtype=torch.float32, device=x.device) for _ in range(2))
-        cnt = _block_counters(x.device, t * k * (i // 32))
+        cnt = arrival_counters(x.device, t * k * (i // 32), "gate_up_h")
     else:
         hq, hd, hs, cnt = h, h, h, xd
     _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
@@ -379,21 +379,21 @@ def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=Non
 
 
 _counters: dict = {}
+_kept: list = []
 
 
-def _block_counters(device, n: int) -> torch.Tensor:
-    """Arrival counters of gate_up's fused h quantizer: int32, zeroed once, reset to 0 by the programs that use
-    them (so a CUDA graph replays with zeros); one buffer per device, grown (before a capture: warm-up calls
-    come first) when a launch needs more. Launches on one device must not overlap (one decode stream)."""
-    key = (device.type, device.index)
+def arrival_counters(device, n: int, purpose: str) -> torch.Tensor:
+    """int32 arrival counters for a kernel whose last program per group does the group's final step (the router's
+    top-k, gate_up's fused h quantizer): zeroed once, reset to 0 by the programs that use them, so a CUDA graph
+    replays with zeros. One buffer per (device, purpose), grown to a power of two when a launch needs more (warm-up
+    calls come before a capture); an outgrown buffer is kept, since a captured graph may still point at it.
+    Launches of one purpose on one device must not overlap (one decode stream)."""
+    key = (device.type, device.index, purpose)
     c = _counters.get(key)
     if c is None or c.numel() < n:
-        c = _counters[key] = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
-        _outgrown.append(c)     # never freed: a captured graph may still point at a buffer a later launch outgrew
+        c = _counters[key] = torch.zeros(1 << max(0, n - 1).bit_length(), dtype=torch.int32, device=device)
+        _kept.append(c)
     return c
-
-
-_outgrown: list = []
 
 
 def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False, pre: tuple | None = None):

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode_q8 import MAGIC_F
+from .triton_decode_q8 import _q8_blocks, arrival_counters
 
 
 @triton.jit
@@ -131,18 +131,10 @@ def _router_topk_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, E: tl
         _topk_of_probs(zz, e, m, ids_ptr, w_ptr, K, NORM, BE, BK)
 
 
-_router_counters: dict = {}
-
-
 def _router_counter(device):
-    """The router kernel's arrival counter: one int32 per device, zeroed once and reset to 0 by each
-    launch's last program, so a CUDA graph replays with the same (zero) buffer. Launches on one device
-    must not overlap (one decode stream): two routers running at once would share it."""
-    key = (device.type, device.index)
-    c = _router_counters.get(key)
-    if c is None:
-        c = _router_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return c
+    """The router kernel's arrival counter (triton_decode_q8.arrival_counters): launches on one device must not
+    overlap (one decode stream): two routers running at once would share it."""
+    return arrival_counters(device, 1, "router")
 
 
 def router_topk(x, weight, k: int, normalize: bool, rows: int | None = None, out=None):
@@ -292,16 +284,12 @@ def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_pt
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
     o = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + h * DH + d, o, mask=d < DH)
-    if Q8:      # quantize's math on the rounded output: dx = max|x| / 127, q = round-half-even(x / dx)
-        x = tl.reshape(o.to(tl.float32), [BD // 32, 32])
-        amax = tl.max(tl.abs(x), axis=1)
-        dx = amax / 127.0
-        y = tl.math.div_rn(x, tl.where(amax > 0, dx, 1.0)[:, None])
-        qf = (y + MAGIC_F) - MAGIC_F
+    if Q8:      # quantize's math on the rounded output
+        qf, dx, xs = _q8_blocks(tl.reshape(o.to(tl.float32), [BD // 32, 32]))
         b = tl.arange(0, BD // 32)
         tl.store(q_ptr + h * DH + b[:, None] * 32 + tl.arange(0, 32)[None, :], qf.to(tl.int8))
         tl.store(dx_ptr + h * (DH // 32) + b, dx)
-        tl.store(xs_ptr + h * (DH // 32) + b, dx * tl.sum(qf, axis=1))
+        tl.store(xs_ptr + h * (DH // 32) + b, xs)
 
 
 def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos, k_cache, v_cache, h: int, hkv: int, scale: float,
