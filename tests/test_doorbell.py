@@ -439,6 +439,34 @@ def test_step_bookkeeping_runs_during_the_next_serve():
         gt.after_step()
 
 
+def test_worker_lets_go_of_finished_work_and_closes():
+    """The bookkeeping worker keeps no reference to a function it ran (one holds the tiers: kept, a closed
+    engine's GPU arenas stayed allocated under the next one), and close() ends the thread; work submitted after it
+    runs at once."""
+    import gc
+    import weakref
+
+    from moetier.memory.doorbell import _Worker
+    w = _Worker()
+
+    class Tiers:
+        pass
+    held = Tiers()
+    ref = weakref.ref(held)
+    w.submit(lambda: held)
+    w.wait()
+    del held
+    gc.collect()
+    assert ref() is None
+    w.close()
+    w._thread.join(5)
+    assert not w._thread.is_alive()
+    ran = []
+    w.submit(lambda: ran.append(1))
+    assert ran == [1]
+    w.wait()
+
+
 # ---- the chunked runs (doorbell.c layer_runs, variant 0) against the old per-row loops (variant 1) ----
 def odd_experts(qtype: str, dim: int, hidden: int, n_exp: int, seed: int):
     """[1][n_exp] gate_up [2 hidden, dim] / down [dim, hidden] stored as qtype ("A+B": gate_up A, down B), float

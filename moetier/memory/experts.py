@@ -384,6 +384,8 @@ class Tiers:
         try:
             self.save_profile()
         finally:
+            if self.graphed is not None:
+                self.graphed.close()
             self.reader.close()
 
 
