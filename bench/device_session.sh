@@ -15,7 +15,6 @@
 #               configuration, e.g. g9:--gpu-mem=9GiB, llama.cpp's 9.5 GB placement with its CUDA context)
 #   pf48        48 layers Q4_0: the CPU's prefetch of guessed misses on / off at 8 GiB and --cpu-moe, and 9 GiB
 #   proof48     48 layers Q4_0, one process each: 9 GiB and 8 GiB decode, an 8K prefill with all experts in RAM
-#   touch48     48 layers Q4_0: the guessed rows pulled in by loads (default) vs software prefetch, 8 GiB / --cpu-moe
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
@@ -132,16 +131,6 @@ for step in $STEPS; do
     bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB
     bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB
     bench proof48_pp8k ${P48SECS:-150} $M --prompt-len 8192 --gen 16 --cpu-moe
-    [ -n "${KEEP48:-}" ] || rm -f $M ;;
-  touch48)
-    # how the miss server's threads pull the next layer's guessed rows in during the GPU's part (doorbell.c touch):
-    # loads (default) vs software prefetch (MOETIER_TOUCH=prefetch), at 8 GiB and --cpu-moe; 9 GiB with loads
-    M=$DATA/q30-Q4_0-48.gguf
-    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
-    bench touch48_load ${T48SECS:-200} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --compare cpumoe:--cpu-moe \
-      --compare g9:--gpu-mem=9GiB
-    MOETIER_TOUCH=prefetch bench touch48_prefetch ${T48SECS:-200} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB \
-      --compare cpumoe:--cpu-moe
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   gpu48)
     # everything on the GPU, decode kernels v2 (default) vs v3 (MOETIER_DECODE_VARIANT)

@@ -78,4 +78,5 @@ def bandwidths_home(monkeypatch, tmp_path, bw: dict) -> None:
     """A fresh HOME whose moetier bandwidth cache holds `bw` (plan then measures nothing)."""
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / ".cache" / "moetier").mkdir(parents=True)
-    (tmp_path / ".cache" / "moetier" / "bandwidth.json").write_text(json.dumps(bw))
+    from moetier.memory.bandwidth import RAM_METHOD
+    (tmp_path / ".cache" / "moetier" / "bandwidth.json").write_text(json.dumps({"ram_method": RAM_METHOD, **bw}))

@@ -360,42 +360,15 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     ++*ph;
 }
 
-/* How touch() pulls a line in: a load of 8 bytes of it (default), or a software prefetch toward L2 with
- * MOETIER_TOUCH=prefetch (session 10's version). On the 2-core EPYC dev box a 45 us window of prefetcht1 over a
- * thread's 780 KB share cut the read after it 55 -> 46 us, loads 55 -> 30 us (the prefetches issue at once and are
- * largely lost; a load is held until its line arrives). */
-static int touch_by_prefetch(void) {
-    static int v = -1;              /* a benign race: every thread computes the same value */
-    if (v < 0) {
-        const char *s = getenv("MOETIER_TOUCH");
-        v = s && !strcmp(s, "prefetch");
-    }
-    return v;
-}
-
-static uint64_t touch_sink;         /* keeps the loads */
-
-/* Touch [p, p + n) (one access per 64-byte line: touch_by_prefetch), at most *budget bytes (lowered by what was
- * touched); 1 if `bell` rang (== seq) meanwhile or the budget ran out. */
+/* Touch [p, p + n) toward this core's L2 (software prefetch per 64-byte line), at most *budget bytes (lowered by what
+ * was touched); 1 if `bell` rang (== seq) meanwhile or the budget ran out. Loads of one word per line instead (they
+ * won on the 2-core EPYC dev box) lost on the H200 box: 8 GiB 103.5 vs 109.2 tok/s, --cpu-moe 69.3 vs 73.1 with
+ * the CPU busy 11.4 vs 9.1 ms a token (docs/perf-log.md, session 11). */
 static int touch(const uint8_t *p, int64_t n, volatile int64_t *bell, int64_t seq, int64_t *budget) {
     if (n > *budget) n = *budget;
-    if (touch_by_prefetch()) {
-        for (int64_t o = 0; o < n; o += 64) {
-            if ((o & 4095) == 0 && __atomic_load_n(bell, __ATOMIC_RELAXED) == seq) return 1;
-            __builtin_prefetch(p + o, 0, 2);
-        }
-    } else {
-        uint64_t a = 0;
-        for (int64_t o = 0; o < n; o += 64) {
-            if ((o & 4095) == 0 && __atomic_load_n(bell, __ATOMIC_RELAXED) == seq) {
-                __atomic_store_n(&touch_sink, a, __ATOMIC_RELAXED);
-                return 1;
-            }
-            uint64_t v;
-            memcpy(&v, p + o, sizeof v);
-            a += v;
-        }
-        __atomic_store_n(&touch_sink, a, __ATOMIC_RELAXED);
+    for (int64_t o = 0; o < n; o += 64) {
+        if ((o & 4095) == 0 && __atomic_load_n(bell, __ATOMIC_RELAXED) == seq) return 1;
+        __builtin_prefetch(p + o, 0, 2);
     }
     *budget -= n;
     return *budget <= 0;
