@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (30 device-minutes a session: plan the steps). Each step is time-limited
-# and writes under $OUT as it goes, so a call cut short still returns what finished.
+# and writes under $OUT as it goes, so a call cut short still returns what finished. Run from the repository root
+# with `carry: [".whl"]` (bench/device_wheels.sh fills .whl/ with gguf, transformers and what they need).
 #   STEPS="tests bench48 uniform12 longctx doorbell12"  (default: all but doorbell12, in that order)
 #   tests       GPU tests of the graphed tier step, GGUF tiers, packed GGUF experts, Triton DeltaNet
 #   bench48     synthetic Qwen3-30B-A3B Q4_0 GGUF, all 48 layers (17 GB): all on GPU / --gpu-mem 8GiB /

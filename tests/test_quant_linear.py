@@ -34,6 +34,7 @@ def layer(fmt: str, n: int, k: int, bias: bool, seed: int = 0) -> QuantLinear:
 def test_gemv_matches_its_twin(fmt, bias):
     """Decode rows (T = 3): the int8 GEMV against the twin that quantizes x alike (1e-4) and against float
     activations (int8 error); N = 77 rows (a partial row tile), K of two pieces (K_OF)."""
+    pytest.importorskip("triton")
     from moetier.kernels import triton_qlinear
     k = K_OF[fmt]
     lin = layer(fmt, 77, k, bias)
@@ -151,6 +152,7 @@ def test_decode_attention_hands_o_proj_its_int8_copy():
     same result as on its own quantization."""
     import os
 
+    pytest.importorskip("triton")
     from moetier.kernels import triton_decode_q8 as q8
     from moetier.kernels import triton_small
     from moetier.models.layers import Rope

@@ -101,7 +101,17 @@ class NamedCheckpoint:
         return ts[0] if len(ts) == 1 else torch.cat(ts, dim=0)
 
 
+ALIGN = 64     # bytes: torch's CPU allocator's alignment
+
+
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """value becomes the parameter; a CPU tensor that starts off a 64-byte line (a view of a mmapped file:
+    safetensors aligns data to 8 bytes, GGUF to 32) is copied to one that does not. torch's CPU kernels pick their
+    summation order by the operands' alignment, so a weight read in place gave other last bits than the same weight
+    copied into the memory tiers' buffers (5.96e-07 apart on a tiny Qwen3-MoE): with every weight aligned, placement
+    changes nothing, whatever the file's header length."""
+    if value.device.type == "cpu" and value.data_ptr() % ALIGN:
+        value = value.clone()
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
     setattr(mod, attr, nn.Parameter(value, requires_grad=False))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Wheels the GPU machine lacks (it has torch, triton, numpy, pytest, but no gguf or transformers, and it reaches no
+# package index): downloaded here into .whl/ (git-ignored), carried to each device call (`carry: [".whl"]`), and
+# installed by bench/device_session.sh into /tmp/site. CPython 3.12, x86_64. huggingface_hub stays below 2: 2.x
+# imports httpx2, which transformers 5.24 does not pull in (a session lost its GPU tests to that import).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: \
+  gguf transformers 'huggingface_hub<2' tokenizers safetensors regex pyyaml hf-xet httpx httpcore anyio h11 idna \
+  certifi sniffio click typer typer-slim shellingham filelock fsspec typing-extensions packaging hypothesis \
+  sortedcontainers pytest-timeout
+du -sh .whl
