@@ -43,6 +43,7 @@ RAM_METHOD = "max(stream, torch.sum) on every CPU"   # a cached ram_gbs measured
 
 
 def process_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; all CPUs where there is none)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:

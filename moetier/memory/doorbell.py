@@ -370,9 +370,9 @@ class _Worker:
         self._q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.closed = False
-        self.device = None
-        if device is not None and torch.device(device).type == "cuda":   # "cuda" alone: the caller's current GPU
-            d = torch.device(device)
+        d = torch.device(device) if device is not None else None
+        self.device = None                  # a CUDA device index ("cuda" alone: the caller's current GPU)
+        if d is not None and d.type == "cuda":
             self.device = d.index if d.index is not None else torch.cuda.current_device()
         self._thread = threading.Thread(target=self._run, daemon=True, name="moetier-accounting")
         self._thread.start()

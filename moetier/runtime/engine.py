@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
@@ -21,6 +20,7 @@ import torch
 from .. import memory
 from ..config import EngineConfig, ModelArgs
 from ..errors import ContextOverflow, UserError
+from ..memory.bandwidth import process_cpus
 from ..weights.tokenizer import Detokenizer, Tokenizer
 from .generate import Done, TokenEvent, generate_stream
 from .kv_cache import Cache, session_cache
@@ -64,11 +64,7 @@ def default_threads() -> int:
     """Half the CPUs this process may use (at least 1). The seeds measured half the hardware
     threads faster than all; on a 2-vCPU box whose host is busy, 2 OpenMP threads made decoding
     the default model 3-100x slower than 1 (a stalled thread holds every barrier)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
-    return max(1, n // 2)
+    return max(1, process_cpus() // 2)
 
 
 BIG_CHUNK_FREE = 8 << 30   # CUDA without tiers: 8K-token prefill chunks when this much VRAM is free after loading
@@ -80,10 +76,7 @@ def miss_threads(admitting: bool = False) -> int:
     served; one preempted team thread stalls the whole team at every layer's barrier: 16 threads on
     16 CPUs gave 5.0 tok/s at --gpu-mem 8GiB, docs/perf-log.md). Measured on the H200 box (16 CPUs),
     48-layer Q4_0 at --gpu-mem 8GiB with inline bookkeeping: 16 threads 41.6 tok/s, 8 threads 32.3."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
+    n = process_cpus()
     return max(1, n - 1 if admitting and n > 2 else n)
 
 
