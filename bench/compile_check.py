@@ -3,8 +3,8 @@ passes; ptxas only where a CUDA toolkit is installed), so CUDA-only compile erro
 more: a `return` inside a branch, globals that are not constexpr) show up before a device call.
 
     python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
-                                     # v5 format), the embedding gather, the attention combine, the doorbell's
-                                     # ring and hint kernels
+                                     # v5 format), the embedding gather, the decode step's small kernels with PDL,
+                                     # the doorbell's ring, route+ring, hint and wait_add kernels
 """
 from __future__ import annotations
 
@@ -81,11 +81,26 @@ def main() -> int:
     bad += err is not None
     print(f"bf16  embed    {'ok' if err is None else err}")
     from moetier.kernels import triton_small
-    err = compile_for_sm90(triton_small._attn_combine_kernel, dict(REP=8, DH=128, NSPLIT=16, BR=16, BD=128, Q8=True),
-                           {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "out_ptr": "*bf16",
-                            "q_ptr": "*i8", "dx_ptr": "*fp32", "xs_ptr": "*fp32"})
-    bad += err is not None
-    print(f"bf16  combine+q8 {'ok' if err is None else err}")
+    bf = {n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "h_ptr", "y_ptr", "s_ptr", "qkv_ptr", "qw_ptr", "kw_ptr",
+                               "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr", "wt_ptr")}
+    f32 = {n: "*fp32" for n in ("pm_ptr", "pl_ptr", "pacc_ptr", "dx_ptr", "xs_ptr", "logit_ptr")}
+    for name, fn, const, types in (     # the decode step's small kernels, launched as programmatic dependents
+            ("combine+q8", triton_small._attn_combine_kernel,
+             dict(REP=8, DH=128, NSPLIT=16, BR=16, BD=128, Q8=True, PDL=True), {**bf, **f32, "q_ptr": "*i8"}),
+            ("attn_split", triton_small._attn_split_kernel,
+             dict(HKV=4, REP=8, DH=128, NSPLIT=16, BR=16, BS=32, BD=128, PREC="tf32", PDL=True),
+             {**bf, **f32, "pos_ptr": "*i64", "scale": "fp32"}),
+            ("qkv_prep", triton_small._qkv_prep_kernel, dict(H=32, HKV=4, DH=128, R=128, QK_NORM=True, BD=128, PDL=True),
+             {**bf, "pos_ptr": "*i64", "eps": "fp32"}),
+            ("norm+q8", triton_small._rms_norm_q8_kernel, dict(BN=2048, PDL=True),
+             {**bf, **f32, "q_ptr": "*i8", "N": "i32", "eps": "fp32"}),
+            ("add_norm", triton_small._add_rms_norm_kernel, dict(BN=2048, PDL=True), {**bf, "N": "i32", "eps": "fp32"}),
+            ("router", triton_small._router_topk_kernel,
+             dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True),
+             {**bf, **f32, "cnt_ptr": "*i32", "ids_ptr": "*i64"})):
+        err = compile_for_sm90(fn, const, types)
+        bad += err is not None
+        print(f"bf16  {name:10} {'ok' if err is None else err}")
     from moetier.kernels import doorbell
     for name, fn, const, types in (
             ("ring+pcie", doorbell._ring_kernel, dict(D=2048, K=8, BUMP=True, SYS=True, BD=2048, BK=8, NP=2, BNP=2),
@@ -94,7 +109,16 @@ def main() -> int:
               "bell_ptr": "*i64", "poff_ptr": "*i64", "soff_ptr": "*i64", "share": "fp32", "stage0": "i32"}),
             ("hint+pcie", doorbell._hint_kernel, dict(K=8, SYS=True, BK=8, NP=2),
              {"ids_ptr": "*i64", "table_ptr": "*i32", "seq_ptr": "*i64", "hint_ptr": "*i32", "flag_ptr": "*i64",
-              "poff_ptr": "*i64", "share": "fp32"})):
+              "poff_ptr": "*i64", "share": "fp32"}),
+            ("route+ring", doorbell._route_ring_kernel,
+             dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True, BUMP=False, SYS=True,
+                  BXD=2048),
+             {"x_ptr": "*bf16", "wt_ptr": "*bf16", "logit_ptr": "*fp32", "cnt_ptr": "*i32", "ids_ptr": "*i64",
+              "w_ptr": "*bf16", "table_ptr": "*i32", "seq_ptr": "*i64", "slots_ptr": "*i64", "hx_ptr": "*fp32",
+              "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32", "bell_ptr": "*i64"}),
+            ("wait_add+res", doorbell._wait_add_kernel, dict(SYS=True, BD=1024, BK=8, HAS_RES=True, TRIGGER=True),
+             {"hits_ptr": "*bf16", "slots_ptr": "*i64", "seq_ptr": "*i64", "done_ptr": "*i64", "hy_ptr": "*fp32",
+              "out_ptr": "*bf16", "err_ptr": "*i64", "res_ptr": "*bf16", "D": "i32", "K": "i32"})):
         err = compile_for_sm90(fn, const, types)
         bad += err is not None
         print(f"      {name:9} {'ok' if err is None else err}")

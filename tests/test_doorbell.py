@@ -165,6 +165,27 @@ def test_miss_server_times_out_with_a_clear_error():
         srv.serve(7)
 
 
+def test_a_step_may_wait_longer_for_its_bells():
+    """An eager warm-up step compiles kernels between bells (10 s passed on a cold Triton cache): serve(seq,
+    timeout_s) waits that long for this step only; the next step has the server's timeout again."""
+    import threading
+    s_gu, s_dn, _, _, tid = experts("F32")
+    req = db.Requests(L, D, K, pin=False)
+    srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=1, timeout_s=0.05)
+    g = torch.Generator().manual_seed(5)
+    req.x[:] = torch.randn(L, D, generator=g)
+    req.ids[:] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).int()
+    req.w[:] = torch.rand(L, K, generator=g)
+    req.slots[:] = -1
+    late = threading.Timer(0.3, lambda: req.bell[::db.BELL_STRIDE].fill_(1))
+    late.start()
+    assert srv.serve(1, timeout_s=30.0)[2] == L * K
+    late.join()
+    assert srv.ctx.timeout_ns == int(0.05 * 1e9)
+    with pytest.raises(RuntimeError, match="never rang its doorbell within 0 s"):
+        srv.serve(2)
+
+
 def test_missing_ram_pointer_is_an_error():
     s_gu, s_dn, _, _, tid = experts("F32")
     s_gu[1][2] = None
@@ -226,6 +247,60 @@ def test_ring_hits_wait_add_round_trip(monkeypatch):
         want = dense(xs[li][0], ids[li][0], ws[li][0], f_gu[li], f_dn[li])
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert slots[li].tolist() == table[li][ids[li][0]].tolist()
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_ring_is_the_router_then_the_ring(monkeypatch, normalize):
+    """The router's last program rings the doorbell (route_ring, one launch) and wait_add adds the block's residual:
+    the same ids, weights, device slots, host request rows, bell and output as router_topk, ring, wait_add and
+    `residual + out` in four launches (interpreted, float32: bit for bit)."""
+    from moetier.kernels import triton_small
+    s_gu, s_dn, f_gu, f_dn, req, srv = interpreted(monkeypatch, seed=11)
+    g = torch.Generator().manual_seed(12)
+    table = torch.full((L, E), -1, dtype=torch.int32)
+    table[:, 2] = torch.arange(L, dtype=torch.int32)         # expert 2 of every layer cached in slot li
+    arena_gu, arena_dn = torch.zeros(L, 2 * I, D), torch.zeros(L, D, I)
+    for li in range(L):
+        arena_gu[li], arena_dn[li] = f_gu[li][2], f_dn[li][2]
+    xs = [torch.randn(1, D, generator=g) for _ in range(L)]
+    res = [torch.randn(1, D, generator=g) for _ in range(L)]
+    gates = [torch.randn(E, D, generator=g) for _ in range(L)]
+    runs = []
+    for fused in (False, True):
+        req.bell.zero_()
+        req.done.zero_()
+        seq = torch.zeros(1, dtype=torch.int64)
+        slots = torch.full((L, K), 99, dtype=torch.int64)
+        server = threading.Thread(target=srv.serve, args=(1,))
+        server.start()
+        outs, picks, rows = [], [], []
+        for li in range(L):
+            if fused:
+                ids, w = db.route_ring(xs[li], gates[li], K, normalize, table[li], seq, slots[li], req, li, bump=li == 0)
+            else:
+                ids, w = triton_small.router_topk(xs[li], gates[li], K, normalize)
+                db.ring(xs[li], ids, w, table[li], seq, slots[li], req, li, bump=li == 0)
+            rows.append([t[li].clone() for t in (req.x, req.ids, req.w, req.slots)] + [int(req.bell[li * db.BELL_STRIDE])])
+            hits = ops.moe_decode(xs[li], slots[li].view(1, K), w, arena_gu, arena_dn, Act(), fmt="f32")
+            out = torch.full_like(xs[li], float("nan"))
+            if fused:
+                db.wait_add(hits, slots[li], seq, req, li, out, max_spin=1 << 30, residual=res[li])
+            else:
+                db.wait_add(hits, slots[li], seq, req, li, out, max_spin=1 << 30)
+                out = res[li] + out
+            outs.append(out)
+            picks.append((ids.clone(), w.clone(), slots[li].clone()))
+        server.join()
+        assert int(seq) == 1 and int(req.err[0]) == 0
+        runs.append((outs, picks, rows))
+    (o0, p0, r0), (o1, p1, r1) = runs
+    for li in range(L):
+        assert torch.equal(o0[li], o1[li]) and torch.isfinite(o1[li]).all()
+        assert all(torch.equal(a, b) for a, b in zip(p0[li], p1[li]))
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(r0[li], r1[li]))
+        assert r1[li][-1] == 1 and r1[li][1].tolist() == p1[li][0][0].tolist()
+        assert p1[li][2].tolist() == table[li][p1[li][0][0]].tolist()
 
 
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
@@ -413,7 +488,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     class FakeServer:
         detail, guesses = (0.0, 0, 0.0), (0, 0, 0)
 
-        def serve(self, seq):
+        def serve(self, seq, timeout_s=None):
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here
             during.append(list(seen))
             req.ids.fill_(seq)                    # this step's rows

@@ -196,6 +196,28 @@ def test_add_rms_norm_matches_add_then_norm(dtype, shape):
     assert got != "twin" and torch.equal(got[0], h + y) and torch.equal(got[1], out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2048, 96])
+def test_rms_norm_q8_is_the_norm_then_the_quantizer(dtype, n):
+    """One launch for the decode block's input norm and the qkv GEMV's int8 input: the rms_norm kernel's output
+    and triton_decode_q8.quantize of it, bit for bit (n = 96: three 32-blocks, not a power of two)."""
+    from moetier.kernels import triton_decode_q8, triton_small
+    _skip_bf16_on_cpu(dtype)
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(1, n, generator=g) * 3).to(DEV, dtype)
+    w = torch.randn(n, generator=g).to(DEV, dtype)
+    want = triton_small.rms_norm(x, w, 1e-6)
+    wq = triton_decode_q8.quantize(want)
+    with small_ops.use("triton"):
+        y, pre = small_ops.rms_norm_q8(x, w, 1e-6, lambda a: "twin")
+    assert torch.equal(y, want) and all(torch.equal(a, b) for a, b in zip(pre, wq))
+    assert pre[0].abs().max() == 127 and torch.isfinite(pre[1]).all()
+    with small_ops.use("torch"):
+        assert small_ops.rms_norm_q8(x, w, 1e-6, lambda a: "twin") == ("twin", None)
+    with small_ops.use("triton"):
+        assert small_ops.rms_norm_q8(x[:, :n - 16], w[:n - 16], 1e-6, lambda a: "twin") == ("twin", None)
+
+
 def test_add_rms_norm_falls_back_to_the_twin():
     h, y, w = torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.ones(16)
     twin = lambda a, b: "twin"                                          # noqa: E731

@@ -32,6 +32,8 @@ except ImportError:     # pragma: no cover - the graph path needs triton; MissSe
 
 
 if triton is not None:
+    from .triton_small import _router_part, _router_pick, pdl
+
     @triton.jit
     def _store_release(ptr, val, SYS: tl.constexpr):
         if SYS:
@@ -74,6 +76,27 @@ if triton is not None:
                      hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
                      D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
                      BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr):
+        _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
+              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP)
+
+    @triton.jit
+    def _route_ring_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
+                           hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, E: tl.constexpr, D: tl.constexpr,
+                           K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                           BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
+                           SYS: tl.constexpr, BXD: tl.constexpr):
+        """The router (triton_small._router_topk_kernel) and, in its last program, the ring: one launch."""
+        if _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E, D, ROWS, BD, PDL):
+            _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
+            tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
+            _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
+                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1)
+
+    @triton.jit
+    def _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
+              hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
+              D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
+              BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr):
         seq = tl.load(seq_ptr)
         if BUMP:            # layer 0 starts a new step
             seq = seq + 1
@@ -104,8 +127,11 @@ if triton is not None:
         _store_release(bell_ptr, seq, SYS)
 
     @triton.jit
-    def _wait_add_kernel(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, D, K, max_spin,
-                         timeout_ns, SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+    def _wait_add_kernel(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
+                         timeout_ns, SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr,
+                         TRIGGER: tl.constexpr):
+        if TRIGGER:     # the next kernel (the next layer's norm) may be scheduled while this one spins
+            tl.extra.cuda.gdc_launch_dependents()
         kk = tl.arange(0, BK)
         s = tl.load(slots_ptr + kk, mask=kk < K, other=0)
         n_miss = tl.sum((s < 0).to(tl.int32), axis=0)
@@ -128,7 +154,10 @@ if triton is not None:
                 tl.store(err_ptr, seq)
             else:
                 acc += tl.load(hy_ptr + dd, mask=dm, other=0.0, volatile=True)
-        tl.store(out_ptr + dd, acc.to(out_ptr.dtype.element_ty), mask=dm)
+        o = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RES:     # the block's residual add, rounded as `res + moe(x)` is: one launch fewer
+            o = (tl.load(res_ptr + dd, mask=dm, other=0.0).to(tl.float32) + o.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + dd, o, mask=dm)
 
 
     @triton.jit
@@ -196,6 +225,18 @@ def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool,
                        NP=n_p, BNP=triton.next_power_of_2(max(1, n_p)), num_warps=4)
 
 
+def route_ring(x, weight, k: int, normalize: bool, table_row, seq, slots, req: "Requests", li: int, bump: bool,
+               out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router and the ring in one launch (small_ops.router_kernel_ok must hold; no PCIe share): x [1, D],
+    weight [E, D] -> (ids [1, k], w [1, k]) as small_ops.router_topk returns them, and ring(x, ids, w, ...) done."""
+    from .triton_small import router_launch
+    grid, args, const, res = router_launch(x, weight, k, normalize, out=out)
+    _route_ring_kernel[grid](*args, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
+                             req.bell[li * BELL_STRIDE:], **const, BUMP=bump, SYS=not _interpret(),
+                             BXD=min(4096, triton.next_power_of_2(x.shape[-1])), num_warps=4)
+    return res
+
+
 def hint(ids, table_row, seq, req: "Requests", li: int, pcie=None) -> None:
     """ids [1, k] (device): a guess of layer li's experts -> req.hint[li] (those the CPU would compute: not in the GPU
     table, not the PCIe share's picks, -1 for the rest) and hint_flag[li] = seq, for the miss server's prefetch
@@ -207,14 +248,16 @@ def hint(ids, table_row, seq, req: "Requests", li: int, pcie=None) -> None:
 
 
 def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 << 40,
-             timeout_s: float = 5.0) -> None:
-    """out [1, D] = hits + (y[li] once done[li] == seq, when any slot is -1)."""
+             timeout_s: float = 5.0, residual=None) -> None:
+    """out [1, D] = hits + (y[li] once done[li] == seq, when any slot is -1), rounded to out's dtype; with a
+    residual [1, D] (out's dtype): residual + that, rounded again (the decoder block's add)."""
     d, k = hits.shape[-1], slots.numel()
     bd = min(1024, triton.next_power_of_2(d))
     _wait_add_kernel[(triton.cdiv(d, bd),)](hits, slots, seq, req.done[li * BELL_STRIDE:], req.y[li], out,
-                                             req.err, d, k, max_spin, int(timeout_s * 1e9),
-                                             SYS=not _interpret(), BD=bd,
-                                             BK=triton.next_power_of_2(k), num_warps=4)
+                                             req.err, residual if residual is not None else out, d, k, max_spin,
+                                             int(timeout_s * 1e9), SYS=not _interpret(), BD=bd,
+                                             BK=triton.next_power_of_2(k), HAS_RES=residual is not None,
+                                             TRIGGER=pdl(hits), num_warps=4)
 
 
 class Requests:
@@ -328,11 +371,18 @@ class MissServer:
                         *(None if b is None else ctypes.cast(b, ctypes.c_void_p) for b in self._bias), 0,
                         req.hint.data_ptr() if hints else None, req.hint_flag.data_ptr() if hints else None)
 
-    def serve(self, seq: int) -> tuple[float, float, int]:
-        """Answer step `seq`; -> (compute s, s waiting for bells, misses computed)."""
-        rc = self.lib.moetier_serve_step(ctypes.byref(self.ctx), seq)
+    def serve(self, seq: int, timeout_s: float | None = None) -> tuple[float, float, int]:
+        """Answer step `seq`; -> (compute s, s waiting for bells, misses computed). timeout_s: this step's wait
+        for all its bells instead of the server's (an eager warm-up step compiles kernels between bells)."""
+        ns = self.ctx.timeout_ns
+        if timeout_s is not None:
+            self.ctx.timeout_ns = int(timeout_s * 1e9)
+        try:
+            rc = self.lib.moetier_serve_step(ctypes.byref(self.ctx), seq)
+        finally:
+            timeout, self.ctx.timeout_ns = self.ctx.timeout_ns / 1e9, ns
         if rc:
-            raise RuntimeError(_why(rc, self.ctx.timeout_ns / 1e9))
+            raise RuntimeError(_why(rc, timeout))
         t = self.timing.tolist()
         # (s from a layer's last answer to the next layer's bell, such layer pairs, s of tid 0's bell work)
         self.detail = (t[3], int(t[4]), t[5])

@@ -8,6 +8,7 @@ kernels on CPU tensors under TRITON_INTERPRET=1).
     ids, w = softmax_topk(logits, k, norm, twin)  # logits [T, E]
     ids, w = router_topk(x, weight, k, norm, twin)  # x [1, D], weight [E, D]: the GEMV and the above, one launch
     s, y = add_rms_norm(h, a, weight, eps, twin)   # s = h + a, y = rms_norm(s): residual add + next norm
+    y, pre = rms_norm_q8(x, weight, eps, twin)     # x [1, N]: y and its int8 copy for a QuantLinear GEMV (or None)
 """
 from __future__ import annotations
 
@@ -57,17 +58,33 @@ def softmax_topk(logits, k: int, normalize: bool, twin):
 ROUTER_MAX_EXPERTS = 256   # the router kernel's last program holds all E probabilities
 
 
+def router_kernel_ok(x, weight, k: int) -> bool:
+    """The one-launch router serves this call (one token on CUDA, matching dtypes, E <= 256)."""
+    e = weight.shape[0]
+    return (_triton(x, 1) and x.dim() == 2 and x.shape[0] == 1 and weight.dtype == x.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.is_contiguous()
+            and weight.device == x.device and e <= ROUTER_MAX_EXPERTS and 0 < k <= e)
+
+
 def router_topk(x, weight, k: int, normalize: bool, twin):
     """softmax_topk(F.linear(x, weight), k, normalize) for one token in one launch (kernels/triton_small.
     router_topk: logits rounded to x's dtype as F.linear returns them, then the softmax_topk kernel's
     math); `twin(x)` otherwise (several tokens, CPU, other dtypes)."""
-    e = weight.shape[0]
-    if (not _triton(x, 1) or x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype
-            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not weight.is_contiguous()
-            or weight.device != x.device or e > ROUTER_MAX_EXPERTS or not 0 < k <= e):
+    if not router_kernel_ok(x, weight, k):
         return twin(x)
     from .triton_small import router_topk as kernel
     return kernel(x, weight, k, normalize)
+
+
+def rms_norm_q8(x, weight, eps: float, twin):
+    """(rms_norm(x, weight), its int8 copy (q, dx, xs) as triton_decode_q8.quantize makes it) for one token in one
+    launch, for a QuantLinear that reads it (`pre`: the GEMV skips its quantizer); (twin(x), None) otherwise."""
+    n = x.shape[-1]
+    if (not _triton(x, 1) or x.dim() != 2 or x.shape[0] != 1 or n % 32 or weight is None or weight.dtype != x.dtype
+            or weight.shape != (n,) or not weight.is_contiguous() or weight.device != x.device):
+        return twin(x), None
+    from .triton_small import rms_norm_q8 as kernel
+    return kernel(x, weight, eps)
 
 
 def add_rms_norm(h, y, weight, eps: float, twin):

@@ -27,7 +27,10 @@ def _gemv_kernel(xw_ptr, xd_ptr, xs_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_
                  K: tl.constexpr, FMT: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
                  NB1: tl.constexpr, NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr):
     """grid (N/BN, T): out[t, n] = W row n . x[t] (+ b[n]) for BN rows n; slot 0 of the planes. The row tiles
-    on axis 0: a vocabulary of 129K rows at BN = 1 is past the 65,535 programs axis 1 allows."""
+    on axis 0: a vocabulary of 129K rows at BN = 1 is past the 65,535 programs axis 1 allows. PDL: launched as a
+    programmatic dependent (the weight loads before the wait for x's grid), and the next kernel may be one."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     r = tl.minimum(n, N - 1).to(tl.int64)[None, :]                                     # [1, BN], in bounds

@@ -13,11 +13,32 @@ small launch is ~3-6 us inside a graph).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .triton_decode_q8 import _q8_blocks, arrival_counters
+
+
+def pdl(x) -> bool:
+    """Launch the decode step's small kernels as programmatic dependents of the kernel before them (CUDA): each
+    may be scheduled while its predecessor runs and waits for that grid's writes (`_pdl_enter`) before reading.
+    MOETIER_PDL=0: plain launches (A/B, diagnosis)."""
+    return x.is_cuda and os.environ.get("MOETIER_PDL", "1") != "0"
+
+
+def _pdl_kw(on: bool) -> dict:
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """PDL: let the next kernel be scheduled now, then wait for the previous kernel's grid (its writes visible)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -102,33 +123,57 @@ def softmax_topk(logits, k: int, normalize: bool):
 @triton.jit
 def _router_topk_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, E: tl.constexpr, D: tl.constexpr,
                         K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
-                        BE: tl.constexpr, BK: tl.constexpr):
-    """grid (cdiv(E, ROWS),): program p computes logits [p ROWS, (p + 1) ROWS) of the one token (fp32
-    sums rounded to x's dtype, as F.linear returns them) into logit_ptr (fp32 scratch [E]); the last
-    program to arrive (int32 counter, acq_rel) resets the counter and runs the softmax top-k over all E
-    (the threadfence-reduction pattern: one launch, no float atomics, deterministic)."""
+                        BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    """grid (cdiv(E, ROWS),): _router_part, then the last program runs the softmax top-k over all E."""
+    if _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E, D, ROWS, BD, PDL):
+        _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
+
+
+@triton.jit
+def _router_pick(logit_ptr, ids_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+                 BE: tl.constexpr, BK: tl.constexpr):
+    """The last program of _router_part: softmax top-k of the E logits -> ids_ptr, w_ptr."""
+    e = tl.arange(0, BE)
+    m = e < E
+    zz = tl.load(logit_ptr + e, mask=m, other=float("-inf"), cache_modifier=".cg")
+    _topk_of_probs(zz, e, m, ids_ptr, w_ptr, K, NORM, BE, BK)
+
+
+@triton.jit
+def _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                 BD: tl.constexpr, PDL: tl.constexpr):
+    """Program p computes logits [p ROWS, (p + 1) ROWS) of the one token (fp32 sums rounded to x's dtype, as
+    F.linear returns them) into logit_ptr (fp32 scratch [E]). -> whether it is the last program to arrive
+    (int32 counter, acq_rel; it resets the counter): all E logits are then visible to it (the threadfence-
+    reduction pattern: one launch, no float atomics, deterministic)."""
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
     rm = r < E
     d = tl.arange(0, BD)
     acc = tl.zeros((ROWS, BD), dtype=tl.float32)
-    for d0 in tl.static_range(0, D, BD):     # D constexpr: unrolled, no masks when BD divides D
-        dd = d0 + d
-        dm = dd < D
-        x = tl.load(x_ptr + dd, mask=dm, other=0.0)
-        wt = tl.load(wt_ptr + r.to(tl.int64)[:, None] * D + dd[None, :], mask=rm[:, None] & dm[None, :],
-                     other=0.0)
+    if D <= BD:     # one chunk: the weight loads before the wait for x (PDL)
+        dm = d < D
+        wt = tl.load(wt_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+        _pdl_enter(PDL)
+        x = tl.load(x_ptr + d, mask=dm, other=0.0)
         acc += wt.to(tl.float32) * x.to(tl.float32)[None, :]
+    else:
+        _pdl_enter(PDL)
+        for d0 in tl.static_range(0, D, BD):     # D constexpr: unrolled, no masks when BD divides D
+            dd = d0 + d
+            dm = dd < D
+            x = tl.load(x_ptr + dd, mask=dm, other=0.0)
+            wt = tl.load(wt_ptr + r.to(tl.int64)[:, None] * D + dd[None, :], mask=rm[:, None] & dm[None, :],
+                         other=0.0)
+            acc += wt.to(tl.float32) * x.to(tl.float32)[None, :]
     z = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)       # the twin's logits dtype
     tl.store(logit_ptr + r, z, mask=rm)
     tl.debug_barrier()                        # every thread's stores happen before the release below
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:        # the last program: all logits are visible
+    last = done == tl.num_programs(0) - 1     # the last program: all logits are visible
+    if last:
         tl.atomic_xchg(cnt_ptr, 0)            # ready for the next launch (a CUDA-graph replay)
-        e = tl.arange(0, BE)
-        m = e < E
-        zz = tl.load(logit_ptr + e, mask=m, other=float("-inf"), cache_modifier=".cg")
-        _topk_of_probs(zz, e, m, ids_ptr, w_ptr, K, NORM, BE, BK)
+    return last
 
 
 def _router_counter(device):
@@ -137,29 +182,69 @@ def _router_counter(device):
     return arrival_counters(device, 1, "router")
 
 
-def router_topk(x, weight, k: int, normalize: bool, rows: int | None = None, out=None):
-    """x [1, D] contiguous, weight [E, D] contiguous, same dtype -> ids [1, k] int64, w [1, k] in x's
-    dtype: softmax_topk(F.linear(x, weight), k, normalize) in one launch. `out`: (ids, w) to write."""
+def router_launch(x, weight, k: int, normalize: bool, rows: int | None = None, out=None):
+    """The router kernels' common arguments: -> (grid, positional args, constexpr and launch kwargs, (ids, w))."""
     e, dim = weight.shape
     if rows is None:
         rows = 2 if e >= 64 else 1            # ~E/2 programs: enough SMs pulling the weight (E D bytes)
     bd = min(triton.next_power_of_2(dim), max(64, 4096 // rows))
-    p = triton.cdiv(e, rows)
     logits = torch.empty(e, dtype=torch.float32, device=x.device)
     ids, w = out if out is not None else (torch.empty((1, k), dtype=torch.long, device=x.device), x.new_empty((1, k)))
-    _router_topk_kernel[(p,)](x, weight, logits, _router_counter(x.device), ids, w, e, dim, K=k, NORM=normalize,
-                              ROWS=rows, BD=bd, BE=triton.next_power_of_2(e), BK=triton.next_power_of_2(k),
-                              num_warps=4)
-    return ids, w
+    on = pdl(x)
+    return ((triton.cdiv(e, rows),), (x, weight, logits, _router_counter(x.device), ids, w),
+            dict(E=e, D=dim, K=k, NORM=normalize, ROWS=rows, BD=bd, BE=triton.next_power_of_2(e),
+                 BK=triton.next_power_of_2(k), PDL=on, **_pdl_kw(on)), (ids, w))
+
+
+def router_topk(x, weight, k: int, normalize: bool, rows: int | None = None, out=None):
+    """x [1, D] contiguous, weight [E, D] contiguous, same dtype -> ids [1, k] int64, w [1, k] in x's
+    dtype: softmax_topk(F.linear(x, weight), k, normalize) in one launch. `out`: (ids, w) to write."""
+    grid, args, const, res = router_launch(x, weight, k, normalize, rows, out)
+    _router_topk_kernel[grid](*args, **const, num_warps=4)
+    return res
+
+
+@triton.jit
+def _rms_norm_q8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, N, eps, BN: tl.constexpr, PDL: tl.constexpr):
+    """One row: out = RMSNorm(x) * w as _rms_norm_kernel, and out quantized per 32-block as
+    triton_decode_q8.quantize(out) (N a multiple of 32)."""
+    n = tl.arange(0, BN)
+    m = n < N
+    w = tl.load(w_ptr + n, mask=m, other=0.0)
+    _pdl_enter(PDL)
+    x = tl.load(x_ptr + n, mask=m, other=0.0)
+    y = (w.to(x.dtype) * _rms(x, N, eps)).to(x.dtype)
+    tl.store(out_ptr + n, y, mask=m)
+    qf, dx, xs = _q8_blocks(tl.reshape(y.to(tl.float32), [BN // 32, 32]))
+    b = tl.arange(0, BN // 32)
+    bm = b < N // 32
+    tl.store(q_ptr + b[:, None] * 32 + tl.arange(0, 32)[None, :], qf.to(tl.int8), mask=bm[:, None])
+    tl.store(dx_ptr + b, dx, mask=bm)
+    tl.store(xs_ptr + b, xs, mask=bm)
+
+
+def rms_norm_q8(x, weight, eps: float):
+    """x [1, N] contiguous (N a multiple of 32), weight [N] -> (rms_norm(x, weight, eps), (q int8 [1, N], dx, xs
+    f32 [1, N / 32])): the norm and the int8 copy QuantLinear's GEMV takes (`pre`) in one launch."""
+    n = x.shape[-1]
+    out = x.new_empty(x.shape)
+    q = torch.empty(1, n, dtype=torch.int8, device=x.device)
+    dx = torch.empty(1, n // 32, dtype=torch.float32, device=x.device)
+    xs = torch.empty_like(dx)
+    on = pdl(x)
+    _rms_norm_q8_kernel[(1,)](x, weight, out, q, dx, xs, n, eps, BN=triton.next_power_of_2(n), PDL=on,
+                              num_warps=4 if n >= 1024 else 1, **_pdl_kw(on))
+    return out, (q, dx, xs)
 
 
 # ---------------------------------------------------------------- residual add + RMSNorm
 @triton.jit
-def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.constexpr):
+def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.constexpr, PDL: tl.constexpr):
     """One row per program: s = h + y (rounded to h's dtype), out = RMSNorm(s) * w as _rms_norm_kernel."""
     r = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BN)
     m = n < N
+    _pdl_enter(PDL)
     h = tl.load(h_ptr + r * N + n, mask=m, other=0.0)
     y = tl.load(y_ptr + r * N + n, mask=m, other=0.0)
     s = (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype)
@@ -175,8 +260,9 @@ def add_rms_norm(h, y, weight, eps: float, out=None):
     `out`: (s, normed) to write."""
     n = h.shape[-1]
     s, out = out if out is not None else (h.new_empty(h.shape), h.new_empty(h.shape))
-    _add_rms_norm_kernel[(h.numel() // n,)](h, y, weight, s, out, n, eps, BN=triton.next_power_of_2(n),
-                                            num_warps=4 if n >= 1024 else 1)
+    on = pdl(h)
+    _add_rms_norm_kernel[(h.numel() // n,)](h, y, weight, s, out, n, eps, BN=triton.next_power_of_2(n), PDL=on,
+                                            num_warps=4 if n >= 1024 else 1, **_pdl_kw(on))
     return s, out
 
 
@@ -184,11 +270,12 @@ def add_rms_norm(h, y, weight, eps: float, out=None):
 @triton.jit
 def _qkv_prep_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, eps,
                      H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
-                     QK_NORM: tl.constexpr, BD: tl.constexpr):
+                     QK_NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
     """grid (H + 2 HKV,): q heads -> q_ptr, k heads -> k cache row `pos`, v heads -> v cache row."""
     i = tl.program_id(0)
     d = tl.arange(0, BD)
     dm = d < DH
+    _pdl_enter(PDL)
     pos = tl.load(pos_ptr).to(tl.int64)
     if i < H + HKV:
         half: tl.constexpr = R // 2
@@ -224,11 +311,12 @@ def _qkv_prep_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, 
 @triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr, scale,
                        HKV: tl.constexpr, REP: tl.constexpr, DH: tl.constexpr, NSPLIT: tl.constexpr,
-                       BR: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+                       BR: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """grid (HKV, NSPLIT): the REP q heads of kv head g over keys [lo, hi) of [0, pos]; partial softmax
     statistics (max, sum) and the unnormalised output per (g, split, head)."""
     g = tl.program_id(0)
     sp = tl.program_id(1)
+    _pdl_enter(PDL)
     n = tl.load(pos_ptr).to(tl.int32) + 1
     per = (n + NSPLIT - 1) // NSPLIT
     lo = sp * per
@@ -267,10 +355,11 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr,
 @triton.jit
 def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, REP: tl.constexpr,
                          DH: tl.constexpr, NSPLIT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-                         Q8: tl.constexpr):
+                         Q8: tl.constexpr, PDL: tl.constexpr):
     """grid (H,): head h = g * REP + j combines its NSPLIT partials. Q8 (DH = BD, a multiple of 32): the head's
     output also quantized to int8 per 32-block, as triton_decode_q8.quantize does it (for the o_proj GEMV)."""
     h = tl.program_id(0)
+    _pdl_enter(PDL)
     g = h // REP
     j = h % REP
     sp = tl.arange(0, NSPLIT)
@@ -303,21 +392,23 @@ def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos, k_cache, v_cache,
     rep, rot = h // hkv, cos.shape[-1]
     bd = triton.next_power_of_2(dh)
     q = qkv.new_empty((h, dh))
+    on = pdl(qkv)
+    kw = _pdl_kw(on)
     _qkv_prep_kernel[(h + 2 * hkv,)](qkv, q_w if q_w is not None else qkv, k_w if k_w is not None else qkv,
                                     cos, sin, pos, q, k_cache, v_cache, eps, H=h, HKV=hkv, DH=dh, R=rot,
-                                    QK_NORM=q_w is not None, BD=bd, num_warps=1 if bd <= 128 else 2)
+                                    QK_NORM=q_w is not None, BD=bd, PDL=on, num_warps=1 if bd <= 128 else 2, **kw)
     br = max(16, triton.next_power_of_2(rep))
     pm = torch.empty(hkv * nsplit * br, dtype=torch.float32, device=qkv.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty(hkv * nsplit * br * bd, dtype=torch.float32, device=qkv.device)
     _attn_split_kernel[(hkv, nsplit)](q, k_cache, v_cache, pos, pm, pl, pacc, scale, HKV=hkv, REP=rep, DH=dh,
                                       NSPLIT=nsplit, BR=br, BS=32, BD=bd, num_warps=4,
-                                      PREC="ieee" if k_cache.dtype == torch.float32 else "tf32")
+                                      PREC="ieee" if k_cache.dtype == torch.float32 else "tf32", PDL=on, **kw)
     out = qkv.new_empty((1, h * dh))
     want_q8, q8 = q8, q8 and dh == bd and dh % 32 == 0
     xq = torch.empty(1, h * dh, dtype=torch.int8, device=qkv.device) if q8 else out
     xd = torch.empty(1, h * dh // 32, dtype=torch.float32, device=qkv.device) if q8 else out
     xs = torch.empty_like(xd) if q8 else out
     _attn_combine_kernel[(h,)](pm, pl, pacc, out, xq, xd, xs, REP=rep, DH=dh, NSPLIT=nsplit, BR=br, BD=bd, Q8=q8,
-                               num_warps=1)
+                               PDL=on, num_warps=1, **kw)
     return (out, (xq, xd, xs) if q8 else None) if want_q8 else out

@@ -31,6 +31,7 @@ from ..kernels import ops
 from .plan import MAX_ADMIT, pcie_rows
 
 MAX_ADMIT_PER_STEP = MAX_ADMIT    # decode misses copied into the GPU cache per token (PCIe work per step)
+WARMUP_TIMEOUT_S = 900.0    # an eager warm-up step's wait for its bells (Triton compiles); a replay's: the server's 10 s
 
 
 def unavailable(tiers, act) -> str | None:
@@ -177,14 +178,34 @@ class GraphTiers:
             fast.repack_into(self.staging, self.stage_idx, rest)
 
     # ------------------------------------------------------------------ inside the graph
+    def routed(self, li: int, x: torch.Tensor, router, residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + the MoE layer on x with its router, in fewer launches: the router's last program rings the
+        doorbell, and wait_add adds the residual (router: a SoftmaxRouter). None where it does not apply (the
+        router kernel cannot run, or the PCIe share is on): the caller routes and calls forward."""
+        from ..kernels import small_ops
+        from ..models.layers import SoftmaxRouter
+        if (self.n_pcie or type(router) is not SoftmaxRouter or router.k != self.k
+                or not small_ops.router_kernel_ok(x, router.weight, router.k) or residual.shape != x.shape
+                or residual.dtype != x.dtype or not residual.is_contiguous()):
+            return None
+        slots = self.slots[li]
+        ids, w = self._db.route_ring(x, router.weight, router.k, router.normalize, self.tiers.cache.table[li],
+                                     self.seq, slots, self.req, li, bump=li == 0)
+        return self._after_ring(li, x, slots, w, residual)
+
     def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]
         if k != self.k:
             raise ValueError(f"the router picked {k} experts per token, the doorbell buffers hold {self.k}")
-        fmt, gu, dn = self.tiers.fast.kernel_weights(li)
         slots = self.slots[li]
         pcie = (self.pcie_off[li], self.stage_off, self.share, self.stage0) if self.n_pcie else None
         self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0, pcie=pcie)
+        return self._after_ring(li, x, slots, w)
+
+    def _after_ring(self, li: int, x, slots, w, residual=None) -> torch.Tensor:
+        """The layer after its ring: the PCIe share, the hits, the guess of the next layer, wait_add."""
+        k = self.k
+        fmt, gu, dn = self.tiers.fast.kernel_weights(li)
         if self.n_pcie:     # this layer's PCIe share: bank -> staging rows -> stage slots
             self._db.gather(self.base, self.stage_off, self.staging)
             self._stage_repack(li)
@@ -195,17 +216,19 @@ class GraphTiers:
             nxt = (self.pcie_off[li + 1], self.share, self.n_pcie) if self.n_pcie else None
             self._db.hint(self.guess[li](x)[0], self.tiers.cache.table[li + 1], self.seq, self.req, li + 1, pcie=nxt)
         out = torch.empty_like(x)
-        self._db.wait_add(hits, slots, self.seq, self.req, li, out)
+        self._db.wait_add(hits, slots, self.seq, self.req, li, out, residual=residual)
         return out
 
     # ------------------------------------------------------------------ around the graph
     def serve_async(self) -> "_Server":
         """Eager runs (graph warm-up): answer the next step from a thread while the main thread
         launches the layers (launches can block when the queue fills, so the main thread cannot
-        answer them itself). `.join()` re-raises the thread's error."""
-        return _Server(self.after_step)
+        answer them itself). `.join()` re-raises the thread's error. The step may wait long for its bells:
+        on a cold Triton cache the main thread compiles the decode kernels between them (a fresh H200 box
+        took over 10 s from layer 0's bell to layer 1's, and the first tiered bench failed)."""
+        return _Server(lambda: self.after_step(WARMUP_TIMEOUT_S))
 
-    def after_step(self) -> None:
+    def after_step(self, timeout_s: float | None = None) -> None:
         """Answer the misses of the step just launched. The previous step's bookkeeping (counters, cache policy,
         admissions) runs on the worker thread meanwhile: the serve holds no GIL, so the worker's Python never
         delays the main thread's sampling and next launch, as a thread started after the serve did (its Python
@@ -215,7 +238,7 @@ class GraphTiers:
             pending, self._pending = self._pending, None
             self._worker.submit(lambda: self._account_thread(*pending))
         t0 = time.perf_counter()
-        busy, wait, n_miss = self.server.serve(self.host_seq)
+        busy, wait, n_miss = self.server.serve(self.host_seq, timeout_s)
         t1 = time.perf_counter()
         if int(self.req.err[0]):
             bad = int(self.req.err[0])

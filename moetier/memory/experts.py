@@ -47,6 +47,14 @@ class TieredExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.tiers.forward(self.li, x, ids, w, self.act)
 
+    def routed(self, x: torch.Tensor, router, residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + this layer on x with its router, fused (GraphTiers.routed) inside a captured decode step;
+        None otherwise (the caller routes, calls forward and adds)."""
+        g = self.tiers.graphed
+        if g is None or not g.capturing or x.shape[0] != 1:
+            return None
+        return g.routed(self.li, x, router, residual)
+
     def extra_repr(self) -> str:
         return f"layer={self.tiers.layout.layers[self.li]}, experts={self.num_experts}"
 

@@ -28,12 +28,21 @@ class Block(nn.Module):
         return self.self_attn.make_cache(max_len, dtype, device)
 
     def forward(self, h, rope, kv, start):
-        a = self.self_attn(self.input_layernorm(h), rope, kv, start)
+        norm = self.input_layernorm
+        q8 = getattr(self.self_attn, "q8_input", None)
+        if type(norm) is RMSNorm and q8 is not None and q8(h):
+            # one CUDA token into a quantized qkv GEMV: the norm writes the GEMV's int8 input too (one launch fewer)
+            x, pre = small_ops.rms_norm_q8(h, norm.weight, norm.eps, norm)
+            a = self.self_attn(x, rope, kv, start, pre=pre)
+        else:
+            a = self.self_attn(norm(h), rope, kv, start)
         norm = self.post_attention_layernorm
         if type(norm) is RMSNorm:        # a few CUDA tokens: the residual add and this norm in one launch
             h, x = small_ops.add_rms_norm(h, a, norm.weight, norm.eps, self._add_norm)
         else:
             h, x = self._add_norm(h, a)
+        if getattr(self.mlp, "takes_residual", False):
+            return self.mlp(x, residual=h)
         return h + self.mlp(x)
 
     def _add_norm(self, h, a):

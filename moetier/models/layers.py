@@ -243,12 +243,17 @@ class Attention(nn.Module):
         if blocks[0] is not None:
             w.ggml_blocks = (torch.cat([b[0] for b in blocks]), blocks[0][1], w._version)
 
-    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ [Wq; Wk; Wv]^T (+ biases) after fuse_qkv."""
+    def q8_input(self, x: torch.Tensor) -> bool:
+        """forward takes `pre`, x's int8 copy, for its one qkv GEMV (Block then norms and quantizes in one launch)."""
+        return (type(self).forward is Attention.forward and self.qkv_q is not None and len(self.qkv_q) == 1
+                and x.shape[0] == 1 and x.is_cuda)
+
+    def _qkv(self, x: torch.Tensor, pre: tuple | None = None) -> torch.Tensor:
+        """x @ [Wq; Wk; Wv]^T (+ biases) after fuse_qkv (pre: x's int8 copy for a single QuantLinear)."""
         if self.qkv_q is None:
             return F.linear(x, self.qkv_weight, self.qkv_bias)
         if len(self.qkv_q) == 1:
-            return self.qkv_q[0](x)
+            return self.qkv_q[0](x, pre=pre)
         return torch.cat([lin(x) for lin in self.qkv_q], dim=-1)
 
     def _fused_qkv(self, x: torch.Tensor, rope: tuple) -> tuple:
@@ -264,7 +269,8 @@ class Attention(nn.Module):
         qk = apply_rope(qk, *rope)
         return qk[:, :self.h], qk[:, self.h:], qkv[:, nq + nk:].view(t, self.hkv, self.dh)
 
-    def forward(self, x: torch.Tensor, rope: tuple, kv: KVCache, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple, kv: KVCache, start: int, pre: tuple | None = None) -> torch.Tensor:
+        """pre: x's int8 copy (q8_input), used by the decode path's qkv GEMV."""
         t = x.shape[0]
         if (t == 1 and self.qkv_rows is not None and rope is not None
                 and small_ops.decode_attention_ok(x, kv, self.window, self.sinks, False)):
@@ -272,7 +278,7 @@ class Attention(nn.Module):
             # (eager steps too, so a graph replay and an eager step compute the same numbers)
             if not isinstance(start, torch.Tensor):
                 start = torch.tensor(start, device=x.device)
-            qkv = self._qkv(x)
+            qkv = self._qkv(x, pre)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
             q8 = isinstance(self.o_proj, QuantLinear)   # its GEMV takes the output's int8 copy (one launch fewer)
@@ -485,12 +491,19 @@ class GroupedSigmoidRouter(nn.Module):
 
 class SoftmaxMoE(nn.Module):
     """Softmax top-k router + routed SwiGLU experts (Qwen3-MoE, Mixtral, OLMoE)."""
+    takes_residual = True       # forward(x, residual) = residual + forward(x) (Block's add, fused where it can be)
 
     def __init__(self, dim: int, num_experts: int, k: int, normalize: bool, hidden: int):
         super().__init__()
         self.gate = SoftmaxRouter(dim, num_experts, k, normalize)
         self.experts = DenseExperts(num_experts, dim, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # tiered experts inside a captured decode step: the router, the doorbell and the residual add fused
+        routed = getattr(self.experts, "routed", None)
+        out = routed(x, self.gate, residual) if routed is not None and residual is not None else None
+        if out is not None:
+            return out
         ids, w = self.gate(x)             # [T, k]
-        return self.experts(x, ids, w)
+        y = self.experts(x, ids, w)
+        return y if residual is None else residual + y
