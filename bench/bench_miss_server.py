@@ -16,7 +16,7 @@ float32 tensor with the same thread count, and torch.sum; best of the rounds) an
 rounds interleaved (the dev box is shared and noisy: compare bests).
 
     python bench/bench_miss_server.py [--types Q4_0,Q8_0,Q4_K] [--threads 2] [--misses 5] [--layers 48]
-        [--gib 2] [--steps 10] [--rounds 3] [--variants 0,1] [--float-act]
+        [--gib 2] [--steps 10] [--rounds 3] [--variants 0,1] [--float-act] [--pools plain,thp]
 """
 from __future__ import annotations
 
@@ -39,12 +39,31 @@ from moetier.quant.formats import get_format  # noqa: E402
 from moetier.quant.pack import quantize  # noqa: E402
 
 
-def make_pool(qtype: str, n: int, dim: int, hidden: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """n experts: uint8 gate_up [n, 2I, row bytes], down [n, D, row bytes] (4 real quantized ones, tiled)."""
+HUGE = 2 << 20
+
+
+def thp_empty(shape) -> torch.Tensor:
+    """uint8 [shape] on an anonymous mapping advised for transparent huge pages (the pool kind 'thp'), starting on
+    a 2 MiB boundary; the mapping lives as long as the tensor."""
+    import mmap
+    nbytes = 1
+    for n in shape:
+        nbytes *= n
+    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    skip = -whole.data_ptr() % HUGE
+    return whole[skip:skip + nbytes].view(*shape)
+
+
+def make_pool(qtype: str, n: int, dim: int, hidden: int, gen, kind: str = "plain") -> tuple[torch.Tensor, torch.Tensor]:
+    """n experts: uint8 gate_up [n, 2I, row bytes], down [n, D, row bytes] (4 real quantized ones, tiled).
+    kind: 'plain' (torch.empty: 4 KiB pages where THP is 'madvise', as the pinned bank's), 'thp' (huge pages)."""
     tmpl_gu = [quantize(torch.randn(2 * hidden, dim, generator=gen) * 0.1, qtype) for _ in range(4)]
     tmpl_dn = [quantize(torch.randn(dim, hidden, generator=gen) * 0.1, qtype) for _ in range(4)]
-    gu = torch.empty(n, *tmpl_gu[0].shape, dtype=torch.uint8)
-    dn = torch.empty(n, *tmpl_dn[0].shape, dtype=torch.uint8)
+    empty = thp_empty if kind == "thp" else (lambda shape: torch.empty(shape, dtype=torch.uint8))
+    gu = empty((n, *tmpl_gu[0].shape))
+    dn = empty((n, *tmpl_dn[0].shape))
     for i in range(n):
         gu[i].copy_(tmpl_gu[i % 4])
         dn[i].copy_(tmpl_dn[i % 4])
@@ -69,16 +88,20 @@ def time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t):
     fmt = get_format(qtype)
     ebytes = (2 * I * (D // fmt.block_size) + D * (I // fmt.block_size)) * fmt.type_size
     n_pool = max(K, min(L * E, int(args.gib * 2**30 // ebytes)))
-    gu, dn = make_pool(qtype, n_pool, D, I, gen)
     where = torch.randint(n_pool, (L, E), generator=gen).tolist()
-    s_gu = [[gu[where[li][e]] for e in range(E)] for li in range(L)]
-    s_dn = [[dn[where[li][e]] for e in range(E)] for li in range(L)]
     req = db.Requests(L, D, K, pin=torch.cuda.is_available())     # pinned, as in the real step
-    srv = db.MissServer(req, s_gu, s_dn, fmt.type_id, D, I, act, threads=nt, q8_act=not args.float_act)
+    servers, pools = {}, []
+    for kind in args.pools.split(","):      # one pool of each kind, the same expert table (the server keeps pointers:
+        # the pools stay referenced here)
+        gu, dn = make_pool(qtype, n_pool, D, I, gen, kind)
+        pools.append((gu, dn))
+        s_gu = [[gu[where[li][e]] for e in range(E)] for li in range(L)]
+        s_dn = [[dn[where[li][e]] for e in range(E)] for li in range(L)]
+        servers[kind] = db.MissServer(req, s_gu, s_dn, fmt.type_id, D, I, act, threads=nt, q8_act=not args.float_act)
     req.x[:] = torch.randn(L, D, generator=gen)
     seq = 0
 
-    def step():
+    def step(srv):
         """New random misses per layer, bells pre-rung; -> wall seconds of serve."""
         nonlocal seq
         seq += 1
@@ -94,12 +117,13 @@ def time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t):
         assert n == L * M
         return wall
 
-    times = {v: [] for v in variants}
+    times = {(kind, v): [] for kind in servers for v in variants}
     for _ in range(args.rounds):
-        for v in variants:                                  # interleaved: the box is noisy
+        for kind, v in times:                               # interleaved: the box is noisy
+            srv = servers[kind]
             srv.ctx.variant = v
-            step()                                          # warm-up (threads, page tables)
-            times[v] += [step() for _ in range(args.steps)]
+            step(srv)                                       # warm-up (threads, page tables)
+            times[kind, v] += [step(srv) for _ in range(args.steps)]
         rc, rt = ram_gbps(ref, nt)
         ram_c.append(rc)
         ram_t.append(rt)
@@ -122,6 +146,7 @@ def main():
     ap.add_argument("--variants", default="0", help="serve_ctx.variant values to compare (0 new, 1 old)")
     ap.add_argument("--float-act", action="store_true", help="float32 activations (q8_act=False)")
     ap.add_argument("--act", default="swiglu", choices=["swiglu", "clamped"])
+    ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages)")
     args = ap.parse_args()
     L, E, D, I, K, M, nt = args.layers, args.experts, args.dim, args.hidden, args.k, args.misses, args.threads
     torch.set_num_threads(nt)
@@ -136,9 +161,9 @@ def main():
         times, ebytes, n_pool = time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t)
         ram = max(max(ram_c), max(ram_t))
         step_bytes = L * M * ebytes
-        for v in variants:
-            best, med = min(times[v]), statistics.median(times[v])
-            out["results"].append({"qtype": qtype, "variant": v, "threads": nt, "pool_experts": n_pool,
+        for (kind, v), ts in times.items():
+            best, med = min(ts), statistics.median(ts)
+            out["results"].append({"qtype": qtype, "pool": kind, "variant": v, "threads": nt, "pool_experts": n_pool,
                                    "expert_mb": round(ebytes / 1e6, 3), "step_ms_best": round(best * 1e3, 3),
                                    "step_ms_median": round(med * 1e3, 3),
                                    "gbps_best": round(step_bytes / best / 1e9, 2),

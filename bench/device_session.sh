@@ -166,8 +166,9 @@ for step in $STEPS; do
     # where the 8K prefill goes with experts in RAM (target 9,000 tok/s): GPU kernels vs H2D copies vs idle
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120   # KEEP48=1 pcie48 leaves it
-    for F in ${PPF:---cpu-moe --gpu-mem=8GiB}; do
-      timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M ${F/=/ } --prompt-len ${PPLEN:-8192} > "$OUT/prefill48_$F.txt" 2>&1
+    for F in ${PPF:---cpu-moe --gpu-mem=8GiB}; do     # (all: everything on the GPU)
+      FF=${F/all/}
+      timeout ${PPSECS:-150} python3 bench/profile_prefill.py $M ${FF/=/ } --prompt-len ${PPLEN:-8192} > "$OUT/prefill48_$F.txt" 2>&1
       head -${PPHEAD:-40} "$OUT/prefill48_$F.txt"
     done
     # the bench's own figure: prefill of an 8K prompt with all experts in RAM (target 9,000 tok/s), and at 8 GiB

@@ -95,6 +95,30 @@ def random_experts(qtype, layout, e=6, d=64, i=32, bias=False, act=None, seed=0)
     return QuantExperts(qtype, *raw, biases, layout=layout, **kw)
 
 
+@pytest.mark.parametrize("t,all_experts", [(40, True), (3, False)])
+def test_dequant_grouped_prefill_without_a_host_sync(monkeypatch, t, all_experts):
+    """The bf16 prefill path (_forward_dequant_grouped): a chunk with DEQUANT_ALL_ROUTES routes per expert or more
+    dequantizes all E experts (no torch.unique, whose output size the host must read); fewer routes, the used ones.
+    Either way the twin's result (bf16 grouped GEMMs on CPU here: torch._grouped_mm; CUDA in the engine); expert 5
+    unused in the big chunk (an empty group)."""
+    from moetier.models import quant_experts as qe
+    ex = random_experts("Q8_0", "planes", e=6, d=64, i=32)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(t)])
+    w = torch.rand(t, 2, generator=g).to(torch.bfloat16)
+    calls = []
+    real_unique = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: calls.append(1) or real_unique(*a, **k))
+    got = ex._forward_dequant_grouped(x, ids, w)
+    assert (not calls) == all_experts == (ids.numel() >= qe.DEQUANT_ALL_ROUTES * ex.num_experts)
+    want = ex.forward_native(x.float(), ids, w.float())
+    assert torch.isfinite(got).all() and max_rel_err(got.float(), want) <= 2e-2     # bf16 GEMMs against float32
+    monkeypatch.setattr(qe, "DEQUANT_ALL_BYTES", 0)         # the float copies over the cap: the used experts
+    calls.clear()
+    assert torch.equal(ex._forward_dequant_grouped(x, ids, w), got) and len(calls) == 1
+
+
 def clamped_swiglu(gate, up, alpha, limit):   # ops.as_act recognises it by name
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

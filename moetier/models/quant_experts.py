@@ -52,6 +52,13 @@ def cuda_formats() -> set[str]:
 # CPU: up to this many tokens run the fused one-call layer (forward_fused) when it applies.
 FUSED_CPU_TOKENS = 1
 
+# CUDA bf16 prefill (_forward_dequant_grouped): a chunk with at least this many routes per expert dequantizes every
+# expert of the layer, when their float copies fit DEQUANT_ALL_BYTES, instead of the used ones (torch.unique: a host
+# sync per layer). A 512-token prompt on the 48-layer Q4_0 30B-A3B shape (32 routes per expert: all used) spent 267
+# of 338 ms of its device span idle, the host and the GPU taking turns at every layer's sync (session 12).
+DEQUANT_ALL_ROUTES = 4
+DEQUANT_ALL_BYTES = 2 << 30
+
 
 
 class QuantExperts(DenseExperts):
@@ -153,11 +160,22 @@ class QuantExperts(DenseExperts):
         """CUDA bf16 prefill: the experts this chunk uses dequantized to bf16 (kernels.ops.dequantize:
         one Triton pass), then the dense model's grouped GEMMs (torch._grouped_mm).
         Measured on the H200 (48-layer Q4_0 30B-A3B shape, 512-token prompt): the Triton grouped
-        kernels on the planes gave 247 tok/s prefill. One host sync (the used experts)."""
-        used, inv = torch.unique(ids, return_inverse=True)
-        gu = ops.dequantize(self.fmt, self.planes("gate_up"), used, x.dtype)
-        dn = ops.dequantize(self.down_fmt, self.planes("down"), used, x.dtype)
-        return grouped_mm_experts(x, inv.view_as(ids), w, gu, dn, self.act)[0]
+        kernels on the planes gave 247 tok/s prefill. Without a host sync when the chunk routes
+        DEQUANT_ALL_ROUTES or more rows to the average expert and all E float copies fit DEQUANT_ALL_BYTES
+        (then all E are dequantized: a big chunk uses nearly all of them anyway); else one (the used experts)."""
+        e = self.num_experts
+        if ids.numel() >= DEQUANT_ALL_ROUTES * e and self.float_bytes(x.dtype) * e <= DEQUANT_ALL_BYTES:
+            idx = torch.arange(e, device=x.device)
+        else:
+            idx, inv = torch.unique(ids, return_inverse=True)
+            ids = inv.view_as(ids)
+        gu = ops.dequantize(self.fmt, self.planes("gate_up"), idx, x.dtype)
+        dn = ops.dequantize(self.down_fmt, self.planes("down"), idx, x.dtype)
+        return grouped_mm_experts(x, ids, w, gu, dn, self.act)[0]
+
+    def float_bytes(self, dtype: torch.dtype) -> int:
+        """One expert's gate_up and down in `dtype`."""
+        return 3 * self.hidden * self.dim * dtype.itemsize
 
     def _forward_matvec(self, x, ids, w):
         """CPU, few tokens: the C kernels over the stored blocks, all pairs of a projection in one call.
