@@ -362,17 +362,20 @@ def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("variant", [0, 2])
 @pytest.mark.parametrize("qtype,q8,threads", [("Q4_0", True, 2), ("Q4_K+Q6_K", True, 3), ("F32", False, 2)])
-def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads):
+def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads, variant):
     """The GPU's guess of each layer's misses (hint rows, flagged with the step): the server loads the guessed rows
     between layers, which must not change one bit of y (a wrong or stale guess included: layer 2's flag is an older
-    step's), and counts guesses per layer with a fresh flag: guessed experts, right ones, misses."""
+    step's), and counts guesses per layer with a fresh flag: guessed experts, right ones, misses (variant 2 loads
+    its own down rows)."""
     s_gu, s_dn, f_gu, f_dn, tid = experts(qtype, seed=21)
     g = torch.Generator().manual_seed(22)
     ys = []
     for hints in (False, True):
         req = db.Requests(L, D, K, pin=False)
         srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=threads, q8_act=q8, hints=hints)
+        srv.ctx.variant = variant
         g.manual_seed(22)
         req.x[:] = torch.randn(L, D, generator=g)
         req.ids[:] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).int()
@@ -573,8 +576,9 @@ def serve_both(srv, req, variants=(0, 1)):
     return ys
 
 
-def odd_case(qtype, dim, hidden, misses, threads, q8, lib=None, seed=0):
-    """One layer, k = 8 with `misses` missed experts: y of the new and the old loops, and the float reference."""
+def odd_case(qtype, dim, hidden, misses, threads, q8, lib=None, seed=0, variants=(0, 1)):
+    """One layer, k = 8 with `misses` missed experts: y of each variant (the new and the old loops), and the float
+    reference."""
     n_exp, k = 10, 8
     s_gu, s_dn, f_gu, f_dn, tid = odd_experts(qtype, dim, hidden, n_exp, seed)
     req = db.Requests(1, dim, k, pin=False)
@@ -588,13 +592,13 @@ def odd_case(qtype, dim, hidden, misses, threads, q8, lib=None, seed=0):
     slots = torch.arange(k, dtype=torch.int32)
     slots[torch.randperm(k, generator=g)[:misses]] = -1
     req.slots[0] = slots
-    new, old = serve_both(srv, req)
+    ys = serve_both(srv, req, variants)
     want = torch.zeros(dim)
     for j in range(k):
         if slots[j] < 0:
             e = int(req.ids[0, j])
             want += req.w[0, j] * (f_dn[e] @ Act()(*(f_gu[e] @ req.x[0]).chunk(2)))
-    return new[0], old[0], want
+    return (*(y[0] for y in ys), want)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -610,9 +614,11 @@ def test_chunked_runs_match_the_row_loops(qtype, dim, hidden, q8, misses, thread
     """The chunked runs (4-row kernels sharing x, per-thread contiguous chunks with stealing, down per expert
     over a slice of y, h quantized by all threads) give the per-row loops' y bit for bit (same per-row
     arithmetic and order of additions), for odd miss counts and shapes that split unevenly; and the reference
-    within the usual tolerances."""
-    new, old, want = odd_case(qtype, dim, hidden, misses, threads, q8)
+    within the usual tolerances. Variant 2 (down over the m x D rows into per-expert partials, summed in expert
+    order after a barrier) too."""
+    new, old, v2, want = odd_case(qtype, dim, hidden, misses, threads, q8, variants=(0, 1, 2))
     assert torch.equal(new, old), (new - old).abs().max().item()
+    assert torch.equal(v2, new), (v2 - new).abs().max().item()
     err = ((new - want).abs().max() / want.abs().max()).item()
     assert err <= (3e-2 if q8 else 2e-5), err
 

@@ -53,7 +53,8 @@ typedef struct {
     const int64_t *layer_row_bytes;       /* [L, 2] gate_up, down row bytes per layer; NULL: the above */
     const float *const *gu_bias;          /* NULL, or [L * E] float32 [2I] (gpt-oss), added before the activation */
     const float *const *dn_bias;          /* NULL, or [L * E] float32 [D], added to each expert's output */
-    int32_t variant;                      /* 0; 1: the old per-row loops (A/B in bench/bench_miss_server.py) */
+    int32_t variant;                      /* 0; 1: the old per-row loops; 2: down over the experts' rows (layer_runs;
+                                           * A/B in bench/bench_miss_server.py --variants) */
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
 } serve_ctx;
@@ -200,6 +201,7 @@ static void run_rows(int qtype, int q8, const uint8_t *w, int64_t rs, int64_t n,
 /* One layer's misses, as computed by every thread of the team. The scratch of moetier_serve_step. */
 typedef struct {
     float *hpre, *h, *xs, *hs, *dx, *dh, *sxv, *shv;
+    float *part;                            /* variant 2: [k, D] each missed expert's weighted down rows */
     int8_t *qxv, *qhv;
 } serve_scratch;
 
@@ -340,6 +342,39 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         #pragma omp barrier
     }
     float r[DOWN_RUN];
+    if (c->variant == 2) {
+        /* down over the m x D rows of all missed experts (one expert's rows in a run: ~m times longer streams than
+         * below at many threads), each row's weighted result to part[j, d]; then, after a barrier, y[d] summed in
+         * expert order over a static slice of D per thread: the additions of the loop below, bit-identical */
+        while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
+            split((int64_t)m * D, 4, ch, C, &lo, &hi);
+            home((int64_t)m * D, 4, v, nt, &home_lo, &home_hi);
+            for (int64_t p = lo; p < hi;) {
+                const int64_t j = p / D, d0 = p % D, n_run = (hi - p < D - d0) ? hi - p : D - d0;
+                const int64_t pf = home_hi - j * D < D ? home_hi - j * D : D;     /* prefetch bound (row) */
+                const int e = ly->e[j];
+                const float wj = ly->wt[j], *b = ly->dnb ? ly->dnb[e] : NULL;
+                const act_vec ah = {s->h + j * I, s->hs + j * (I / 32), s->qhv + j * I, s->dh + j * (I / 32),
+                                    s->shv + j * (I / 32)};
+                const uint8_t *dn = ly->dn[e];
+                for (int64_t d = d0; d < d0 + n_run; d += DOWN_RUN) {
+                    const int64_t n = d0 + n_run - d < DOWN_RUN ? d0 + n_run - d : DOWN_RUN;
+                    run_rows(ly->dq, ly->q8d, dn + d * ly->dn_rb, ly->dn_rb, n, ah, I, dn + pf * ly->dn_rb, r);
+                    for (int64_t i = 0; i < n; i++) s->part[j * D + d + i] = wj * (r[i] + (b ? b[d + i] : 0.f));
+                }
+                p += n_run;
+            }
+        }
+        ++*ph;
+        #pragma omp barrier
+        split(D, 4, t, nt, &lo, &hi);
+        for (int64_t d = lo; d < hi; d++) {
+            float acc = 0.f + s->part[d];
+            for (int j = 1; j < m; j++) acc = acc + s->part[j * D + d];
+            ly->y[d] = acc;
+        }
+        return;
+    }
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
         split(D, 4, ch, C, &lo, &hi);
         home(D, 4, v, nt, &home_lo, &home_hi);
@@ -439,6 +474,15 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
                                                                             &budget)) return;
         p += n;
     }
+    if (c->variant == 2) {      /* layer_runs' down homes over the m x D rows */
+        home((int64_t)m * D, 4, t, nt, &lo, &hi);
+        for (int64_t p = lo; p < hi;) {
+            const int64_t j = p / D, d0 = p % D, n = (hi - p < D - d0) ? hi - p : D - d0;
+            if (touch(c->down[li * (int64_t)c->E + e[j]] + d0 * dn_rb, n * dn_rb, bell, seq, &budget)) return;
+            p += n;
+        }
+        return;
+    }
     home(D, 4, t, nt, &lo, &hi);
     for (int j = 0; j < m; j++)
         if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq, &budget)) return;
@@ -463,7 +507,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     s.dh = s.dx + D / 32;
     s.sxv = s.dh + (int64_t)k * (I / 32);           /* sums of the int8 values [D / 32], [k, I / 32] */
     s.shv = s.sxv + D / 32;
-    s.qxv = (int8_t *)(s.shv + (int64_t)k * (I / 32) + 16);  /* [D], then [k, I] */
+    s.part = s.shv + (int64_t)k * (I / 32) + 16;    /* [k, D] */
+    s.qxv = (int8_t *)(s.part + (int64_t)k * D + 16);  /* [D], then [k, I] */
     s.qhv = s.qxv + D;
     const int Ln = L > 0 ? L : 1;
     int n_miss[Ln], finished[Ln];

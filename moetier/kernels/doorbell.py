@@ -287,7 +287,7 @@ class _Ctx(ctypes.Structure):
         ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32),
         ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p),
         ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p),
-        ("variant", ctypes.c_int32),       # 0; 1: the old per-row loops (A/B in bench/bench_miss_server.py)
+        ("variant", ctypes.c_int32),       # 0; 1: the old per-row loops; 2: down over the experts' rows (A/B)
         ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p)]   # the GPU's guess of the next layer's misses
 
 
@@ -354,7 +354,8 @@ class MissServer:
         some = next(t for t in (t for row in gate_up for t in row) if t is not None)
         some_dn = next(t for t in (t for row in down for t in row) if t is not None)
         # float h [k, 3I]; per-32 sums / scales / int sums of x and h; int8 x and h (doorbell.c)
-        self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + 256,
+        # (variant 2: the missed experts' down rows [k, D] too)
+        self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + k * dim + 272,
                                    dtype=torch.float32)
         self.timing = torch.zeros(9, dtype=torch.float64)   # doorbell.c moetier_serve_step
         self.detail = (0.0, 0, 0.0)

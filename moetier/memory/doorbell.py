@@ -125,6 +125,9 @@ class GraphTiers:
                                           self.dim, self.hidden, self.act, threads,
                                           biases=self.biases if any(b is not None for b in self.biases) else None,
                                           hints=any(r is not None for r in self.guess))
+        # MOETIER_MISS_VARIANT=2: the server's down phase over the experts' rows (doorbell.c layer_runs; bit-identical,
+        # longer streams at many threads; not yet measured on the H200), for the A/B
+        self.server.ctx.variant = int(os.environ.get("MOETIER_MISS_VARIANT", "0"))
         self.share = tiers.pl.pcie_share     # 0 where the placement has no stage slots
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
