@@ -186,6 +186,19 @@ static void split(int64_t n, int64_t g, int64_t t, int64_t nt, int64_t *lo, int6
     if (*hi > n) *hi = n;
 }
 
+/* [p, hi) over experts' R rows each, flattened (expert j's row r at j R + r): the run at p within one expert, its
+ * expert index *j, first row *r0 and length *n */
+static inline void flat_run(int64_t p, int64_t hi, int64_t R, int64_t *j, int64_t *r0, int64_t *n) {
+    *j = p / R;
+    *r0 = p % R;
+    *n = (hi - p < R - *r0) ? hi - p : R - *r0;
+}
+
+/* The software-prefetch bound (a row of expert j) of a run whose owner's home ends at flattened row home_hi */
+static inline int64_t flat_bound(int64_t home_hi, int64_t j, int64_t R) {
+    return home_hi - j * R < R ? home_hi - j * R : R;
+}
+
 /* out[i] = row w + i rs . the activation a, i < n: a run of contiguous rows of one matrix; pf_end bounds the
  * software prefetch of the int8 kernels (the end of the thread's run) */
 static void run_rows(int qtype, int q8, const uint8_t *w, int64_t rs, int64_t n, act_vec a, int64_t K,
@@ -311,8 +324,9 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         split((int64_t)m * I, 4, ch, C, &lo, &hi);
         home((int64_t)m * I, 4, v, nt, &home_lo, &home_hi);
         for (int64_t p = lo; p < hi;) {
-            const int64_t r = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
-            const int64_t pf = home_hi - r * I < I ? home_hi - r * I : I;     /* prefetch bound (row) */
+            int64_t r, i0, n;
+            flat_run(p, hi, I, &r, &i0, &n);
+            const int64_t pf = flat_bound(home_hi, r, I);     /* prefetch bound (row) */
             const int64_t j = ly->ord[r];
             const int e = ly->e[j];
             const uint8_t *g = ly->gu[e];
@@ -350,8 +364,9 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
             split((int64_t)m * D, 4, ch, C, &lo, &hi);
             home((int64_t)m * D, 4, v, nt, &home_lo, &home_hi);
             for (int64_t p = lo; p < hi;) {
-                const int64_t j = p / D, d0 = p % D, n_run = (hi - p < D - d0) ? hi - p : D - d0;
-                const int64_t pf = home_hi - j * D < D ? home_hi - j * D : D;     /* prefetch bound (row) */
+                int64_t j, d0, n_run;
+                flat_run(p, hi, D, &j, &d0, &n_run);
+                const int64_t pf = flat_bound(home_hi, j, D);     /* prefetch bound (row) */
                 const int e = ly->e[j];
                 const float wj = ly->wt[j], *b = ly->dnb ? ly->dnb[e] : NULL;
                 const act_vec ah = {s->h + j * I, s->hs + j * (I / 32), s->qhv + j * I, s->dh + j * (I / 32),
@@ -468,7 +483,8 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
     int64_t lo, hi;
     home((int64_t)m * I, 4, t, nt, &lo, &hi);
     for (int64_t p = lo; p < hi;) {
-        const int64_t r = p / I, i0 = p % I, n = (hi - p < I - i0) ? hi - p : I - i0;
+        int64_t r, i0, n;
+        flat_run(p, hi, I, &r, &i0, &n);
         const uint8_t *g = c->gate_up[li * (int64_t)c->E + e[r]];
         if (touch(g + i0 * gu_rb, n * gu_rb, bell, seq, &budget) || touch(g + (I + i0) * gu_rb, n * gu_rb, bell, seq,
                                                                             &budget)) return;
@@ -477,7 +493,8 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
     if (c->variant == 2) {      /* layer_runs' down homes over the m x D rows */
         home((int64_t)m * D, 4, t, nt, &lo, &hi);
         for (int64_t p = lo; p < hi;) {
-            const int64_t j = p / D, d0 = p % D, n = (hi - p < D - d0) ? hi - p : D - d0;
+            int64_t j, d0, n;
+            flat_run(p, hi, D, &j, &d0, &n);
             if (touch(c->down[li * (int64_t)c->E + e[j]] + d0 * dn_rb, n * dn_rb, bell, seq, &budget)) return;
             p += n;
         }
