@@ -129,8 +129,8 @@ for step in $STEPS; do
     # placement: 76.6 tok/s), 8 GiB (>= 100 tok/s and >= 70% of the bound), an 8K prefill with all experts in RAM
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
-    for P in ${P48ONLY:-g9 g8 pp8k}; do     # (P48ONLY="g8 all": those; g8nopdl / g8v2: 8 GiB with MOETIER_PDL=0 /
-                                            # MOETIER_MISS_VARIANT=2)
+    for P in ${P48ONLY:-g9 g8 pp8k}; do     # (P48ONLY="g8 all": those; g8nopdl / g8v2 / g8mixed: 8 GiB with
+                                            # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -138,6 +138,8 @@ for step in $STEPS; do
       all) bench proof48_all ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8nopdl) MOETIER_PDL=0 bench proof48_g8nopdl ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v2) MOETIER_MISS_VARIANT=2 bench proof48_g8v2 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8mixed) MOETIER_MIXED_PREFILL=1 bench proof48_g8mixed ${P48SECS:-150} $M --prompt-len 512,8192 --gen 16 \
+        --gpu-mem 8GiB ;;
       esac
     done
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
