@@ -14,7 +14,7 @@ from moetier.tools.synth import synth
 BW = {"ram_gbs": 10.0, "hbm_gbs": 1000.0, "pcie_gbs": 10.0, "ssd_gbs": 1.0, "source": {}}
 FIELDS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "peak_vram_bytes", "peak_rss_bytes", "memory", "time_split",
           "bound_tok_s", "fraction_of_bound", "bound", "bandwidths", "configs", "device", "dtype", "load_s",
-          "decode_tok_s_by_length", "ttft_s_by_length", "distinct_token_frac", "gpu_budget_bytes")
+          "decode_tok_s_by_length", "ttft_s_by_length", "distinct_token_frac", "gpu_budget_bytes", "ram_gbs_check")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def model(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def fixed_bandwidths(monkeypatch):
     monkeypatch.setattr(bench_core, "measure_bandwidths", lambda device, path, use_cache=True: dict(BW))
+    monkeypatch.setattr("moetier.memory.bandwidth.measure_ram", lambda nbytes=None: 12.5)   # the re-check after runs
 
 
 def run_json(capsys, argv):
@@ -74,6 +75,13 @@ def test_bench_compare_reloads_each_configuration(model, capsys):
     tiered = rep["configs"][1]
     assert tiered["flags"] == "--ram-mem 64MiB --cache-policy lru"
     assert tiered["decode_tok_s"] > 0 and tiered["bound_tok_s"] > 0
+    assert rep["configs"][0]["ram_gbs_check"] is None         # no tiers: the bound does not rest on a RAM reading
+    ram = tiered["ram_gbs_check"]                               # tiers: the RAM read again after the runs
+    assert ram == {"before": 10.0, "after": 12.5, "spread": 0.25}
+    # the faster reading is the bound's: 12.5 GB/s, not the 10 measured before
+    assert tiered["bound"]["ms"]["ram"] == pytest.approx(tiered["bound"]["bytes_per_token"]["ram"] / 12.5e6, rel=1e-6)
+    from moetier.commands.bench import summary_line
+    assert "RAM read 10 GB/s before the runs, 12 after" in summary_line(tiered)      # moved > 10%: said
     assert tiered["decode_memory"] is not None            # tier counters of the decode phase
     assert tiered["time_split"]["source"].startswith("memory tiers")
 

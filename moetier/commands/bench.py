@@ -138,6 +138,9 @@ def _one_config(args, path, label, flags, ns, lens, mode, bw, results, log):
     return bw
 
 
+RAM_SPREAD_WARN = 0.1      # the RAM rate moved this much during a configuration's runs: said in its summary line
+
+
 def summary_line(c: dict) -> str:
     """One configuration's result in one line (stderr, as soon as it is measured)."""
     from ..tools.bench_core import hit_summary
@@ -147,6 +150,9 @@ def summary_line(c: dict) -> str:
     runs = c.get("decode_tok_s_runs") or []
     if len(runs) > 1:
         frac += f" [median of {len(runs)}: {min(runs):.1f}-{max(runs):.1f}]"
+    ram = c.get("ram_gbs_check")
+    if ram and ram["spread"] > RAM_SPREAD_WARN:
+        frac += f" [RAM read {ram['before']:.0f} GB/s before the runs, {ram['after']:.0f} after: the bound uses the faster]"
     return (f"decode {c['decode_tok_s']:.2f} tok/s{frac}; prefill tok/s {pre}; hits {hit_summary(c['memory'])}; "
             f"ms/token gpu {t['gpu_ms']:.2f} cpu {t['cpu_ms']:.2f} copy {t['copy_ms']:.2f} other {t['idle_ms']:.2f}; "
             f"peak VRAM {_gib(c['peak_vram_bytes'])}" + _over(c))
