@@ -268,6 +268,7 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
     decodes = [first["decode_tok_s"]] + [r["decode_tok_s"] for r in again]
     context = first["prompt_tokens"] + gen // 2
     bound = byte_bound(engine, bw, context)
+    rss, vram = peak_rss(), peak_vram(engine.device)     # before the re-check's 1 GiB read
     ram = ram_recheck(engine, bw)
     if ram is not None and ram["after"] > bw["ram_gbs"]:     # the faster reading is what the machine can do
         bound = byte_bound(engine, dict(bw, ram_gbs=ram["after"]), context)
@@ -279,7 +280,7 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
         "ttft_s": first["ttft_s"],
         "ttft_s_by_length": {str(r["prompt_tokens"]): r["ttft_s"] for r in runs},
         "decode_tok_s_by_length": {str(r["prompt_tokens"]): r["decode_tok_s"] for r in runs},
-        "peak_vram_bytes": peak_vram(engine.device), "peak_rss_bytes": peak_rss(),
+        "peak_vram_bytes": vram, "peak_rss_bytes": rss,
         "gpu_budget_bytes": gpu_budget(engine),
         "memory": engine.memory_stats(), "decode_memory": first["decode_memory"],
         "time_split": first["time_split"],
