@@ -4,7 +4,8 @@ more: a `return` inside a branch, globals that are not constexpr) show up before
 
     python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
                                      # v5 format), the embedding gather, the decode step's small kernels with PDL,
-                                     # the doorbell's ring, route+ring, hint and wait_add kernels
+                                     # the doorbell's ring, route+ring, hint and wait_add kernels; the PDL ones
+                                     # again for sm_80 with PDL off (Ampere / Ada have no griddepcontrol)
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr"}
 FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
 
 
-def compile_for_sm90(fn, const: dict, types: dict | None = None) -> str | None:
+def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90) -> str | None:
     """None when it compiles to the end the local toolchain reaches, else the innermost error. types: argument
-    types that the naming rule below would get wrong."""
+    types that the naming rule below would get wrong. arch: another compute capability (80: Ampere)."""
     names = fn.arg_names
     sig = {}
     for n in names:
@@ -43,7 +44,7 @@ def compile_for_sm90(fn, const: dict, types: dict | None = None) -> str | None:
             sig[n] = "i64"
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        triton.compile(src, target=GPUTarget("cuda", arch, 32))
     except Exception as e:  # noqa: BLE001 (report the innermost cause)
         while (e.__cause__ or e.__context__) is not None:
             e = e.__cause__ or e.__context__
@@ -56,6 +57,7 @@ def compile_for_sm90(fn, const: dict, types: dict | None = None) -> str | None:
 
 def main() -> int:
     bad = 0
+    ampere = []     # (name, kernel, constexprs, types) compiled again for sm_80 without PDL
     for fmt in q8.FORMATS:
         d, i = 2048, 768
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
@@ -75,6 +77,8 @@ def main() -> int:
             err = compile_for_sm90(fn, const, {"hq_ptr": "*i8", "cnt_ptr": "*i32"})
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")
+            if fmt == "Q4_0":       # without PDL for Ampere / Ada (pdl.supported keeps it off there)
+                ampere.append((f"{fmt} {kind}", fn, dict(const, PDL=False), {"hq_ptr": "*i8", "cnt_ptr": "*i32"}))
     from moetier.kernels import triton_embed
     err = compile_for_sm90(triton_embed._gather_rows_kernel, dict(D=2048, BLOCK=triton_embed.BLOCK),
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})
@@ -101,6 +105,7 @@ def main() -> int:
         err = compile_for_sm90(fn, const, types)
         bad += err is not None
         print(f"bf16  {name:10} {'ok' if err is None else err}")
+        ampere.append((name, fn, dict(const, PDL=False), types))
     from moetier.kernels import doorbell
     for name, fn, const, types in (
             ("ring+pcie", doorbell._ring_kernel, dict(D=2048, K=8, BUMP=True, SYS=True, BD=2048, BK=8, NP=2, BNP=2),
@@ -122,6 +127,12 @@ def main() -> int:
         err = compile_for_sm90(fn, const, types)
         bad += err is not None
         print(f"      {name:9} {'ok' if err is None else err}")
+        if name in ("route+ring", "wait_add+res"):
+            ampere.append((name, fn, dict(const, **({"PDL": False} if "PDL" in const else {"TRIGGER": False})), types))
+    for name, fn, const, types in ampere:     # griddepcontrol is sm_90+: with PDL off every kernel builds for sm_80
+        err = compile_for_sm90(fn, const, types, arch=80)
+        bad += err is not None
+        print(f"sm80  {name:12} {'ok' if err is None else err}")
     return 1 if bad else 0
 
 

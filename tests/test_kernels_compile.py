@@ -21,5 +21,26 @@ def test_v5_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stdout + r.stderr
     # gate_up (plain and with the fused h quantizer), down, gemv x 4 formats; embed; the decode step's six small
     # kernels with PDL (attention combine + q8, split, qkv prep, norm + q8, add + norm, router); the doorbell's ring
-    # and hint kernels with the PCIe share, route + ring, wait_add with the residual
-    assert r.stdout.count(" ok") == 27, r.stdout
+    # and hint kernels with the PCIe share, route + ring, wait_add with the residual; 12 of them again for sm_80 with
+    # PDL off (griddepcontrol is sm_90+: kernels.pdl keeps it off on an A100 or an RTX 4090)
+    assert r.stdout.count(" ok") == 39, r.stdout
+    assert r.stdout.count("sm80 ") == 12, r.stdout
+
+
+def test_pdl_only_where_the_gpu_has_griddepcontrol(monkeypatch):
+    """kernels.pdl.supported: programmatic dependent launches only on compute capability 9.0 and later (an sm_89 or
+    sm_80 build of a kernel holding griddepcontrol fails in ptxas), never for CPU tensors."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moetier.kernels import pdl
+    caps = {0: (8, 9), 1: (9, 0), 2: (8, 0), 3: (10, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    pdl.capable.cache_clear()
+    try:
+        on = {i: pdl.supported(SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=i))) for i in caps}
+        assert on == {0: False, 1: True, 2: False, 3: True}
+        assert not pdl.supported(torch.zeros(1))
+    finally:
+        pdl.capable.cache_clear()

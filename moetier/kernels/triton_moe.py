@@ -35,6 +35,7 @@ import triton.language as tl
 from . import triton_decode as v2
 from . import triton_decode_q8 as v5
 from . import triton_decode_v4 as v4
+from .pdl import supported as pdl_supported
 from .triton_decode import _act, gate_up_act, pair_rows
 from .triton_tiles import deq_tile
 from .triton_weights import BLOCK, FMT_CODES, PLANE_DIV, Weights  # noqa: F401 (re-exported)
@@ -464,12 +465,12 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
     v = variant_of(gate_up.fmt, variant)
     v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
-        return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and x.is_cuda)
+        return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
         return v2.gate_up_v3(x, ids, gate_up, act, alpha, limit, bias, h, cfg,
-                             pdl=v in ("v3pdl", "v5pdl") and x.is_cuda)
+                             pdl=v in ("v3pdl", "v5pdl") and pdl_supported(x))
     if v != "v1":
-        return v2.gate_up(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v2pdl" and x.is_cuda)
+        return v2.gate_up(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v2pdl" and pdl_supported(x))
     t, d = x.shape
     k, i = ids.numel() // t, gate_up.n // 2
     tile = DecodeTile(*(cfg or DECODE_GATE_UP[gate_up.fmt]))
@@ -486,11 +487,11 @@ def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     v = variant_of(down.fmt, variant)
     v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
-        return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and out.is_cuda)
+        return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
-        return v2.down_v3(h, ids, w, down, bias, out, cfg, pdl=v in ("v3pdl", "v5pdl") and out.is_cuda)
+        return v2.down_v3(h, ids, w, down, bias, out, cfg, pdl=v in ("v3pdl", "v5pdl") and pdl_supported(out))
     if v != "v1":
-        return v2.down(h, ids, w, down, bias, out, cfg, pdl=v == "v2pdl" and out.is_cuda)
+        return v2.down(h, ids, w, down, bias, out, cfg, pdl=v == "v2pdl" and pdl_supported(out))
     t, d = out.shape
     k, i = ids.numel() // t, down.k
     tile = DecodeTile(*(cfg or DECODE_DOWN[down.fmt]))
@@ -514,7 +515,7 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
         return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
     if v == "v5q" and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
-        pdl = x.is_cuda
+        pdl = pdl_supported(x)
         _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True)
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
                           pre=pre)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import triton_decode_q8 as q8
+from .pdl import supported as pdl_supported
 from .triton_decode import STEP_BLOCK, v3_pieces
 from .triton_weights import BLOCK, Weights
 
@@ -60,7 +61,7 @@ def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch
         raise ValueError(f"x has {k} columns, the {fmt} weight [{w.n}, {w.k}]")
     if pdl is None:     # MOETIER_QLINEAR_PDL=0: plain launches (A/B and diagnosis)
         pdl = os.environ.get("MOETIER_QLINEAR_PDL", "1") != "0"
-    pdl = pdl and x.is_cuda
+    pdl = pdl and pdl_supported(x)
     out = torch.empty(t, w.n, dtype=x.dtype, device=x.device) if out is None else out
     xq, xd, xs = pre if pre is not None else q8.quantize(x, trigger=pdl)
     words_per_row = k // STEP_BLOCK[fmt] * (4 if fmt == "Q4_0" else 8)

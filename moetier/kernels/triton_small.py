@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import supported as pdl_supported
 from .triton_decode_q8 import _q8_blocks, arrival_counters
 
 
@@ -26,7 +27,7 @@ def pdl(x) -> bool:
     """Launch the decode step's small kernels as programmatic dependents of the kernel before them (CUDA): each
     may be scheduled while its predecessor runs and waits for that grid's writes (`_pdl_enter`) before reading.
     MOETIER_PDL=0: plain launches (A/B, diagnosis)."""
-    return x.is_cuda and os.environ.get("MOETIER_PDL", "1") != "0"
+    return os.environ.get("MOETIER_PDL", "1") != "0" and pdl_supported(x)
 
 
 def _pdl_kw(on: bool) -> dict:
