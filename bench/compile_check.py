@@ -77,8 +77,8 @@ def main() -> int:
             err = compile_for_sm90(fn, const, {"hq_ptr": "*i8", "cnt_ptr": "*i32"})
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")
-            if fmt == "Q4_0":       # without PDL for Ampere / Ada (pdl.supported keeps it off there)
-                ampere.append((f"{fmt} {kind}", fn, dict(const, PDL=False), {"hq_ptr": "*i8", "cnt_ptr": "*i32"}))
+            # without PDL for Ampere / Ada (pdl.supported keeps it off there)
+            ampere.append((f"{fmt} {kind}", fn, dict(const, PDL=False), {"hq_ptr": "*i8", "cnt_ptr": "*i32"}))
     from moetier.kernels import triton_embed
     err = compile_for_sm90(triton_embed._gather_rows_kernel, dict(D=2048, BLOCK=triton_embed.BLOCK),
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})
@@ -127,8 +127,8 @@ def main() -> int:
         err = compile_for_sm90(fn, const, types)
         bad += err is not None
         print(f"      {name:9} {'ok' if err is None else err}")
-        if name in ("route+ring", "wait_add+res"):
-            ampere.append((name, fn, dict(const, **({"PDL": False} if "PDL" in const else {"TRIGGER": False})), types))
+        ampere.append((name, fn, dict(const, **({"PDL": False} if "PDL" in const else
+                                                {"TRIGGER": False} if "TRIGGER" in const else {})), types))
     for name, fn, const, types in ampere:     # griddepcontrol is sm_90+: with PDL off every kernel builds for sm_80
         err = compile_for_sm90(fn, const, types, arch=80)
         bad += err is not None
