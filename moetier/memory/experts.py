@@ -329,7 +329,7 @@ class Tiers:
         hit = np.flatnonzero(cached).tolist()
         miss = np.flatnonzero(~cached).tolist()
         groups = [(g, None) for g in _parts(hit, DEQUANT_EXPERTS)] + \
-                 [(g, True) for g in _parts(miss, max(1, fast.stage_batch))]
+                 [(g, True) for g in _parts(miss, max(1, min(fast.stage_batch, DEQUANT_EXPERTS)))]   # bounded floats
         fast._ahead = None          # the stage halves are this layer's now
         for experts, staged in groups:
             if staged:
