@@ -218,6 +218,12 @@ typedef struct {
     int8_t *qxv, *qhv;
 } serve_scratch;
 
+/* Missed expert j's activation h in every form the down rows may read */
+static inline act_vec h_of(const serve_scratch *s, int64_t j, int64_t I) {
+    const act_vec a = {s->h + j * I, s->hs + j * (I / 32), s->qhv + j * I, s->dh + j * (I / 32), s->shv + j * (I / 32)};
+    return a;
+}
+
 typedef struct {
     int gq, dq, q8g, q8d, m;
     int64_t gu_rb, dn_rb;
@@ -255,8 +261,7 @@ static void layer_rows(const serve_ctx *c, const serve_layer *ly, const serve_sc
     for (int64_t d = 0; d < D; d++) {
         float acc = 0.f;
         for (int j = 0; j < m; j++) {
-            const act_vec ah = {s->h + j * I, s->hs + j * (I / 32), s->qhv + j * I, s->dh + j * (I / 32),
-                                s->shv + j * (I / 32)};
+            const act_vec ah = h_of(s, j, I);
             acc += ly->wt[j] * (act_row(ly->dq, ly->q8d, ly->dn[ly->e[j]] + d * ly->dn_rb, ah, I)
                                 + (ly->dnb ? ly->dnb[ly->e[j]][d] : 0.f));
         }
@@ -369,8 +374,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
                 const int64_t pf = flat_bound(home_hi, j, D);     /* prefetch bound (row) */
                 const int e = ly->e[j];
                 const float wj = ly->wt[j], *b = ly->dnb ? ly->dnb[e] : NULL;
-                const act_vec ah = {s->h + j * I, s->hs + j * (I / 32), s->qhv + j * I, s->dh + j * (I / 32),
-                                    s->shv + j * (I / 32)};
+                const act_vec ah = h_of(s, j, I);
                 const uint8_t *dn = ly->dn[e];
                 for (int64_t d = d0; d < d0 + n_run; d += DOWN_RUN) {
                     const int64_t n = d0 + n_run - d < DOWN_RUN ? d0 + n_run - d : DOWN_RUN;
@@ -396,8 +400,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         for (int j = 0; j < m; j++) {
             const int e = ly->e[j];
             const float wj = ly->wt[j], *b = ly->dnb ? ly->dnb[e] : NULL;
-            const act_vec ah = {s->h + j * I, s->hs + j * (I / 32), s->qhv + j * I, s->dh + j * (I / 32),
-                                s->shv + j * (I / 32)};
+            const act_vec ah = h_of(s, j, I);
             const uint8_t *dn = ly->dn[e];
             for (int64_t d = lo; d < hi; d += DOWN_RUN) {
                 const int64_t n = hi - d < DOWN_RUN ? hi - d : DOWN_RUN;

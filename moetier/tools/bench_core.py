@@ -213,19 +213,13 @@ def byte_bound(engine, bw: dict, context: int) -> dict:
 SMALL_WORKING_SET = 128 << 20   # CPU bytes per token below which the bound uses a read of that size
 
 
-def ram_recheck(engine, bw: dict) -> dict | None:
+def ram_recheck(engine, bw: dict, bound: dict) -> dict | None:
     """The RAM read rate again, after the runs, where the bound rests on it (memory tiers with routes from RAM): a
     shared H200 box read 82 then 117 GB/s minutes apart (docs/perf-log.md, session 12), so one reading taken before
     the runs (and cached) can flatter or sink the fraction. -> {"before", "after" GB/s, "spread": |after / before - 1|}
     (the bound then takes the faster one), or None where the bound does not rest on the RAM rate."""
-    tiers = getattr(engine, "tiers", None)
-    if tiers is None or not bw.get("ram_gbs"):
-        return None
-    try:
-        from ..memory.plan import decode_ceiling
-        if not decode_ceiling(tiers.pl, bw)["bytes"]["ram"]:
-            return None
-    except (ImportError, AttributeError, KeyError, TypeError):
+    if (getattr(engine, "tiers", None) is None or not bw.get("ram_gbs")
+            or bound.get("source") != "memory.plan.decode_ceiling" or not bound["bytes_per_token"].get("ram")):
         return None
     from ..memory.bandwidth import measure_ram
     after = measure_ram()
@@ -269,7 +263,7 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
     context = first["prompt_tokens"] + gen // 2
     bound = byte_bound(engine, bw, context)
     rss, vram = peak_rss(), peak_vram(engine.device)     # before the re-check's 1 GiB read
-    ram = ram_recheck(engine, bw)
+    ram = ram_recheck(engine, bw, bound)
     if ram is not None and ram["after"] > bw["ram_gbs"]:     # the faster reading is what the machine can do
         bound = byte_bound(engine, dict(bw, ram_gbs=ram["after"]), context)
     dec = float(np.median(decodes))
