@@ -96,3 +96,17 @@ def test_penalties_match_definitions():
 def test_invalid_params_raise_user_errors(bad):
     with pytest.raises(UserError):
         SamplingParams(**bad).check()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_argmax_matches_torch(seed):
+    """The greedy fast path's argmax (numpy on float32 CPU logits) against torch.argmax: random logits, ties (the
+    first maximum), NaN (the first NaN), other dtypes and a non-contiguous view."""
+    from moetier.runtime.sampling import argmax
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8192, generator=g)
+    ties = torch.randint(0, 4, (300,), generator=g).float()
+    nan = x.clone()
+    nan[[70, 9000 % 8192]] = float("nan")
+    for v in (x, ties, nan, x.bfloat16(), x.view(2, -1)[:, 5], x[::3]):
+        assert argmax(v) == int(torch.argmax(v))

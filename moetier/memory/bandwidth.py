@@ -7,6 +7,8 @@
   ssd_gbs         parallel preads of the checkpoint after dropping it from the page cache
   cpu_gbs_<dt>    bytes/s torch streams through one expert's gemv on the CPU (what a miss costs)
   cpu_gflops_<dt> one expert over 256 rows on the CPU (what a prefill token costs)
+  prefill_int8    per GGML type: whether the CPU prefill's int8 tile beats float activations here
+                  (prefill_int8_wins: timed once on first need, for the C kernel build it was timed with)
 The CPU figures use one Qwen3-30B-A3B expert (D 2048, I 768, 9 MiB in bf16) whatever the model.
 """
 from __future__ import annotations
@@ -175,18 +177,69 @@ def measure(device: str = "cpu", keys: set[str] | None = None, checkpoint_file: 
     return out
 
 
+def _read_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_cache(cached: dict) -> None:
+    try:
+        cache_path().parent.mkdir(parents=True, exist_ok=True)
+        cache_path().write_text(json.dumps(cached, indent=1))
+    except OSError:
+        pass
+
+
+# measure_prefill_int8's layer: experts, D, I, tokens, experts per token (32 pairs per expert, ~10 MB of Q4_0 rows)
+INT8_TILE_SHAPE = (4, 1024, 512, 64, 2)
+
+
+def measure_prefill_int8(fmt: str) -> dict:
+    """ms of one prefill MoE call (kernels.cpu.moe_grouped, random INT8_TILE_SHAPE layer in `fmt`) with float
+    activations and with int8 ones, best of 3 interleaved, on torch's threads: ~0.1-0.2 s in all."""
+    from ..kernels import cpu
+    from ..quant.pack import quantize
+    e, d, i, t, k = INT8_TILE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    gate, up = (quantize(torch.randn(e * i, d, generator=g), fmt).view(e, i, -1) for _ in range(2))
+    down = quantize(torch.randn(e * d, i, generator=g), fmt).view(e, d, -1)
+    x = torch.randn(t, d, generator=g)
+    ids = torch.arange(t * k).remainder(e).view(t, k)
+    w = torch.full((t, k), 1.0 / k)
+    times = {"float_ms": float("inf"), "int8_ms": float("inf")}
+    for _ in range(3):
+        for key, q8 in (("float_ms", False), ("int8_ms", True)):
+            t0 = time.perf_counter()
+            cpu.moe_grouped(fmt, gate, up, down, x, ids, w, q8=q8)
+            times[key] = min(times[key], (time.perf_counter() - t0) * 1e3)
+    return {key: round(v, 3) for key, v in times.items()}
+
+
+def prefill_int8_wins(fmt: str) -> bool:
+    """Whether `fmt`'s int8 prefill tile beats float activations on this machine: measure_prefill_int8 once per
+    type, cached in bandwidth.json with the C kernel build it was timed with (a new build or CPU times it again).
+    Q4_0's tile won by 12-15% on a Zen 4 and lost by 18% on a Sapphire Rapids-class Xeon (docs/perf-log.md)."""
+    from ..kernels import cpu
+    build = cpu.build_library().stem
+    cached = _read_cache()
+    seen = cached.get("prefill_int8", {})
+    if seen.get("build") != build:
+        seen = {"build": build}
+    if fmt not in seen:
+        seen[fmt] = measure_prefill_int8(fmt)
+        seen[fmt]["int8"] = seen[fmt]["int8_ms"] < seen[fmt]["float_ms"]
+        _write_cache({**_read_cache(), "prefill_int8": seen})
+    return bool(seen[fmt]["int8"])
+
+
 def bandwidths(device: str = "cpu", checkpoint_file: Path | None = None, overrides: dict | None = None,
                use_cache: bool = True, gpu_budget: int | None = None) -> dict:
     """Cached measurements (measuring what is missing), then the flags' overrides, then defaults.
     Each value's source is in result["source"][key]: flag | measured | assumed."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    path = cache_path()
-    cached = {}
-    if use_cache and path.exists():
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cached = {}
+    cached = _read_cache() if use_cache else {}
     if cached.get("ram_method") != RAM_METHOD:
         cached.pop("ram_gbs", None)
     wanted = {"ram_gbs", "cpu_gbs_bfloat16", "cpu_gflops_bfloat16"}
@@ -201,11 +254,7 @@ def bandwidths(device: str = "cpu", checkpoint_file: Path | None = None, overrid
         fresh = measure(device, missing, checkpoint_file, gpu_budget=gpu_budget)
         cached = {**cached, **fresh}
         if use_cache:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(cached, indent=1))
-            except OSError:
-                pass
+            _write_cache(cached)
     out, source = {}, {}
     for k in set(DEFAULTS) | set(cached) | set(overrides):
         if k in overrides:

@@ -210,18 +210,37 @@ def _eager_quant_linears(model: torch.nn.Module) -> None:
 # Eager prefill of packed experts (QuantExperts.forward_grouped) with int8 activations when both of a layer's formats
 # are in this set and have an integer tile in the build (kernels.cpu.grouped_int8_tile), as the compiled decode step
 # (Q8_ACTIVATIONS). Measured (2-core box, 1 thread, Qwen3-30B-A3B layer, 128 tokens, Q4_K gate/up + Q6_K down):
-# float activations 147 ms, int8 per 256 values (the Q8_K tile) 93 ms; Q4_0 is not in it (its q8 tile: 154 vs 130 ms).
+# float activations 147 ms, int8 per 256 values (the Q8_K tile) 93 ms.
 PREFILL_INT8_TYPES = {"Q4_K", "Q6_K"}
+# Formats whose int8 tile wins on some CPUs and loses on others: timed once per machine (memory.bandwidth.
+# prefill_int8_wins, ~0.1-0.2 s, cached). Q4_0's tile: +12-15% prefill on a Zen 4, 154 vs 130 ms a layer on a
+# Sapphire Rapids-class Xeon. MOETIER_PREFILL_INT8=on | off skips the timing (tests force either).
+TIMED_INT8_TYPES = {"Q4_0"}
+PREFILL_INT8 = os.environ.get("MOETIER_PREFILL_INT8", "auto")
+
+
+def prefill_int8(fmt: str) -> bool:
+    """Whether packed experts in `fmt` prefill with int8 activations (given an integer tile in the build)."""
+    if fmt in PREFILL_INT8_TYPES or fmt not in TIMED_INT8_TYPES:
+        return fmt in PREFILL_INT8_TYPES
+    if PREFILL_INT8 not in ("auto", "on", "off"):
+        from ..errors import UserError
+        raise UserError(f"MOETIER_PREFILL_INT8 must be auto, on or off (got {PREFILL_INT8!r}): unset it to let "
+                        "moetier time both prefill tiles once on this machine")
+    if PREFILL_INT8 != "auto":
+        return PREFILL_INT8 == "on"
+    from ..memory.bandwidth import prefill_int8_wins
+    return prefill_int8_wins(fmt)
 
 
 def _prefill_int8_experts(model: torch.nn.Module) -> None:
-    """QuantExperts whose formats are all in PREFILL_INT8_TYPES with an integer tile prefill with int8 activations
+    """QuantExperts whose formats all prefill with int8 activations (prefill_int8) and have an integer tile do so
     (q8_act: forward_grouped's default; the compiled decode step passes Q8_ACTIVATIONS itself)."""
     if not Q8_ACTIVATIONS:
         return
     for m in model.modules():
-        if getattr(m, "grouped_cpu", False) and {m.fmt, m.down_fmt} <= PREFILL_INT8_TYPES \
-                and all(cpu_kernels.grouped_int8_tile(f) for f in (m.fmt, m.down_fmt)):
+        if getattr(m, "grouped_cpu", False) and all(cpu_kernels.grouped_int8_tile(f) and prefill_int8(f)
+                                                    for f in (m.fmt, m.down_fmt)):
             m.q8_act = True
 
 

@@ -13,6 +13,14 @@ import torch
 from ..errors import UserError
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """torch.argmax of a 1-D tensor (the first maximum, the first NaN if any): numpy's on float32 CPU logits, 3 us
+    for 8,192 values where torch's took 9-12 us, ~2% of a default-model token on the Zen 4 dev box (session 13)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1 and not logits.requires_grad:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -101,7 +109,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] (any float dtype) -> token id."""
         if self.p.greedy and not self.penalised:  # the decode fast path: one argmax, no copies
-            return int(torch.argmax(logits))
+            return argmax(logits)
         x = apply_penalties(logits.float(), self.seen, self.counts, self.p)
         if self.p.greedy:
             return int(torch.argmax(x))
