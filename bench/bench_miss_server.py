@@ -12,8 +12,10 @@ is not timed). Weights are a few real quantized experts tiled over the pool.
 Reported per type: step ms (best and median over --steps), GB/s of expert bytes read (gate_up + down
 of every missed expert, wall clock of serve), the RAM read yardstick (C streaming sum over a 1 GiB
 float32 tensor with the same thread count, and torch.sum; best of the rounds) and the fraction.
---variants 0,1: A/B of doorbell.c's serve_ctx.variant (0 = current loops, 1 = the old per-row loops),
-rounds interleaved (the dev box is shared and noisy: compare bests).
+--variants 0,1: A/B of doorbell.c's serve_ctx.variant (0 = current loops, 1 = the old per-row loops, 2 = down over
+the experts' rows, 3 = variant 0's reads without the math: what the access pattern alone allows), rounds
+interleaved (the dev box is shared and noisy: compare bests); each round's best GB/s sits beside the RAM read taken
+just before and after it ("rounds"), since a box's RAM rate can move by a third within minutes.
 
     python bench/bench_miss_server.py [--types Q4_0,Q8_0,Q4_K] [--threads 2] [--misses 5] [--layers 48]
         [--gib 2] [--steps 10] [--rounds 3] [--variants 0,1] [--float-act] [--pools plain,thp]
@@ -118,16 +120,22 @@ def time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t):
         return wall
 
     times = {(kind, v): [] for kind in servers for v in variants}
+    rounds = []
     for _ in range(args.rounds):
+        rc, rt = ram_gbps(ref, nt)
+        best = {}
         for kind, v in times:                               # interleaved: the box is noisy
             srv = servers[kind]
             srv.ctx.variant = v
             step(srv)                                       # warm-up (threads, page tables)
-            times[kind, v] += [step(srv) for _ in range(args.steps)]
-        rc, rt = ram_gbps(ref, nt)
-        ram_c.append(rc)
-        ram_t.append(rt)
-    return times, ebytes, n_pool
+            ts = [step(srv) for _ in range(args.steps)]
+            times[kind, v] += ts
+            best[f"{kind}/{v}"] = round(L * M * ebytes / min(ts) / 1e9, 2)
+        rc2, rt2 = ram_gbps(ref, nt)                        # the RAM read on both sides of the round
+        ram_c += [rc, rc2]
+        ram_t += [rt, rt2]
+        rounds.append({"ram_c_gbps": [round(rc, 1), round(rc2, 1)], "gbps_best": best})
+    return times, ebytes, n_pool, rounds
 
 
 def main():
@@ -143,7 +151,8 @@ def main():
     ap.add_argument("--gib", type=float, default=2.0, help="weight pool size cap (GiB)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="0", help="serve_ctx.variant values to compare (0 new, 1 old)")
+    ap.add_argument("--variants", default="0", help="serve_ctx.variant values to compare (0 current, 1 old loops, "
+                    "2 down over the experts' rows, 3 variant 0's reads without the math: the access pattern's ceiling)")
     ap.add_argument("--float-act", action="store_true", help="float32 activations (q8_act=False)")
     ap.add_argument("--act", default="swiglu", choices=["swiglu", "clamped"])
     ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages)")
@@ -158,7 +167,8 @@ def main():
            "shape": {"L": L, "E": E, "D": D, "I": I, "k": K, "misses": M, "q8_act": not args.float_act}, "results": []}
     ram_c, ram_t = [], []
     for qtype in args.types.split(","):
-        times, ebytes, n_pool = time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t)
+        times, ebytes, n_pool, rounds = time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t)
+        out.setdefault("rounds", {})[qtype] = rounds
         ram = max(max(ram_c), max(ram_t))
         step_bytes = L * M * ebytes
         for (kind, v), ts in times.items():

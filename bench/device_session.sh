@@ -28,7 +28,9 @@
 #               all / about half / few of its 32 experts: tok/s, hit rate, time split
 #   kernels     Triton decode kernels' GB/s against HBM (bench/bench_gpu_kernels.py --variants)
 #   qlinear     dense GEMVs on GGUF blocks (QuantLinear) vs cuBLAS bf16 at Qwen3-30B-A3B's shapes, tiles
-#   missbench   the C miss server alone against the RAM read bandwidth (bench/bench_miss_server.py)
+#   missbench   the C miss server alone against the RAM read bandwidth (bench/bench_miss_server.py; MVARIANTS, MPF
+#               prefetch distances, MMISSES, MTHREADS, MGIB)
+#   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -228,10 +230,23 @@ PY
       > "$OUT/qlinear.json" 2> "$OUT/qlinear.err"
     grep -E "qlinear" "$OUT/qlinear.err" | tail -40 ;;
   missbench)
-    # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read, old loops vs new (variant 1 / 0)
-    timeout ${MSECS:-150} python3 bench/bench_miss_server.py --threads ${MTHREADS:-16} --gib ${MGIB:-12} \
-      --types ${MTYPES:-Q4_0,Q8_0,Q4_K} --variants 0,1 --rounds ${MROUNDS:-3} > "$OUT/missbench.json" 2> "$OUT/missbench.err"
-    tail -3 "$OUT/missbench.err"; head -c 3000 "$OUT/missbench.json"; echo ;;
+    # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read taken around each round.
+    # MVARIANTS (default 0,1): 1 the old loops, 2 down over the experts' rows, 3 variant 0's reads without the math;
+    # MPF="4096 8192": one process per software-prefetch distance (MOETIER_PREFETCH_AHEAD); MMISSES misses a layer
+    for PF in ${MPF:-default}; do
+      [ "$PF" = default ] && unset MOETIER_PREFETCH_AHEAD || export MOETIER_PREFETCH_AHEAD=$PF
+      timeout ${MSECS:-150} python3 bench/bench_miss_server.py --threads ${MTHREADS:-16} --gib ${MGIB:-12} \
+        --types ${MTYPES:-Q4_0,Q8_0,Q4_K} --variants ${MVARIANTS:-0,1} --rounds ${MROUNDS:-3} --misses ${MMISSES:-5} \
+        > "$OUT/missbench_$PF.json" 2> "$OUT/missbench_$PF.err"
+      tail -3 "$OUT/missbench_$PF.err"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('pf', sys.argv[2], d['rounds'], [(r['qtype'], r['variant'], r['gbps_best']) for r in d['results']])" "$OUT/missbench_$PF.json" $PF
+    done
+    unset MOETIER_PREFETCH_AHEAD ;;
+  pairprof)
+    # where the T=1 decode pair's time goes: each kernel's device time, the gaps, one launch's read ceiling
+    timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
+      > "$OUT/pairprof.json" 2> "$OUT/pairprof.err"
+    tail -8 "$OUT/pairprof.err" | cut -c1-900 ;;
   doorbell12)
     for Q in Q4_0 BF16; do
       M=$DATA/q30-$Q; [ $Q != BF16 ] && M=$M.gguf

@@ -101,6 +101,8 @@ def build_library(cache_dir: Path | None = None, march: str = "native", source: 
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     cache_dir = cache_dir or Path.home() / ".cache" / "moetier" / "kernels"
     flags = [*_CFLAGS, f"-march={march}"]
+    if os.environ.get("MOETIER_PREFETCH_AHEAD"):       # an A/B of the software prefetch distance (bytes)
+        flags.append(f"-DPREFETCH_AHEAD={int(os.environ['MOETIER_PREFETCH_AHEAD'])}")
     header = iq_tables_header()
     parts = sorted({*_SOURCE.parent.glob("cpu*.[ch]"), source})
     key = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in parts) + header.encode()

@@ -112,7 +112,9 @@ static inline float fp16_to_f32(const uint8_t *p) {
 
 /* Software prefetch this many bytes ahead of the block being read: measured (docs/perf-log.md)
  * to lift single-thread Q8_0 streaming from 6 to 11.5 GB/s per core; 2-6 KB all work. */
+#ifndef PREFETCH_AHEAD                  /* MOETIER_PREFETCH_AHEAD=N at build time (kernels.cpu.build_library): A/B only */
 #define PREFETCH_AHEAD 4096
+#endif
 #define PREFETCH(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 3)
 
 /* per-32 sums of x: xs[b] = sum x[32 b .. 32 b + 31] */

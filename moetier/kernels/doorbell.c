@@ -54,7 +54,8 @@ typedef struct {
     const float *const *gu_bias;          /* NULL, or [L * E] float32 [2I] (gpt-oss), added before the activation */
     const float *const *dn_bias;          /* NULL, or [L * E] float32 [D], added to each expert's output */
     int32_t variant;                      /* 0; 1: the old per-row loops; 2: down over the experts' rows (layer_runs;
-                                           * A/B in bench/bench_miss_server.py --variants) */
+                                           * A/B in bench/bench_miss_server.py --variants); 3: variant 0's reads
+                                           * without the math (y is not the product: a bandwidth ceiling only) */
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
 } serve_ctx;
@@ -211,6 +212,27 @@ static void run_rows(int qtype, int q8, const uint8_t *w, int64_t rs, int64_t n,
     for (int64_t i = 0; i < n; i++) out[i] = act_row(qtype, q8, w + i * rs, a, K);
 }
 
+/* Variant 3: the bytes of n rows read as run_rows would (one stream, software prefetch to pf_end), no math; out[i] a
+ * checksum of row i (so the loads stay). What the access pattern alone allows: bench/bench_miss_server.py's
+ * ceiling next to the RAM read. */
+static void read_rows(const uint8_t *w, int64_t rs, int64_t n, const uint8_t *pf_end, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *r = w + i * rs;
+        uint64_t acc[8] = {0};
+        int64_t o = 0;
+        for (; o + 64 <= rs; o += 64) {
+            if (r + o + PREFETCH_AHEAD < pf_end) __builtin_prefetch(r + o + PREFETCH_AHEAD, 0, 3);
+            uint64_t v[8];
+            memcpy(v, r + o, 64);
+            for (int j = 0; j < 8; j++) acc[j] ^= v[j];
+        }
+        for (; o < rs; o++) acc[0] += r[o];
+        uint64_t a = 0;
+        for (int j = 0; j < 8; j++) a ^= acc[j];
+        out[i] = (float)(a & 0xFFFF);
+    }
+}
+
 /* One layer's misses, as computed by every thread of the team. The scratch of moetier_serve_step. */
 typedef struct {
     float *hpre, *h, *xs, *hs, *dx, *dh, *sxv, *shv;
@@ -226,6 +248,7 @@ static inline act_vec h_of(const serve_scratch *s, int64_t j, int64_t I) {
 
 typedef struct {
     int gq, dq, q8g, q8d, m;
+    int ro;                                /* variant 3: read the rows only (read_rows) */
     int64_t gu_rb, dn_rb;
     const int32_t *e;                      /* [m] missed experts */
     const int32_t *ord;                    /* [m] their indices by expert id: the order phase 1 splits over threads */
@@ -235,6 +258,14 @@ typedef struct {
     const float *x;
     float *y;
 } serve_layer;
+
+/* run_rows over n rows of the layer's gate_up (proj 0, K = D) or down (proj 1, K = I) at w; read_rows in variant 3 */
+static inline void ly_rows(const serve_layer *ly, int proj, const uint8_t *w, int64_t n, act_vec a, int64_t K,
+                           const uint8_t *pf_end, float *out) {
+    const int64_t rb = proj ? ly->dn_rb : ly->gu_rb;
+    if (ly->ro) read_rows(w, rb, n, pf_end, out);
+    else run_rows(proj ? ly->dq : ly->gq, proj ? ly->q8d : ly->q8g, w, rb, n, a, K, pf_end, out);
+}
 
 /* The old loops (variant 1, kept for A/B): dynamic 16-row chunks of gate_up, the activation over m threads,
  * dynamic 32-row chunks of down with m one-row calls per row. Worksharing constructs (implicit barriers). */
@@ -337,9 +368,8 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
             const uint8_t *g = ly->gu[e];
             const float *b = ly->gub ? ly->gub[e] : NULL;
             float *hp = s->hpre + j * 2 * I, *hj = s->h + j * I;
-            run_rows(ly->gq, ly->q8g, g + i0 * ly->gu_rb, ly->gu_rb, n, ax, D, g + pf * ly->gu_rb, hp + i0);
-            run_rows(ly->gq, ly->q8g, g + (I + i0) * ly->gu_rb, ly->gu_rb, n, ax, D, g + (I + pf) * ly->gu_rb,
-                     hp + I + i0);
+            ly_rows(ly, 0, g + i0 * ly->gu_rb, n, ax, D, g + pf * ly->gu_rb, hp + i0);
+            ly_rows(ly, 0, g + (I + i0) * ly->gu_rb, n, ax, D, g + (I + pf) * ly->gu_rb, hp + I + i0);
             for (int64_t i = i0; i < i0 + n; i++)
                 hj[i] = act_one(c, hp[i] + (b ? b[i] : 0.f), hp[I + i] + (b ? b[I + i] : 0.f));
             p += n;
@@ -378,7 +408,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
                 const uint8_t *dn = ly->dn[e];
                 for (int64_t d = d0; d < d0 + n_run; d += DOWN_RUN) {
                     const int64_t n = d0 + n_run - d < DOWN_RUN ? d0 + n_run - d : DOWN_RUN;
-                    run_rows(ly->dq, ly->q8d, dn + d * ly->dn_rb, ly->dn_rb, n, ah, I, dn + pf * ly->dn_rb, r);
+                    ly_rows(ly, 1, dn + d * ly->dn_rb, n, ah, I, dn + pf * ly->dn_rb, r);
                     for (int64_t i = 0; i < n; i++) s->part[j * D + d + i] = wj * (r[i] + (b ? b[d + i] : 0.f));
                 }
                 p += n_run;
@@ -404,7 +434,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
             const uint8_t *dn = ly->dn[e];
             for (int64_t d = lo; d < hi; d += DOWN_RUN) {
                 const int64_t n = hi - d < DOWN_RUN ? hi - d : DOWN_RUN;
-                run_rows(ly->dq, ly->q8d, dn + d * ly->dn_rb, ly->dn_rb, n, ah, I, dn + home_hi * ly->dn_rb, r);
+                ly_rows(ly, 1, dn + d * ly->dn_rb, n, ah, I, dn + home_hi * ly->dn_rb, r);
                 for (int64_t i = 0; i < n; i++)
                     ly->y[d + i] = (j ? ly->y[d + i] : 0.f) + wj * (r[i] + (b ? b[d + i] : 0.f));
             }
@@ -602,7 +632,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0);
                 continue;
             }
-            const serve_layer ly = {gq, dq, q8g, q8d, m, layer_row_bytes(c, li, 0), layer_row_bytes(c, li, 1),
+            const serve_layer ly = {gq, dq, q8g, q8d, m, c->variant == 3, layer_row_bytes(c, li, 0),
+                                    layer_row_bytes(c, li, 1),
                                     miss_e[li], miss_ord[li], miss_w[li], c->gate_up + li * (int64_t)c->E,
                                     c->down + li * (int64_t)c->E,
                                     c->gu_bias ? c->gu_bias + li * (int64_t)c->E : NULL,
