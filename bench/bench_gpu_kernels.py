@@ -32,6 +32,7 @@ if "--interpret" in sys.argv:                   # before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from moetier.kernels import ops
@@ -172,6 +173,68 @@ def hbm_copy_GBps() -> float:
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), warmup=10, rep=50)
     return 2 * a.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+@triton.jit
+def _read_kernel(src, out, N: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """Read N int32 words (every program UNROLL blocks of BLOCK, all loads first) and store one xor per program."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * UNROLL
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for u in tl.static_range(UNROLL):
+        o = base + u * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(src + o, mask=o < N, other=0, eviction_policy="evict_first")
+    tl.store(out + tl.program_id(0), tl.xor_sum(acc, axis=0))
+
+
+def read_ceiling_us(nbytes: int, regions: int = ROT) -> dict:
+    """Per-call time of one launch that only reads `nbytes` (a fresh region each call, ROT regions: HBM, not L2),
+    graph replays, at a few program sizes: what one kernel over this working set can reach at best."""
+    n = nbytes // 4
+    buf = torch.randint(0, 1 << 30, (regions, n), dtype=torch.int32, device=DEV)
+    res = {}
+    for block, unroll, warps in ((1024, 4, 4), (2048, 4, 8), (1024, 8, 4), (512, 4, 2)):
+        grid = triton.cdiv(n, block * unroll)
+        out = torch.empty(grid, dtype=torch.int32, device=DEV)
+        us = graph_us([lambda r=r: _read_kernel[(grid,)](buf[r], out, N=n, BLOCK=block, UNROLL=unroll, num_warps=warps)
+                       for r in range(regions)])
+        res[f"{block}x{unroll}w{warps}"] = round(us, 2)
+    return res
+
+
+def profile_pair(fmts, gen, cgen, copy_bw: float, variant: str = "v5pdl") -> list[dict]:
+    """Where the decode pair's time goes (Qwen3-30B-A3B, T=1): the pair's graph time per call, each kernel's own
+    device time per call (torch.profiler over graph replays: the gaps are the rest), and the read ceiling of one
+    launch over the same bytes."""
+    from torch.profiler import ProfilerActivity, profile
+    out = []
+    for fmt in fmts:
+        c = Case("qwen3-30b-a3b", fmt, cgen)
+        gu, dn, uniq = decode_calls(c, 1, gen, variant=variant)
+        calls = [lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)]
+        us = graph_us(calls)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in calls:
+                f()
+        reps = 20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+        kern = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t and e.count >= reps * len(calls):
+                kern[e.key[:60]] = round(t / (reps * len(calls)), 2)
+        nbytes = int(uniq * (c.gu_bytes + c.dn_bytes))
+        r = {"fmt": fmt, "variant": variant, "pair_us": round(us, 2), "MB": round(nbytes / 1e6, 2),
+             "frac_of_copy": round(nbytes / (us * 1e-6) / 1e9 / copy_bw, 3), "kernel_us_per_call": kern,
+             "kernels_sum_us": round(sum(kern.values()), 2), "read_ceiling_us": read_ceiling_us(nbytes)}
+        best = min(r["read_ceiling_us"].values())
+        r["read_ceiling_frac_of_copy"] = round(nbytes / (best * 1e-6) / 1e9 / copy_bw, 3)
+        log(f"  {fmt} {variant}: {r}")
+        out.append(r)
+    return out
 
 
 def rel_err(a, b) -> float:
@@ -670,6 +733,8 @@ def main():
                     "remaining measurements are skipped (compiles dominate; the whole run stays < 2 min)")
     ap.add_argument("--qlinear", action="store_true", help="dense GEMVs on GGML blocks (QuantLinear) at the "
                     "attention / lm_head shapes vs cuBLAS bf16, several tiles (--fmt: the quantized formats)")
+    ap.add_argument("--profile-pair", action="store_true", help="where the T=1 pair's time goes: each kernel's "
+                    "device time, the gaps, and the read ceiling of one launch over the same bytes (--fmt)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (Triton interpreter, tiny shapes)")
     ap.add_argument("--compile-sm90", action="store_true", help="no GPU needed: compile for sm_90, report registers")
@@ -700,6 +765,10 @@ def main():
                 if supports(f, 4096)]
         res["qlinear"] = qlinear_bench(fmts, cgen, copy_bw, a.budget,
                                        {"tiny": (40, 256)} if a.interpret else None)
+        a.models = ""
+    if a.profile_pair:
+        res["profile_pair"] = profile_pair((("Q4_0,Q8_0,Q4_K,Q6_K" if a.fmt == ap.get_default("fmt") else a.fmt)
+                                            .split(",")), gen, cgen, copy_bw)
         a.models = ""
     if a.variants:
         fmts = (VARIANT_FMTS if a.fmt == ap.get_default("fmt") else a.fmt).split(",")

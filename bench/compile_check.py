@@ -68,7 +68,7 @@ def main() -> int:
             "gate_up+qh": (q8._gate_up_kernel, dict(common, I=i, D=d, KTOP=8, ACT=0, BN=4,
                                                     NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
                                                     QH=True)),
-            "down": (q8._down_kernel, dict(common, D=d, I=i, KTOP=8, KP=8, BN=4,
+            "down": (q8._down_kernel, dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True,
                                            NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1])),
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
                                                        NB2=v3_pieces(d, fmt)[1])),
@@ -78,7 +78,8 @@ def main() -> int:
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")
             # without PDL for Ampere / Ada (pdl.supported keeps it off there)
-            ampere.append((f"{fmt} {kind}", fn, dict(const, PDL=False), {"hq_ptr": "*i8", "cnt_ptr": "*i32"}))
+            off = dict(const, PDL=False, **({"TRIGGER": False} if "TRIGGER" in const else {}))
+            ampere.append((f"{fmt} {kind}", fn, off, {"hq_ptr": "*i8", "cnt_ptr": "*i32"}))
     from moetier.kernels import triton_embed
     err = compile_for_sm90(triton_embed._gather_rows_kernel, dict(D=2048, BLOCK=triton_embed.BLOCK),
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})
