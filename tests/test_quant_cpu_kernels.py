@@ -270,3 +270,41 @@ def test_kquant_kernels_see_every_bit_pattern(qtype, threads, other_build):
         y = torch.full((raw.shape[0],), float("nan"))
         assert_close(cpu.matvec(qtype, raw, x, out=y, threads=threads, lib=lib), ref)
         assert_q8_close(matvec_q8(lib, qtype, raw, x, threads), ref)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(8, 64), (40, 768), (136, 384)])    # 1, 5 (odd: one group alone), 17 groups of 8
+def test_interleaved_q4_0_matvec(n, k, threads):
+    """Q4_0 rows interleaved by 8 (the compiled step's Q4_0 copies): the layout round-trips, the matvec writes every
+    row, matches the GGUF rows' int8 kernel to float rounding (the same int32 sums) and the reference within the
+    int8 activations' error; qlinear_native reads the layout too."""
+    if not cpu.q4_0_x8_supported():
+        pytest.skip("needs the C kernels with int8 activations")
+    raw, x, ref = case("Q4_0", n, k, seed=8)
+    x8 = cpu.interleave_q4_0(raw)
+    assert x8.shape == raw.shape and not torch.equal(x8, raw) and torch.equal(cpu.deinterleave_q4_0(x8), raw)
+    y = torch.full((1, n), float("nan"))
+    y[:] = cpu.qlinear(cpu.Q4_0_X8, x8, x[None], q8=True, threads=threads)
+    assert_q8_close(y[0], ref)
+    rows = cpu.qlinear("Q4_0", raw, x[None], q8=True, threads=threads)
+    torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * rows.abs().max().item())
+    torch.testing.assert_close(cpu.qlinear_native(cpu.Q4_0_X8, x8, x[None]), cpu.qlinear_native("Q4_0", raw, x[None]))
+    with pytest.raises(ValueError, match="int8 activations"):
+        cpu.qlinear(cpu.Q4_0_X8, x8, x[None], q8=False)
+
+
+def test_interleaved_q4_0_other_builds(other_build):
+    """haswell (AVX2, no VNNI: maddubs sums) gives the native build's result to float rounding; a build without
+    int8 activations (x86-64) refuses the layout instead of misreading it."""
+    if not cpu.q4_0_x8_supported():
+        pytest.skip("needs the C kernels with int8 activations")
+    raw, x, _ = case("Q4_0", 40, 768, seed=9)
+    x8 = cpu.interleave_q4_0(raw)
+    y = torch.full((40,), float("nan"))
+    rc = other_build.moetier_matvec_q8(cpu.Q4_0_X8, x8.data_ptr(), x8.stride(0), 40, 768, x.data_ptr(), y.data_ptr(), 2)
+    if not other_build.moetier_q4_0_x8_supported():
+        assert rc != 0
+        return
+    want = cpu.qlinear(cpu.Q4_0_X8, x8, x[None], q8=True)[0]
+    assert rc == 0 and torch.isfinite(y).all()
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -412,19 +412,50 @@ def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
     return x.new_empty(x.shape[0], down.shape[1])
 
 
+# Q4_0 rows interleaved by 8 (interleave_q4_0): a type id of moetier_matvec_q8 only, not a GGML type
+Q4_0_X8 = 0x100 | 2
+
+
+def q4_0_x8_supported() -> bool:
+    """Whether the C kernels read Q4_0_X8 (they were built with int8 activations)."""
+    return backend() == "c" and bool(_lib.moetier_q4_0_x8_supported())
+
+
+def interleave_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks uint8 [N, row bytes] (N a multiple of 8) -> the same bytes as Q4_0_X8, shape kept: rows 8g..8g+7,
+    block b: their 8 fp16 scales, then for j < 4 their nibble bytes 4j..4j+3 (row r at 4r). Undone by
+    deinterleave_q4_0."""
+    n, rb = blocks.shape
+    b = blocks.reshape(n // 8, 8, rb // 18, 18)
+    d = b[..., :2].permute(0, 2, 1, 3).reshape(n // 8, rb // 18, 16)
+    qs = b[..., 2:].reshape(n // 8, 8, rb // 18, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, rb // 18, 128)
+    return torch.cat([d, qs], -1).reshape(n, rb)
+
+
+def deinterleave_q4_0(x8: torch.Tensor) -> torch.Tensor:
+    n, rb = x8.shape
+    g = x8.reshape(n // 8, rb // 18, 144)
+    d = g[..., :16].reshape(n // 8, rb // 18, 8, 2).permute(0, 2, 1, 3)
+    qs = g[..., 16:].reshape(n // 8, rb // 18, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(n // 8, 8, rb // 18, 16)
+    return torch.cat([d, qs], -1).reshape(n, rb)
+
+
 def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: int | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for W uint8 [N, row_bytes(K)] GGML blocks: the C matvec per row
     of x (float32 result). q8: MOE_Q8_TYPES rows dot x rounded to int8 per 32 values (llama.cpp's
-    way, ~0.5% relative error). Twin: qlinear_native."""
-    fmt = get_format(qtype)
+    way, ~0.5% relative error); qtype Q4_0_X8 (interleaved rows) needs it. Twin: qlinear_native."""
+    x8 = qtype == Q4_0_X8
+    fmt = get_format("Q4_0" if x8 else qtype)
+    if x8 and not (q8 and q4_0_x8_supported()):
+        raise ValueError("interleaved Q4_0 rows (Q4_0_X8) are read by the C kernels with int8 activations only")
     x2 = _as_f32(x.reshape(-1, x.shape[-1]))
     n, k = _check(fmt, w, x2)
     threads = threads or torch.get_num_threads()
     if q8 and _kernel(fmt, None) == "c":      # a row of x at a time (decode: one)
         y = torch.empty(x2.shape[0], n)
         for i in range(x2.shape[0]):
-            _raise_on(_lib.moetier_matvec_q8(fmt.type_id, w.data_ptr(), w.stride(0), n, k, x2[i].data_ptr(),
-                                             y[i].data_ptr(), threads), fmt, k)
+            _raise_on(_lib.moetier_matvec_q8(Q4_0_X8 if x8 else fmt.type_id, w.data_ptr(), w.stride(0), n, k,
+                                             x2[i].data_ptr(), y[i].data_ptr(), threads), fmt, k)
     elif x2.shape[0] == 1:
         y = matvec(fmt, w, x2[0], threads=threads)[None]
     else:
@@ -433,6 +464,8 @@ def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: 
 
 
 def qlinear_native(qtype, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if qtype == Q4_0_X8:
+        qtype, w = "Q4_0", deinterleave_q4_0(w)
     fmt = get_format(qtype)
     return x.float() @ dequantize(w.contiguous(), fmt, (w.shape[0], x.shape[-1])).T
 
