@@ -134,6 +134,20 @@ K_QUANT_MODEL = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate
 
 
 @needs_c
+def test_q5_0_fallbacks_run_as_q8_0(tmp_path):
+    """Rows whose length is not a multiple of 256 are Q5_0 in a Q4_K_M file (llama.cpp's fallback): on the CPU the
+    experts pack as Q8_0 (the exact conversion), the tied lm_head and attention q get Q8_0 copies from the file's
+    blocks, and the compiled step follows eager decode."""
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_K_M", tmp_path / "m-Q4_K_M.gguf")
+    fast = compiled_follows_eager(path)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all(m.fmt == "Q8_0" for m in experts)
+    q8 = get_format("Q8_0").type_id
+    assert fast.model.lm_head._quant_copies == {"weight": q8}
+    assert q8 in fast.model.model.layers[0].self_attn._quant_copies.values()
+
+
+@needs_c
 def test_compiled_step_on_k_quant_gguf(tmp_path):
     """Q4_K_M keeps the lm_head as Q6_K, attn_q and the dense MLP as Q4_K/Q6_K, attn_k/v as Q8_0 (tiny rows): the
     compiled step multiplies each on the file's own blocks (q/k/v differ, so they stay three products),

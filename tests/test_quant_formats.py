@@ -118,3 +118,14 @@ def test_dequant_cuda_matches_cpu(name):
     cpu = dequantize(raw, name, (9, 512))
     gpu = dequantize(raw.cuda(), name, (9, 512))
     assert torch.equal(cpu.view(torch.int32), gpu.cpu().view(torch.int32))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_q5_0_as_q8_0_keeps_every_value(shape):
+    """Q5_0 rows converted to Q8_0 (what the CPU kernels read for llama.cpp's Q5_0 fallbacks) dequantize to
+    gguf-py's Q5_0 values bit for bit."""
+    from moetier.quant.legacy import q5_0_as_q8_0
+    raw = random_blocks("Q5_0", shape, seed=3)
+    q8 = q5_0_as_q8_0(torch.from_numpy(raw))
+    assert q8.shape[-1] == raw.shape[-1] // 22 * 34
+    assert_bits_equal(dequantize(q8, "Q8_0", shape), gguf_dequant("Q5_0", raw))

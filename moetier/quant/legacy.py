@@ -55,6 +55,15 @@ def dequant_q5_0(b: torch.Tensor) -> torch.Tensor:
     return d * (q.to(torch.int8) - 16).float()
 
 
+def q5_0_as_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks uint8 [..., n * 22] -> Q8_0 blocks [..., n * 34] of the same values, exactly: the scale kept, the
+    5-bit q - 16 as int8 (dequant_q8_0 then makes dequant_q5_0's products). llama.cpp's K-quant mixes store rows
+    whose length is not a multiple of 256 as Q5_0 (Q4_K_M's fallback); the CPU kernels read Q8_0."""
+    b = raw.reshape(-1, 22)
+    q = (nibbles32(b[:, 6:]) | (high_bits32(b[:, 2:6]) << 4)).to(torch.int8) - 16
+    return torch.cat([b[:, :2], q.view(torch.uint8)], 1).reshape(*raw.shape[:-1], raw.shape[-1] // 22 * 34)
+
+
 def dequant_q5_1(b: torch.Tensor) -> torch.Tensor:
     d, m = f16(b[:, :2]), f16(b[:, 2:4])
     q = nibbles32(b[:, 8:]) | (high_bits32(b[:, 4:8]) << 4)

@@ -38,6 +38,23 @@ def qtype_name(qtype: int) -> str:
         return f"type {qtype}"
 
 
+# GGML types the CPU kernels read after an exact conversion at load: llama.cpp's K-quant mixes store rows whose length
+# is not a multiple of 256 as Q5_0 (the default model's experts, attention q and embeddings in Q4_K_M); as Q8_0 they
+# take the int8 kernels instead of being dequantized to float32 (4.6x the bytes; decode at 0.22x llama.cpp's speed
+# on the Zen 4 dev box, session 13)
+CPU_EXACT_AS = {"Q5_0": "Q8_0"}
+
+
+def cpu_blocks(raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+    """(blocks, type id) as the CPU kernels read them: CPU_EXACT_AS types converted (new memory), others as they are."""
+    from gguf import GGMLQuantizationType
+    name = qtype_name(qtype)
+    if name not in CPU_EXACT_AS:
+        return raw, qtype
+    from ..quant.legacy import q5_0_as_q8_0
+    return q5_0_as_q8_0(raw), int(GGMLQuantizationType[CPU_EXACT_AS[name]])
+
+
 def dequantize(raw: torch.Tensor, qtype: int, shape: tuple) -> torch.Tensor:
     """Storage bytes (uint8) -> float32 of `shape`. moetier.quant's torch reference when it reads
     the type, else gguf-py's numpy reference."""
@@ -260,9 +277,12 @@ def pack_experts(model, ckpt: GGUFCheckpoint, device: str, dtype) -> dict[str, i
         prefix, _, attr = name.rpartition(".")
         names = (ckpt._expert_names(prefix, "gate_up_proj") or []) + (ckpt._expert_names(prefix, "down_proj") or [])
         kinds = [qtype_name(ckpt.ckpt.qtype(n)) for n in names]      # gate, up, down
+        if not cuda:                                                  # Q5_0 -> Q8_0 (exact), as the C kernels read
+            kinds = [CPU_EXACT_AS.get(k, k) if CPU_EXACT_AS.get(k) in formats else k for k in kinds]
         fmt = (kinds[0], kinds[2]) if len(names) == 3 and kinds[0] == kinds[1] else None
         if fmt and set(fmt) <= formats and not (cuda and ops.as_act(mod.act) is None):
-            gate, up, down = (ckpt.ckpt.raw(n) for n in names)
+            gate, up, down = (ckpt.ckpt.raw(n) if cuda else cpu_blocks(ckpt.ckpt.raw(n), ckpt.ckpt.qtype(n))[0]
+                              for n in names)
             biases = None
             if mod.gate_up_bias is not None:
                 biases = tuple(ckpt.fused_tensor(prefix, b).to(device=device, dtype=dtype).contiguous()

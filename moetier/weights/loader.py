@@ -180,18 +180,21 @@ def _host_embedding(model: nn.Module, table: torch.Tensor, pin: bool) -> None:
 
 
 def _keep_blocks(ckpt, model: nn.Module, name: str) -> None:
-    """A dense 2-D GGUF weight stored in a format the C kernels multiply on (kernels.cpu.FAST_TYPES)
-    keeps its file blocks beside the float copy: `param.ggml_blocks = (uint8 [rows, bytes/row], type id,
-    param._version)`; the compiled CPU decode step reads those (runtime.cpu_compile._quantized_copies).
-    The blocks are views of the mmapped file: no copy."""
+    """A dense 2-D GGUF weight stored in a format the C kernels multiply on (kernels.cpu.FAST_TYPES), or convert to
+    exactly (gguf.CPU_EXACT_AS: Q5_0 as Q8_0), keeps its blocks beside the float copy: `param.ggml_blocks = (uint8
+    [rows, bytes/row], type id, param._version)`; the compiled CPU decode step reads those
+    (runtime.cpu_compile._quantized_copies). Blocks in a FAST_TYPES format are views of the mmapped file: no copy."""
     from ..kernels.cpu import FAST_TYPES
-    from .gguf import qtype_name
+    from .gguf import CPU_EXACT_AS, cpu_blocks, qtype_name
     if not name.endswith("weight"):
         return
     p = model.get_parameter(name)
     found = ckpt.blocks(name) if p.dim() == 2 else None
-    if found is not None and qtype_name(found[1]) in FAST_TYPES:
-        p.ggml_blocks = (*found, p._version)
+    if found is None and p.dim() == 2 and name == "lm_head.weight" \
+            and (ckpt.args.tie_word_embeddings or not ckpt.has(name)):     # tied: _fetch read the embeddings
+        found = ckpt.blocks(EMBED)
+    if found is not None and CPU_EXACT_AS.get(qtype_name(found[1]), qtype_name(found[1])) in FAST_TYPES:
+        p.ggml_blocks = (*cpu_blocks(*found), p._version)
 
 
 def _fetch(ckpt: NamedCheckpoint, args: ModelArgs, name: str) -> torch.Tensor:
