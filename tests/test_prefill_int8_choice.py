@@ -30,11 +30,11 @@ def experts(qtype, e=6, d=96, i=160, seed=0) -> QuantExperts:
 def test_forced_choice_sets_q8_act_and_stays_close(mode, monkeypatch):
     monkeypatch.setattr(cpu_compile, "PREFILL_INT8", mode)
     monkeypatch.setattr(bandwidth, "measure_prefill_int8", lambda fmt: pytest.fail("forced: nothing is timed"))
-    layers = torch.nn.ModuleList([experts("Q4_0"), experts(("Q4_0", "Q8_0"), seed=1)])
+    layers = torch.nn.ModuleList([experts("Q4_0"), experts(("Q4_0", "Q8_0"), seed=1), experts(("Q4_0", "MXFP4"), seed=3)])
     cpu_compile._prefill_int8_experts(layers)
-    tile = cpu.grouped_int8_tile("Q4_0")
-    assert layers[0].q8_act == (mode == "on" and tile)
-    assert not layers[1].q8_act              # Q8_0 is neither timed nor fixed: float activations
+    tile = cpu.grouped_int8_tile("Q4_0") and cpu.grouped_int8_tile("Q8_0")
+    assert layers[0].q8_act == layers[1].q8_act == (mode == "on" and tile)     # Q8_0 is timed too
+    assert not layers[2].q8_act              # MXFP4 is neither timed nor fixed: float activations
     g = torch.Generator().manual_seed(2)
     x, ids = torch.randn(40, 96, generator=g), torch.randint(0, 6, (40, 2), generator=g)
     w = torch.rand(40, 2, generator=g)
@@ -46,7 +46,7 @@ def test_fixed_and_untimed_formats_ignore_the_setting(monkeypatch):
     monkeypatch.setattr(cpu_compile, "PREFILL_INT8", "off")
     assert cpu_compile.prefill_int8("Q4_K") and cpu_compile.prefill_int8("Q6_K")
     monkeypatch.setattr(cpu_compile, "PREFILL_INT8", "on")
-    assert not cpu_compile.prefill_int8("Q8_0") and not cpu_compile.prefill_int8("MXFP4")
+    assert cpu_compile.prefill_int8("Q8_0") and not cpu_compile.prefill_int8("MXFP4")
     monkeypatch.setattr(cpu_compile, "PREFILL_INT8", "yes")
     with pytest.raises(UserError, match="auto, on or off"):
         cpu_compile.prefill_int8("Q4_0")
@@ -74,3 +74,22 @@ def test_auto_times_once_per_build_and_caches(monkeypatch, tmp_path):
 def test_measure_prefill_int8_times_both_tiles():
     got = bandwidth.measure_prefill_int8("Q4_0")
     assert set(got) == {"float_ms", "int8_ms"} and got["float_ms"] > 0 and got["int8_ms"] > 0
+
+
+@needs_c
+def test_int8_tile_takes_many_pairs_per_expert(monkeypatch):
+    """Q8_0's pairs-per-expert limit (past it: dequantize + F.linear) was measured with float activations; with the
+    int8 tile the grouped kernel takes every prefill chunk, and stays close to the float twin."""
+    layer = experts("Q8_0")
+    g = torch.Generator().manual_seed(4)
+    x, ids = torch.randn(200, 96, generator=g), torch.randint(0, 6, (200, 2), generator=g)     # ~67 pairs an expert
+    w = torch.rand(200, 2, generator=g)
+    calls = []
+    grouped = QuantExperts.forward_grouped
+    monkeypatch.setattr(QuantExperts, "forward_grouped", lambda self, *a, **k: calls.append(1) or grouped(self, *a, **k))
+    want = layer.forward_native(x, ids, w)
+    layer(x, ids, w)
+    assert not calls
+    layer.q8_act = True
+    got = layer(x, ids, w)
+    assert calls == [1] and (got - want).norm() / want.norm() < 0.03

@@ -129,8 +129,8 @@ class QuantExperts(DenseExperts):
             return self._forward_planes(x, ids, w)
         if self.fused_cpu and ids.shape[0] <= FUSED_CPU_TOKENS:
             return self.forward_fused(x, ids, w)
-        if self.grouped_cpu:
-            limit = CPU_GROUPED_MAX_PAIRS_PER_EXPERT.get(self.fmt)
+        if self.grouped_cpu:     # (the limit was measured with float activations: the int8 tile has none)
+            limit = None if self.q8_act else CPU_GROUPED_MAX_PAIRS_PER_EXPERT.get(self.fmt)
             if limit is None or ids.numel() <= limit or ids.numel() <= limit * ids.unique().numel():
                 return self.forward_grouped(x, ids, w)
         if self.matvec_pairs and (ids.numel() <= self.matvec_pairs
