@@ -464,29 +464,7 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
 #define Q4_0_X8 (0x100 | Q4_0)
 
 #ifdef MOE_Q8
-static void moe_q4_0_x8_group(const uint8_t *w, const int8_t *qx, const float *dx, const int32_t *m8, int64_t nb,
-                              float *out) {
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i lo = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++, w += 144) {
-        PREFETCH(w);
-        const int8_t *q = qx + 32 * b;
-        int32_t xv[8];
-        memcpy(xv, q, 32);
-        __m256i s0 = _mm256_set1_epi32(m8[b]), s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            s0 = moe_dot_u8s8_acc(s0, _mm256_and_si256(c, lo), _mm256_set1_epi32(xv[j]));
-            s1 = moe_dot_u8s8_acc(s1, _mm256_and_si256(_mm256_srli_epi16(c, 4), lo), _mm256_set1_epi32(xv[j + 4]));
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(d, _mm256_set1_ps(dx[b])),
-                              acc);
-    }
-    _mm256_storeu_ps(out, acc);
-}
-
-/* two groups (16 rows) at once: the x broadcasts shared */
+/* groups at w and w + gs (16 rows) at once: the x broadcasts shared */
 static void moe_q4_0_x8_group2(const uint8_t *w, int64_t gs, const int8_t *qx, const float *dx, const int32_t *m8,
                                int64_t nb, float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -536,8 +514,13 @@ static int moe_matvec_q4_0_x8(const uint8_t *w, int64_t N, int64_t K, const floa
     if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2) {
-        if (g + 1 < N / 8) moe_q4_0_x8_group2(w + g * nb * 144, nb * 144, qx, dx, m8, nb, y + 8 * g);
-        else moe_q4_0_x8_group(w + g * nb * 144, qx, dx, m8, nb, y + 8 * g);
+        if (g + 1 < N / 8) {
+            moe_q4_0_x8_group2(w + g * nb * 144, nb * 144, qx, dx, m8, nb, y + 8 * g);
+        } else {                                    /* an odd last group: twice, once kept */
+            float two[16];
+            moe_q4_0_x8_group2(w + g * nb * 144, 0, qx, dx, m8, nb, two);
+            memcpy(y + 8 * g, two, sizeof(float) * 8);
+        }
     }
     free(mem);
     return 0;
