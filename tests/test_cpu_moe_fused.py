@@ -126,8 +126,9 @@ def test_compiled_step_on_quantized_gguf(tmp_path, qtype):
     fast = compiled_follows_eager(path)
     assert any(isinstance(m, QuantExperts) for m in fast.model.modules())
     assert getattr(fast.model.lm_head, "weight_q", None) is not None       # its quantized copy
-    tid = cpu.Q4_0_X8 if qtype == "Q4_0" and cpu.q4_0_x8_supported() else get_format(qtype).type_id
-    assert fast.model.model.layers[0].self_attn._quant_copies == {"qkv_weight": tid}   # Q4_0: rows interleaved
+    tid = get_format(qtype).type_id
+    tid = cpu.INTERLEAVED[tid] if cpu.interleaved_supported(tid) else tid
+    assert fast.model.model.layers[0].self_attn._quant_copies == {"qkv_weight": tid}   # rows interleaved
 
 
 K_QUANT_MODEL = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512, "mlp_only_layers": [1]}
@@ -143,6 +144,7 @@ def test_q5_0_fallbacks_run_as_q8_0(tmp_path):
     experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
     assert experts and all(m.fmt == "Q8_0" for m in experts)
     q8 = get_format("Q8_0").type_id
+    q8 = cpu.INTERLEAVED[q8] if cpu.interleaved_supported(q8) else q8
     assert fast.model.lm_head._quant_copies == {"weight": q8}
     assert q8 in fast.model.model.layers[0].self_attn._quant_copies.values()
 
@@ -155,6 +157,8 @@ def test_compiled_step_on_k_quant_gguf(tmp_path):
     path = quantize(build_qwen3_moe(tmp_path / "model", **K_QUANT_MODEL), "Q4_K_M", tmp_path / "m-Q4_K_M.gguf")
     fast = compiled_follows_eager(path)
     tid = {n: get_format(n).type_id for n in ("Q4_K", "Q6_K", "Q8_0")}
+    if cpu.interleaved_supported(tid["Q8_0"]):      # Q8_0 copies of 8k rows: interleaved
+        tid["Q8_0"] = cpu.INTERLEAVED[tid["Q8_0"]]
     copies = {name: m._quant_copies for name, m in fast.model.named_modules() if getattr(m, "_quant_copies", None)}
     assert copies["lm_head"] == {"weight": tid["Q6_K"]}
     for i in (0, 1):

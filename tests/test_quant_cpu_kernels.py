@@ -274,37 +274,45 @@ def test_kquant_kernels_see_every_bit_pattern(qtype, threads, other_build):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(8, 64), (40, 768), (136, 384)])    # 1, 5 (odd: one group alone), 17 groups of 8
-def test_interleaved_q4_0_matvec(n, k, threads):
-    """Q4_0 rows interleaved by 8 (the compiled step's Q4_0 copies): the layout round-trips, the matvec writes every
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_interleaved_matvec(qtype, n, k, threads):
+    """Q4_0 / Q8_0 rows interleaved by 8 (the compiled step's copies): the layout round-trips, the matvec writes every
     row, matches the GGUF rows' int8 kernel to float rounding (the same int32 sums) and the reference within the
     int8 activations' error; qlinear_native reads the layout too."""
-    if not cpu.q4_0_x8_supported():
-        pytest.skip("needs the C kernels with int8 activations")
-    raw, x, ref = case("Q4_0", n, k, seed=8)
-    x8 = cpu.interleave_q4_0(raw)
-    assert x8.shape == raw.shape and not torch.equal(x8, raw) and torch.equal(cpu.deinterleave_q4_0(x8), raw)
+    from moetier.quant.formats import get_format
+    tid = get_format(qtype).type_id
+    if not cpu.interleaved_supported(tid):
+        pytest.skip(f"this build reads no interleaved {qtype} rows")
+    raw, x, ref = case(qtype, n, k, seed=8)
+    x8 = cpu.interleave_rows(raw, tid)
+    assert x8.shape == raw.shape and not torch.equal(x8, raw) and torch.equal(cpu.deinterleave_rows(x8, tid), raw)
     y = torch.full((1, n), float("nan"))
-    y[:] = cpu.qlinear(cpu.Q4_0_X8, x8, x[None], q8=True, threads=threads)
+    y[:] = cpu.qlinear(cpu.INTERLEAVED[tid], x8, x[None], q8=True, threads=threads)
     assert_q8_close(y[0], ref)
-    rows = cpu.qlinear("Q4_0", raw, x[None], q8=True, threads=threads)
+    rows = cpu.qlinear(qtype, raw, x[None], q8=True, threads=threads)
     torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * rows.abs().max().item())
-    torch.testing.assert_close(cpu.qlinear_native(cpu.Q4_0_X8, x8, x[None]), cpu.qlinear_native("Q4_0", raw, x[None]))
+    torch.testing.assert_close(cpu.qlinear_native(cpu.INTERLEAVED[tid], x8, x[None]), cpu.qlinear_native(qtype, raw, x[None]))
     with pytest.raises(ValueError, match="int8 activations"):
-        cpu.qlinear(cpu.Q4_0_X8, x8, x[None], q8=False)
+        cpu.qlinear(cpu.INTERLEAVED[tid], x8, x[None], q8=False)
 
 
-def test_interleaved_q4_0_other_builds(other_build):
-    """haswell (AVX2, no VNNI: maddubs sums) gives the native build's result to float rounding; a build without
-    int8 activations (x86-64) refuses the layout instead of misreading it."""
-    if not cpu.q4_0_x8_supported():
-        pytest.skip("needs the C kernels with int8 activations")
-    raw, x, _ = case("Q4_0", 40, 768, seed=9)
-    x8 = cpu.interleave_q4_0(raw)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_interleaved_other_builds(qtype, other_build):
+    """haswell (AVX2, no VNNI: maddubs sums) gives the native build's Q4_0 result to float rounding and refuses
+    interleaved Q8_0 (its bytes + 128 overflow maddubs); a build without int8 activations (x86-64) refuses both
+    instead of misreading them."""
+    from moetier.quant.formats import get_format
+    tid = get_format(qtype).type_id
+    if not cpu.interleaved_supported(tid):
+        pytest.skip(f"this build reads no interleaved {qtype} rows")
+    raw, x, _ = case(qtype, 40, 768, seed=9)
+    x8 = cpu.interleave_rows(raw, tid)
     y = torch.full((40,), float("nan"))
-    rc = other_build.moetier_matvec_q8(cpu.Q4_0_X8, x8.data_ptr(), x8.stride(0), 40, 768, x.data_ptr(), y.data_ptr(), 2)
-    if not other_build.moetier_q4_0_x8_supported():
+    rc = other_build.moetier_matvec_q8(cpu.INTERLEAVED[tid], x8.data_ptr(), x8.stride(0), 40, 768, x.data_ptr(),
+                                       y.data_ptr(), 2)
+    if not other_build.moetier_x8_supported(tid):
         assert rc != 0
         return
-    want = cpu.qlinear(cpu.Q4_0_X8, x8, x[None], q8=True)[0]
+    want = cpu.qlinear(cpu.INTERLEAVED[tid], x8, x[None], q8=True)[0]
     assert rc == 0 and torch.isfinite(y).all()
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

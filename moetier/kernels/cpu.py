@@ -132,6 +132,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_sum_f32.argtypes = [ptr, i64, c_int]
     lib.moetier_sum_f32.restype = ctypes.c_float
     lib.moetier_matvec_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, c_int]
+    lib.moetier_x8_supported.argtypes = [c_int]
     lib.moetier_moe_tokens.argtypes = [c_int, c_int, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                        ptr, ptr, ptr, ptr, c_int, c_int]
     lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
@@ -412,49 +413,59 @@ def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
     return x.new_empty(x.shape[0], down.shape[1])
 
 
-# Q4_0 rows interleaved by 8 (interleave_q4_0): a type id of moetier_matvec_q8 only, not a GGML type
-Q4_0_X8 = 0x100 | 2
+# Rows interleaved by 8 (interleave_rows): type ids of moetier_matvec_q8 only, not GGML types. GGML id -> its id.
+INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8}                  # Q4_0, Q8_0
+Q4_0_X8, Q8_0_X8 = INTERLEAVED[2], INTERLEAVED[8]
+_BLOCK_BYTES = {2: 18, 8: 34}
 
 
-def q4_0_x8_supported() -> bool:
-    """Whether the C kernels read Q4_0_X8 (they were built with int8 activations)."""
-    return backend() == "c" and bool(_lib.moetier_q4_0_x8_supported())
+def interleaved_supported(qtype_id: int) -> bool:
+    """Whether the C kernels read GGML type `qtype_id`'s rows interleaved (built with int8 activations; Q8_0 needs
+    VNNI)."""
+    return backend() == "c" and bool(_lib.moetier_x8_supported(qtype_id))
 
 
-def interleave_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks uint8 [N, row bytes] (N a multiple of 8) -> the same bytes as Q4_0_X8, shape kept: rows 8g..8g+7,
-    block b: their 8 fp16 scales, then for j < 4 their nibble bytes 4j..4j+3 (row r at 4r). Undone by
-    deinterleave_q4_0."""
+def interleave_rows(blocks: torch.Tensor, qtype_id: int) -> torch.Tensor:
+    """Q4_0 / Q8_0 blocks uint8 [N, row bytes] (N a multiple of 8) -> the same number of bytes, shape kept, as
+    moetier_matvec_q8 reads INTERLEAVED[qtype_id]: rows 8g..8g+7, block b: their 8 fp16 scales, then for each 4-byte
+    group j of the block's quants the 8 rows' bytes (row r at 4r); Q8_0's int8 values stored + 128. Undone by
+    deinterleave_rows."""
     n, rb = blocks.shape
-    b = blocks.reshape(n // 8, 8, rb // 18, 18)
-    d = b[..., :2].permute(0, 2, 1, 3).reshape(n // 8, rb // 18, 16)
-    qs = b[..., 2:].reshape(n // 8, 8, rb // 18, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, rb // 18, 128)
-    return torch.cat([d, qs], -1).reshape(n, rb)
+    bb = _BLOCK_BYTES[qtype_id]
+    b = blocks.reshape(n // 8, 8, rb // bb, bb)
+    d = b[..., :2].permute(0, 2, 1, 3).reshape(n // 8, rb // bb, 16)
+    q = b[..., 2:] ^ 0x80 if qtype_id == 8 else b[..., 2:]
+    q = q.reshape(n // 8, 8, rb // bb, (bb - 2) // 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, rb // bb, 8 * (bb - 2))
+    return torch.cat([d, q], -1).reshape(n, rb)
 
 
-def deinterleave_q4_0(x8: torch.Tensor) -> torch.Tensor:
+def deinterleave_rows(x8: torch.Tensor, qtype_id: int) -> torch.Tensor:
     n, rb = x8.shape
-    g = x8.reshape(n // 8, rb // 18, 144)
-    d = g[..., :16].reshape(n // 8, rb // 18, 8, 2).permute(0, 2, 1, 3)
-    qs = g[..., 16:].reshape(n // 8, rb // 18, 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(n // 8, 8, rb // 18, 16)
-    return torch.cat([d, qs], -1).reshape(n, rb)
+    bb = _BLOCK_BYTES[qtype_id]
+    g = x8.reshape(n // 8, rb // bb, 8 * bb)
+    d = g[..., :16].reshape(n // 8, rb // bb, 8, 2).permute(0, 2, 1, 3)
+    q = g[..., 16:].reshape(n // 8, rb // bb, (bb - 2) // 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(n // 8, 8, rb // bb,
+                                                                                                  bb - 2)
+    return torch.cat([d, q ^ 0x80 if qtype_id == 8 else q], -1).reshape(n, rb)
 
 
 def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: int | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for W uint8 [N, row_bytes(K)] GGML blocks: the C matvec per row
     of x (float32 result). q8: MOE_Q8_TYPES rows dot x rounded to int8 per 32 values (llama.cpp's
-    way, ~0.5% relative error); qtype Q4_0_X8 (interleaved rows) needs it. Twin: qlinear_native."""
-    x8 = qtype == Q4_0_X8
-    fmt = get_format("Q4_0" if x8 else qtype)
-    if x8 and not (q8 and q4_0_x8_supported()):
-        raise ValueError("interleaved Q4_0 rows (Q4_0_X8) are read by the C kernels with int8 activations only")
+    way, ~0.5% relative error); interleaved rows (INTERLEAVED ids) need it. Twin: qlinear_native."""
+    base = next((g for g, i in INTERLEAVED.items() if i == qtype), None) if isinstance(qtype, int) else None
+    x8 = base is not None
+    fmt = get_format(base if x8 else qtype)
+    if x8 and not (q8 and interleaved_supported(base)):
+        raise ValueError(f"interleaved {fmt.name} rows are read by the C kernels with int8 activations only"
+                         + (" and VNNI" if base == 8 else ""))
     x2 = _as_f32(x.reshape(-1, x.shape[-1]))
     n, k = _check(fmt, w, x2)
     threads = threads or torch.get_num_threads()
     if q8 and _kernel(fmt, None) == "c":      # a row of x at a time (decode: one)
         y = torch.empty(x2.shape[0], n)
         for i in range(x2.shape[0]):
-            _raise_on(_lib.moetier_matvec_q8(Q4_0_X8 if x8 else fmt.type_id, w.data_ptr(), w.stride(0), n, k,
+            _raise_on(_lib.moetier_matvec_q8(qtype if x8 else fmt.type_id, w.data_ptr(), w.stride(0), n, k,
                                              x2[i].data_ptr(), y[i].data_ptr(), threads), fmt, k)
     elif x2.shape[0] == 1:
         y = matvec(fmt, w, x2[0], threads=threads)[None]
@@ -464,8 +475,9 @@ def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: 
 
 
 def qlinear_native(qtype, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if qtype == Q4_0_X8:
-        qtype, w = "Q4_0", deinterleave_q4_0(w)
+    base = next((g for g, i in INTERLEAVED.items() if i == qtype), None) if isinstance(qtype, int) else None
+    if base is not None:
+        qtype, w = base, deinterleave_rows(w, base)
     fmt = get_format(qtype)
     return x.float() @ dequantize(w.contiguous(), fmt, (w.shape[0], x.shape[-1])).T
 

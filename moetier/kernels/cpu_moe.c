@@ -454,36 +454,50 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
     return 0;
 }
 
-/* Q4_0 rows interleaved by 8 (the compiled CPU step's dense weights, kernels.cpu.interleave_q4_0): rows 8g..8g+7,
- * block b, at w + (g nb + b) 144: the 8 rows' fp16 scales (16 bytes), then for j < 4 the rows' nibble bytes
- * 4j..4j+3 (32 bytes, row r at 4r). With rows in the lanes a block costs 8 dot products with broadcast x words for
- * all 8 rows (moe_rows4_run's one-row-per-register kernels: a nibble unpack, dot, conversion and scale per row and
- * block); the weights are interleaved once, at load. A Q4_0 one-token matvec was compute-bound from cache (the
- * default model's 8192 x 384 lm_head, ~121 us at 14.6 GB/s on the 2-core Zen 4 box). The int32 sums per lane are
- * moe_row_q4_0_q8's (the offset 8 in the integer sum); the float sums differ (one lane per row). */
+/* Q4_0 / Q8_0 rows interleaved by 8 (the compiled CPU step's dense weights, kernels.cpu.interleave_rows): rows
+ * 8g..8g+7, block b, at w + (g nb + b) 8 bytes-per-block: the 8 rows' fp16 scales (16 bytes), then for each 4-byte
+ * group j of the block's quants (Q4_0: 4 groups of nibble bytes; Q8_0: 8 groups of int8 values, stored + 128 as
+ * unsigned bytes) the 8 rows' bytes (32 bytes, row r at 4r). With rows in the lanes a block costs one dot product per
+ * group (a broadcast x word) for all 8 rows, where moe_rows4_run's one-row-per-register kernels unpack, dot, convert
+ * and scale per row and block; the weights are interleaved once, at load. A one-token matvec was compute-bound from
+ * cache (the default model's 8192 x 384 lm_head: Q4_0 ~121 us at 14.6 GB/s, Q8_0 ~109 us at 30 GB/s on the 2-core
+ * Zen 4 box). The offsets (Q4_0's 8, Q8_0's stored 128) come off in the integer sum (m[b] = -offset x sum of the
+ * block's int8 x); the float sums differ from the row kernels' (one lane per row). */
 #define Q4_0_X8 (0x100 | Q4_0)
+#define Q8_0_X8 (0x100 | Q8_0)
 
 #ifdef MOE_Q8
-/* groups at w and w + gs (16 rows) at once: the x broadcasts shared */
-static void moe_q4_0_x8_group2(const uint8_t *w, int64_t gs, const int8_t *qx, const float *dx, const int32_t *m8,
-                               int64_t nb, float *out) {
+/* groups at w and w + gs (16 rows) at once, the x broadcasts shared; q8: Q8_0_X8 (else Q4_0_X8) */
+static inline __attribute__((always_inline)) void moe_x8_group2(int q8, const uint8_t *w, int64_t gs,
+                                                                const int8_t *qx, const float *dx, const int32_t *m,
+                                                                int64_t nb, float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++, w += 144) {
+    const int64_t bb = q8 ? 272 : 144;
+    for (int64_t b = 0; b < nb; b++, w += bb) {
         PREFETCH(w);
         PREFETCH(w + gs);
-        const int8_t *q = qx + 32 * b;
         int32_t xv[8];
-        memcpy(xv, q, 32);
-        __m256i s0 = _mm256_set1_epi32(m8[b]), s1 = _mm256_setzero_si256(), t0 = s0, t1 = s1;
-        for (int j = 0; j < 4; j++) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            const __m256i e = _mm256_loadu_si256((const __m256i *)(w + gs + 16 + 32 * j));
-            const __m256i xl = _mm256_set1_epi32(xv[j]), xh = _mm256_set1_epi32(xv[j + 4]);
-            s0 = moe_dot_u8s8_acc(s0, _mm256_and_si256(c, lo), xl);
-            s1 = moe_dot_u8s8_acc(s1, _mm256_and_si256(_mm256_srli_epi16(c, 4), lo), xh);
-            t0 = moe_dot_u8s8_acc(t0, _mm256_and_si256(e, lo), xl);
-            t1 = moe_dot_u8s8_acc(t1, _mm256_and_si256(_mm256_srli_epi16(e, 4), lo), xh);
+        memcpy(xv, qx + 32 * b, 32);
+        __m256i s0 = _mm256_set1_epi32(m[b]), s1 = _mm256_setzero_si256(), t0 = s0, t1 = s1;
+        if (q8) {
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i xa = _mm256_set1_epi32(xv[j]), xb = _mm256_set1_epi32(xv[j + 1]);
+                s0 = moe_dot_u8s8_acc(s0, _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j)), xa);
+                s1 = moe_dot_u8s8_acc(s1, _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j)), xb);
+                t0 = moe_dot_u8s8_acc(t0, _mm256_loadu_si256((const __m256i *)(w + gs + 16 + 32 * j)), xa);
+                t1 = moe_dot_u8s8_acc(t1, _mm256_loadu_si256((const __m256i *)(w + gs + 48 + 32 * j)), xb);
+            }
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+                const __m256i e = _mm256_loadu_si256((const __m256i *)(w + gs + 16 + 32 * j));
+                const __m256i xl = _mm256_set1_epi32(xv[j]), xh = _mm256_set1_epi32(xv[j + 4]);
+                s0 = moe_dot_u8s8_acc(s0, _mm256_and_si256(c, lo), xl);
+                s1 = moe_dot_u8s8_acc(s1, _mm256_and_si256(_mm256_srli_epi16(c, 4), lo), xh);
+                t0 = moe_dot_u8s8_acc(t0, _mm256_and_si256(e, lo), xl);
+                t1 = moe_dot_u8s8_acc(t1, _mm256_and_si256(_mm256_srli_epi16(e, 4), lo), xh);
+            }
         }
         const __m256 sx = _mm256_set1_ps(dx[b]);
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
@@ -495,54 +509,56 @@ static void moe_q4_0_x8_group2(const uint8_t *w, int64_t gs, const int8_t *qx, c
     _mm256_storeu_ps(out + 8, acc1);
 }
 
-/* y[N] = W x for W in Q4_0_X8 (N a multiple of 8), x rounded to int8 per 32 values */
-static int moe_matvec_q4_0_x8(const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
+/* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 (q8; N a multiple of 8), x rounded to int8 per 32 values */
+static int moe_matvec_x8(int q8, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
     if (N % 8 || K % 32) return -1;
-    const int64_t nb = K / 32;
+    const int64_t nb = K / 32, gb = nb * (q8 ? 272 : 144);         /* bytes per group of 8 rows */
     char *mem = malloc((2 * sizeof(float) + sizeof(int32_t)) * nb + K + 64);
     if (!mem) return -2;
     float *dx = (float *)mem, *sx = dx + nb;
-    int32_t *m8 = (int32_t *)(sx + nb);
-    int8_t *qx = (int8_t *)(m8 + nb);
+    int32_t *m = (int32_t *)(sx + nb);
+    int8_t *qx = (int8_t *)(m + nb);
     moe_quantize_q8(x, K, qx, dx, sx);
     for (int64_t b = 0; b < nb; b++) {
         int32_t t = 0;
         for (int i = 0; i < 32; i++) t += qx[32 * b + i];
-        m8[b] = -8 * t;
+        m[b] = -(q8 ? 128 : 8) * t;
     }
-    const int64_t bytes = N * nb * 18;
-    if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
+    if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2) {
-        if (g + 1 < N / 8) {
-            moe_q4_0_x8_group2(w + g * nb * 144, nb * 144, qx, dx, m8, nb, y + 8 * g);
-        } else {                                    /* an odd last group: twice, once kept */
-            float two[16];
-            moe_q4_0_x8_group2(w + g * nb * 144, 0, qx, dx, m8, nb, two);
-            memcpy(y + 8 * g, two, sizeof(float) * 8);
-        }
+        float two[16];                              /* an odd last group: twice, once kept */
+        const int pair = g + 1 < N / 8;
+        if (q8) moe_x8_group2(1, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
+        else moe_x8_group2(0, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
+        if (!pair) memcpy(y + 8 * g, two, sizeof(float) * 8);
     }
     free(mem);
     return 0;
 }
 #endif
 
-/* 1 where moetier_matvec_q8 reads Q4_0_X8 (int8 activations built) */
-int moetier_q4_0_x8_supported(void) {
-#ifdef MOE_Q8
-    return 1;
+/* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built; Q8_0
+ * with VNNI only (its bytes + 128 against int8 x overflow maddubs' 16-bit pair sums) */
+int moetier_x8_supported(int qtype) {
+#if defined(MOE_Q8) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return qtype == Q4_0 || qtype == Q8_0;
+#elif defined(MOE_Q8)
+    return qtype == Q4_0;
 #else
+    (void)qtype;
     return 0;
 #endif
 }
 
 /* y[N] = W[N, K] @ x[K] for Q4_0 / Q8_0 / MXFP4 / IQ3_XXS W with x rounded to int8 per 32 values (llama.cpp's Q8_0
- * activations; ~1% relative error): integer dot products; Q4_0_X8 (interleaved Q4_0 rows, row_stride unused).
+ * activations; ~1% relative error): integer dot products; Q4_0_X8 / Q8_0_X8 (interleaved rows, row_stride unused).
  * Other types: as moetier_matvec. Returns 0, -1 for an unsupported type / K, -2 if out of memory. */
 int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
                       const float *x, float *y, int nthreads) {
 #ifdef MOE_Q8
-    if (qtype == Q4_0_X8) return moe_matvec_q4_0_x8(w, N, K, x, y, nthreads);
+    if (qtype == Q4_0_X8 || qtype == Q8_0_X8)
+        return moetier_x8_supported(qtype & 0xFF) ? moe_matvec_x8(qtype == Q8_0_X8, w, N, K, x, y, nthreads) : -1;
     if (!moe_q8_type(qtype)) return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
     if (K % block_elems(qtype)) return -1;
     char *mem = malloc((sizeof(float) + sizeof(int32_t)) * (K / 32) + K + 64);

@@ -142,17 +142,16 @@ def _stored_blocks(w: torch.Tensor):
     return kept[0], kept[1]
 
 
-Q4_0_ID = 2     # GGML's Q4_0
-INTERLEAVE_Q4_0 = os.environ.get("MOETIER_Q4_0_X8", "1") != "0"     # 0: Q4_0 copies keep the file's rows (A/B)
+INTERLEAVE = os.environ.get("MOETIER_X8", "1") != "0"     # 0: Q4_0 / Q8_0 copies keep the file's rows (A/B)
 
 
 def _quantized_copies(model: torch.nn.Module) -> None:
     """Float weights of Linear modules (and 2-D `*weight` buffers: Attention.qkv_weight) get their GGML
     blocks as a buffer `<name>_q`: the blocks a GGUF file stored them in (any C-kernel format: Q6_K
     lm_heads, Q4_K attention), else the Q4_0 / Q8_0 blocks they are exactly the values of. The compiled
-    step multiplies on them with the C kernels (3.8-7x fewer bytes than float32). Q4_0 copies of 8k rows are kept
-    interleaved by 8 rows (kernels.cpu.Q4_0_X8: the one-token matvec with rows in lanes, 1.9x faster on the
-    default model's lm_head, Zen 4 box). Once per model."""
+    step multiplies on them with the C kernels (3.8-7x fewer bytes than float32). Q4_0 / Q8_0 copies of 8k rows are
+    kept interleaved by 8 rows (kernels.cpu.INTERLEAVED: the one-token matvec with rows in lanes; on the default
+    model's lm_head, Zen 4 box, Q4_0 2.1x faster). MOETIER_X8=0: the file's rows. Once per model."""
     if cpu_kernels.backend() != "c" or getattr(model, "_quant_copies_done", False):
         return
     model._quant_copies_done = True
@@ -175,9 +174,9 @@ def _quantized_copies(model: torch.nn.Module) -> None:
         hit = _stored_blocks(w) or _exact_blocks(w.detach())
         if hit is not None:
             blocks, tid = hit
-            if tid == Q4_0_ID and blocks.shape[0] % 8 == 0 and Q8_ACTIVATIONS and INTERLEAVE_Q4_0 \
-                    and cpu_kernels.q4_0_x8_supported():
-                blocks, tid = cpu_kernels.interleave_q4_0(blocks), cpu_kernels.Q4_0_X8    # rows in lanes
+            if tid in cpu_kernels.INTERLEAVED and blocks.shape[0] % 8 == 0 and Q8_ACTIVATIONS and INTERLEAVE \
+                    and cpu_kernels.interleaved_supported(tid):
+                blocks, tid = cpu_kernels.interleave_rows(blocks, tid), cpu_kernels.INTERLEAVED[tid]    # rows in lanes
             m.register_buffer(f"{a}_q", blocks, persistent=False)
             m._quant_copies[a] = tid
 
