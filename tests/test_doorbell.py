@@ -615,10 +615,11 @@ def test_chunked_runs_match_the_row_loops(qtype, dim, hidden, q8, misses, thread
     over a slice of y, h quantized by all threads) give the per-row loops' y bit for bit (same per-row
     arithmetic and order of additions), for odd miss counts and shapes that split unevenly; and the reference
     within the usual tolerances. Variant 2 (down over the m x D rows into per-expert partials, summed in expert
-    order after a barrier) too."""
-    new, old, v2, want = odd_case(qtype, dim, hidden, misses, threads, q8, variants=(0, 1, 2))
+    order after a barrier) and variant 4 (guided chunks: halving parts of each thread's home) too."""
+    new, old, v2, v4, want = odd_case(qtype, dim, hidden, misses, threads, q8, variants=(0, 1, 2, 4))
     assert torch.equal(new, old), (new - old).abs().max().item()
     assert torch.equal(v2, new), (v2 - new).abs().max().item()
+    assert torch.equal(v4, new), (v4 - new).abs().max().item()
     err = ((new - want).abs().max() / want.abs().max()).item()
     assert err <= (3e-2 if q8 else 2e-5), err
 

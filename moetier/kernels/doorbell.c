@@ -55,7 +55,8 @@ typedef struct {
     const float *const *dn_bias;          /* NULL, or [L * E] float32 [D], added to each expert's output */
     int32_t variant;                      /* 0; 1: the old per-row loops; 2: down over the experts' rows (layer_runs;
                                            * A/B in bench/bench_miss_server.py --variants); 3: variant 0's reads
-                                           * without the math (y is not the product: a bandwidth ceiling only) */
+                                           * without the math (y is not the product: a bandwidth ceiling only);
+                                           * 4: variant 0 with guided chunks (chunk_of) */
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
 } serve_ctx;
@@ -310,7 +311,9 @@ static void layer_rows(const serve_ctx *c, const serve_layer *ly, const serve_sc
  * threads share the cores. Claims are per-owner counters on their own cache lines; a phase's counters end at
  * exactly CHUNKS past its start (compare-and-swap, never overshooting), so phase `ph` owns counts
  * [ph CHUNKS, (ph + 1) CHUNKS) and nothing is reset between phases. */
+#ifndef CHUNKS                          /* MOETIER_MISS_CHUNKS=N at build time (kernels.cpu.build_library): A/B only */
 #define CHUNKS 4
+#endif
 typedef struct { int64_t n; char pad[56]; } __attribute__((aligned(64))) claim_ctr;
 
 /* The next chunk (global index) for thread t in phase ph, its owner in *owner; -1 when all are taken. */
@@ -334,6 +337,24 @@ static void home(int64_t n, int64_t g, int t, int nt, int64_t *lo, int64_t *hi) 
     split(n, g, (int64_t)(t + 1) * CHUNKS - 1, (int64_t)nt * CHUNKS, &b, hi);
 }
 
+/* [lo, hi): chunk ch (its owner ch / CHUNKS's k = ch % CHUNKS-th) of a phase over [0, n) in units of g. The owner's
+ * home is split in CHUNKS equal parts, or (guided: variant 4) in halving ones, 1/2, 1/4, ... and the last two equal
+ * (long streams first, a short last chunk to steal, so the threads reach the barrier closer together: with 4 equal
+ * chunks of ~130 KB of gate_up rows a thread that just began its last one holds the others ~19 us at the H200
+ * box's ~7 GB/s a thread). The homes are the same either way (prefetch_guess reads them). */
+static void chunk_of(int64_t n, int64_t g, int64_t ch, int nt, int guided, int64_t *lo, int64_t *hi) {
+    if (!guided) {
+        split(n, g, ch, (int64_t)nt * CHUNKS, lo, hi);
+        return;
+    }
+    int64_t a, b;
+    split(n, g, ch / CHUNKS, nt, &a, &b);
+    const int64_t u = (b - a + g - 1) / g, k = ch % CHUNKS;
+    const int64_t lo_u = u - (u >> k), hi_u = k + 1 == CHUNKS ? u : u - (u >> (k + 1));
+    *lo = a + g * lo_u < b ? a + g * lo_u : b;
+    *hi = a + g * hi_u < b ? a + g * hi_u : b;
+}
+
 /* Thread t of nt's share of a layer (variant 0). Three phases, each over chunks as above (*ph: the phase count):
  *  1. gate_up: (gate row i, up row i) pairs of all m experts (taken in expert-id order, so a guess of the set
  *     alone tells each thread its rows: prefetch_guess), in units of 4; per chunk a thread streams its gate
@@ -351,13 +372,14 @@ static void home(int64_t n, int64_t g, int t, int nt, int64_t *lo, int64_t *hi) 
  * dev box: 12.9 -> 22.6 GB/s with 2 threads (RAM read 26 GB/s), 7.3 -> 11.5 with 1 (RAM read 13.3). */
 static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, claim_ctr *cl, int t,
                        int nt, int64_t *ph) {
-    const int64_t I = c->I, D = c->D, C = (int64_t)nt * CHUNKS;
+    const int64_t I = c->I, D = c->D;
+    const int guided = c->variant == 4;
     const int m = ly->m;
     const act_vec ax = {ly->x, s->xs, s->qxv, s->dx, s->sxv};
     int64_t lo, hi, home_lo, home_hi, ch;
     int v;
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-        split((int64_t)m * I, 4, ch, C, &lo, &hi);
+        chunk_of((int64_t)m * I, 4, ch, nt, guided, &lo, &hi);
         home((int64_t)m * I, 4, v, nt, &home_lo, &home_hi);
         for (int64_t p = lo; p < hi;) {
             int64_t r, i0, n;
@@ -379,7 +401,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     #pragma omp barrier
     if (is_quant(ly->dq)) {                 /* I % 32 == 0 (checked): blocks of all experts, one index */
         while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-            split((int64_t)m * (I / 32), 1, ch, C, &lo, &hi);
+            chunk_of((int64_t)m * (I / 32), 1, ch, nt, guided, &lo, &hi);
             for (int64_t bk = lo; bk < hi; bk++) {
 #ifdef MOE_Q8
                 if (ly->q8d) { moe_quantize_q8(s->h + 32 * bk, 32, s->qhv + 32 * bk, s->dh + bk, s->shv + bk); continue; }
@@ -396,7 +418,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
          * below at many threads), each row's weighted result to part[j, d]; then, after a barrier, y[d] summed in
          * expert order over a static slice of D per thread: the additions of the loop below, bit-identical */
         while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-            split((int64_t)m * D, 4, ch, C, &lo, &hi);
+            chunk_of((int64_t)m * D, 4, ch, nt, guided, &lo, &hi);
             home((int64_t)m * D, 4, v, nt, &home_lo, &home_hi);
             for (int64_t p = lo; p < hi;) {
                 int64_t j, d0, n_run;
@@ -425,7 +447,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         return;
     }
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-        split(D, 4, ch, C, &lo, &hi);
+        chunk_of(D, 4, ch, nt, guided, &lo, &hi);
         home(D, 4, v, nt, &home_lo, &home_hi);
         for (int j = 0; j < m; j++) {
             const int e = ly->e[j];

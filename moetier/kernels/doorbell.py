@@ -288,7 +288,8 @@ class _Ctx(ctypes.Structure):
         ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p),
         ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p),
         ("variant", ctypes.c_int32),       # 0; 1: the old per-row loops; 2: down over the experts' rows (A/B);
-                                           # 3: variant 0's reads without the math (a ceiling: y is not the product)
+                                           # 3: variant 0's reads without the math (a ceiling: y is not the product);
+                                           # 4: variant 0 with guided chunks (halving parts of each home)
         ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p)]   # the GPU's guess of the next layer's misses
 
 

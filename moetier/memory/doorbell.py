@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..kernels import ops
 from .plan import MAX_ADMIT, pcie_rows
 
@@ -125,9 +126,13 @@ class GraphTiers:
                                           self.dim, self.hidden, self.act, threads,
                                           biases=self.biases if any(b is not None for b in self.biases) else None,
                                           hints=any(r is not None for r in self.guess))
-        # MOETIER_MISS_VARIANT=2: the server's down phase over the experts' rows (doorbell.c layer_runs; bit-identical,
-        # longer streams at many threads; not yet measured on the H200), for the A/B
-        self.server.ctx.variant = int(os.environ.get("MOETIER_MISS_VARIANT", "0"))
+        # MOETIER_MISS_VARIANT (A/B; all bit-identical): 1 the old per-row loops, 2 the down phase over the experts'
+        # rows (session 13, H200: no gain), 4 guided chunks (not yet measured on the H200); 3 only reads (bench only)
+        variant = os.environ.get("MOETIER_MISS_VARIANT", "0")
+        if variant not in ("0", "1", "2", "4"):
+            raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 0 (default), 1, 2 and 4 "
+                            "(3 reads the experts without computing them: bench/bench_miss_server.py only)")
+        self.server.ctx.variant = int(variant)
         self.share = tiers.pl.pcie_share     # 0 where the placement has no stage slots
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
