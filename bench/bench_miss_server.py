@@ -13,9 +13,9 @@ Reported per type: step ms (best and median over --steps), GB/s of expert bytes 
 of every missed expert, wall clock of serve), the RAM read yardstick (C streaming sum over a 1 GiB
 float32 tensor with the same thread count, and torch.sum; best of the rounds) and the fraction.
 --variants 0,1: A/B of doorbell.c's serve_ctx.variant (0 = current loops, 1 = the old per-row loops, 2 = down over
-the experts' rows, 3 = variant 0's reads without the math: what the access pattern alone allows), rounds
-interleaved (the dev box is shared and noisy: compare bests); each round's best GB/s sits beside the RAM read taken
-just before and after it ("rounds"), since a box's RAM rate can move by a third within minutes.
+the experts' rows, 3 = variant 0's reads without the math: what the access pattern alone allows, 4 = guided chunks),
+rounds interleaved (the dev box is shared and noisy: compare bests); each round's best GB/s sits beside the RAM read
+taken just before and after it ("rounds"), since a box's RAM rate can move by a third within minutes.
 
     python bench/bench_miss_server.py [--types Q4_0,Q8_0,Q4_K] [--threads 2] [--misses 5] [--layers 48]
         [--gib 2] [--steps 10] [--rounds 3] [--variants 0,1] [--float-act] [--pools plain,thp]
@@ -152,7 +152,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="0", help="serve_ctx.variant values to compare (0 current, 1 old loops, "
-                    "2 down over the experts' rows, 3 variant 0's reads without the math: the access pattern's ceiling)")
+                    "2 down over the experts' rows, 3 variant 0's reads without the math: the access pattern's ceiling, "
+                    "4 guided chunks)")
     ap.add_argument("--float-act", action="store_true", help="float32 activations (q8_act=False)")
     ap.add_argument("--act", default="swiglu", choices=["swiglu", "clamped"])
     ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages)")

@@ -417,8 +417,12 @@ def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
 
 # Rows interleaved by 8 (interleave_rows): type ids of moetier_matvec_q8 only, not GGML types. GGML id -> its id.
 INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8}                  # Q4_0, Q8_0
-Q4_0_X8, Q8_0_X8 = INTERLEAVED[2], INTERLEAVED[8]
 _BLOCK_BYTES = {2: 18, 8: 34}
+
+
+def _interleaved_base(qtype) -> int | None:
+    """The GGML type id of an INTERLEAVED id, else None."""
+    return next((g for g, i in INTERLEAVED.items() if i == qtype), None) if isinstance(qtype, int) else None
 
 
 def interleaved_supported(qtype_id: int) -> bool:
@@ -455,7 +459,7 @@ def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: 
     """y [..., N] = x [..., K] @ W.T for W uint8 [N, row_bytes(K)] GGML blocks: the C matvec per row
     of x (float32 result). q8: MOE_Q8_TYPES rows dot x rounded to int8 per 32 values (llama.cpp's
     way, ~0.5% relative error); interleaved rows (INTERLEAVED ids) need it. Twin: qlinear_native."""
-    base = next((g for g, i in INTERLEAVED.items() if i == qtype), None) if isinstance(qtype, int) else None
+    base = _interleaved_base(qtype)
     x8 = base is not None
     fmt = get_format(base if x8 else qtype)
     if x8 and not (q8 and interleaved_supported(base)):
@@ -477,7 +481,7 @@ def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: 
 
 
 def qlinear_native(qtype, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    base = next((g for g, i in INTERLEAVED.items() if i == qtype), None) if isinstance(qtype, int) else None
+    base = _interleaved_base(qtype)
     if base is not None:
         qtype, w = base, deinterleave_rows(w, base)
     fmt = get_format(qtype)
