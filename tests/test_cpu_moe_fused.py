@@ -15,7 +15,7 @@ from moetier.quant.formats import get_format
 from moetier.quant.pack import quantize as pack
 from moetier.runtime import cpu_compile
 from moetier.runtime.engine import Engine
-from test_gguf import build_qwen3_moe
+from test_gguf import build_qwen3_moe, sharpen
 
 needs_c = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
 
@@ -35,7 +35,7 @@ def random_route(t, e=6, k=2, d=256, seed=1):
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K", ("Q5_1", "Q6_K")])
 @pytest.mark.parametrize("t", [1, 3])
 def test_moe_tokens_matches_twin(qtype, t):
     gate, up, down = random_layer(qtype)
@@ -150,20 +150,35 @@ def test_q5_0_fallbacks_run_as_q8_0(tmp_path):
 
 
 @needs_c
+def test_q5_1_fallbacks_pack(tmp_path):
+    """Q5_K_M stores rows not a multiple of 256 as Q5_1 (d q + m): the experts pack as Q5_1 (its int8 row kernel), the
+    attention projections multiply on their Q5_1 blocks, and the compiled step follows eager decode."""
+    # peaked next-token distributions (test_gguf.sharpen, as trained models have): the flat ones of the default random
+    # weights tied for the top-1 in 4 of 24 tokens here. Peaked logits magnify the int8 activations' KL: per token up
+    # to 0.020 on this file and 0.033 on its Q4_K_M twin (medians 0.0003), each product within ~0.5% of float
+    path = quantize(build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen), "Q5_K_M", tmp_path / "m-Q5_K_M.gguf")
+    fast = compiled_follows_eager(path, kl_max=0.05)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all(m.fmt == "Q5_1" for m in experts)
+    att = fast.model.model.layers[0].self_attn
+    assert att.q_proj._quant_copies == att.o_proj._quant_copies == {"weight": get_format("Q5_1").type_id}
+
+
+@needs_c
 def test_compiled_step_on_k_quant_gguf(tmp_path):
-    """Q4_K_M keeps the lm_head as Q6_K, attn_q and the dense MLP as Q4_K/Q6_K, attn_k/v as Q8_0 (tiny rows): the
-    compiled step multiplies each on the file's own blocks (q/k/v differ, so they stay three products),
-    attn_output (Q5_1, no C kernel) in float; and follows eager decode."""
+    """Q4_K_M keeps the lm_head as Q6_K, attn_q and the dense MLP as Q4_K/Q6_K, attn_k/v as Q8_0 (tiny rows),
+    attn_output as Q5_1: the compiled step multiplies each on the file's own blocks (q/k/v differ, so they stay
+    three products); and follows eager decode."""
     path = quantize(build_qwen3_moe(tmp_path / "model", **K_QUANT_MODEL), "Q4_K_M", tmp_path / "m-Q4_K_M.gguf")
     fast = compiled_follows_eager(path)
-    tid = {n: get_format(n).type_id for n in ("Q4_K", "Q6_K", "Q8_0")}
+    tid = {n: get_format(n).type_id for n in ("Q4_K", "Q6_K", "Q8_0", "Q5_1")}
     if cpu.interleaved_supported(tid["Q8_0"]):      # Q8_0 copies of 8k rows: interleaved
         tid["Q8_0"] = cpu.INTERLEAVED[tid["Q8_0"]]
     copies = {name: m._quant_copies for name, m in fast.model.named_modules() if getattr(m, "_quant_copies", None)}
     assert copies["lm_head"] == {"weight": tid["Q6_K"]}
     for i in (0, 1):
         att = f"model.layers.{i}.self_attn"
-        assert copies[f"{att}.q_proj"] == {"weight": tid["Q4_K"]} and f"{att}.o_proj" not in copies
+        assert copies[f"{att}.q_proj"] == {"weight": tid["Q4_K"]} and copies[f"{att}.o_proj"] == {"weight": tid["Q5_1"]}
         assert copies[f"{att}.k_proj"] == copies[f"{att}.v_proj"] == {"weight": tid["Q8_0"]}
     mlp = {p: copies[f"model.layers.1.mlp.{p}"]["weight"] for p in ("gate_proj", "up_proj", "down_proj")}
     assert mlp == {"gate_proj": tid["Q4_K"], "up_proj": tid["Q4_K"], "down_proj": tid["Q6_K"]}   # last layer: more bits
@@ -191,9 +206,9 @@ def test_edited_gguf_weight_loses_its_blocks(tmp_path):
     assert hasattr(att.k_proj, "weight_q") and hasattr(model.model.layers[1].self_attn.q_proj, "weight_q")
 
 
-def compiled_follows_eager(path):
+def compiled_follows_eager(path, kl_max: float = 0.01):
     """Generate with the compiled step (experts packed) and eagerly (experts dequantized); teacher-forced on
-    the compiled step's tokens, its logits follow eager's up to the int8 activations (Q8_ACTIVATIONS).
+    the compiled step's tokens, its logits follow eager's up to the int8 activations (Q8_ACTIVATIONS): KL < kl_max.
     -> the compiled engine."""
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 24
     engs = {}
@@ -216,7 +231,7 @@ def compiled_follows_eager(path):
         for tok in toks:                       # teacher-forced on one sequence
             ref = engs["off"].model(torch.tensor([tok]), ref_cache)[-1]
             ours = fast._cpu_decode(cache, tok)[-1]
-            assert kl(ours, ref) < 0.01
+            assert kl(ours, ref) < kl_max
             agree.append(int(ours.argmax() == ref.argmax()))
     assert sum(agree) >= 0.9 * n
     return fast

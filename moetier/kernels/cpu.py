@@ -43,7 +43,7 @@ from .reference import expert_matvec
 
 log = logging.getLogger(__name__)
 
-FAST_TYPES = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"}
+FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"}
 DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS"}     # moetier_dequant (dequantize_rows)
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -306,7 +306,7 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
     return y + down_bias.float() if down_bias is not None else y
 
 
-MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"}   # q8=True: int8 activations for these
+MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"}   # q8=True: int8 activations for these
 
 
 def moe_tokens(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,

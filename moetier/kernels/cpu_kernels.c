@@ -180,24 +180,55 @@ static float row_q4_0(const uint8_t *w, const float *x, const float *xs, int64_t
 #endif
 }
 
+/* ---- Q5_1: 24-byte blocks {fp16 d, fp16 m, u32 qh, u8 qs[16]}; q_j = nibble j (as Q4_0) | bit j of qh << 4,
+ * value d q + m (llama.cpp's K-quant mixes store rows not a multiple of 256 as Q5_1 in Q5_K_M) ---- */
+static float row_q5_1(const uint8_t *w, const float *x, const float *xs, int64_t nb) {
+    float acc = 0.f, off = 0.f;
+    for (int64_t b = 0; b < nb; b++, w += 24, x += 32) {
+        PREFETCH(w);
+        uint32_t qh;
+        memcpy(&qh, w + 4, 4);
+        float s = 0.f;
+        for (int j = 0; j < 16; j++)
+            s += (float)((w[8 + j] & 0x0F) | ((qh >> j) & 1) << 4) * x[j]
+                 + (float)((w[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) * x[j + 16];
+        acc += fp16_to_f32(w) * s;
+        off += fp16_to_f32(w + 2) * xs[b];
+    }
+    return acc + off;
+}
+
+static void dequant_q5_1(const uint8_t *blk, float *o) {
+    const float d = fp16_to_f32(blk), m = fp16_to_f32(blk + 2);
+    uint32_t qh;
+    memcpy(&qh, blk + 4, 4);
+    for (int j = 0; j < 16; j++) {
+        o[j] = d * (float)((blk[8 + j] & 0x0F) | ((qh >> j) & 1) << 4) + m;
+        o[j + 16] = d * (float)((blk[8 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
+    }
+}
+
 #include "cpu_kquants.c"
 #include "cpu_iquants.c"
 
 /* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N). Type ids: GGML's ---- */
-enum { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, MXFP4 = 39 };
+enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, MXFP4 = 39 };
 
 int moetier_supported(int qtype) {
     switch (qtype) {
-    case Q8_0: case Q4_0: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS: case MXFP4: return 1;
+    case Q8_0: case Q4_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS: case MXFP4: return 1;
     default: return 0;
     }
 }
 
-static int64_t block_elems(int qtype) { return qtype == Q8_0 || qtype == Q4_0 || qtype == MXFP4 ? 32 : 256; }
+static int64_t block_elems(int qtype) {
+    return qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_1 || qtype == MXFP4 ? 32 : 256;
+}
 static int64_t block_bytes(int qtype) {
     switch (qtype) {
     case Q8_0: return 34;
     case Q4_0: return 18;
+    case Q5_1: return 24;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -216,6 +247,7 @@ static float row_dot(int qtype, const uint8_t *w, const float *x, const float *x
     switch (qtype) {
     case Q8_0: return row_q8_0(w, x, K / 32);
     case Q4_0: return row_q4_0(w, x, xs, K / 32);
+    case Q5_1: return row_q5_1(w, x, xs, K / 32);
     case Q4_K: return row_q4_k(w, x, xs, K / 256);
     case Q5_K: return row_q5_k(w, x, xs, K / 256);
     case Q6_K: return row_q6_k(w, x, K / 256);
@@ -290,6 +322,7 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
     switch (qtype) {
     case Q8_0: for (int64_t b = 0; b < K / 32; b++) dequant_q8_0(r + 34 * b, o + 32 * b); break;
     case Q4_0: for (int64_t b = 0; b < K / 32; b++) dequant_q4_0(r + 18 * b, o + 32 * b); break;
+    case Q5_1: for (int64_t b = 0; b < K / 32; b++) dequant_q5_1(r + 24 * b, o + 32 * b); break;
     case MXFP4: for (int64_t b = 0; b < K / 32; b++) dequant_mxfp4(r + 17 * b, o + 32 * b); break;
     case IQ3_XXS: for (int64_t b = 0; b < K / 256; b++) dequant_iq3_xxs(r + 98 * b, o + 256 * b); break;
     default: break;

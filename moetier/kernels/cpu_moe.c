@@ -87,6 +87,33 @@ static float moe_row_q4_0_q8(const uint8_t *w, const int8_t *qx, const float *dx
     return hsum8(_mm256_add_ps(ae, ao));
 }
 
+/* bit j of the little-endian u32 at p -> byte j of the result: 0xFF where set, else 0 */
+static inline __m256i moe_bits_to_bytes(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v),      /* byte j <- byte j / 8 of v */
+                                               _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                  0x0303030303030303LL));
+    const __m256i others = _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFELL);            /* byte j: all bits but j % 8 */
+    return _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1));
+}
+
+/* Q5_1 row . q8 x: sum_b d_b dx_b sum_j q_j qx_j + m_b sx_b (q 0..31, unsigned against int8 x) */
+static float moe_row_q5_1_q8(const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
+    const __m256i lo = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    for (int64_t b = 0; b < nb; b++, w += 24, qx += 32) {
+        const __m128i t = _mm_loadu_si128((const __m128i *)(w + 8));
+        const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), lo),
+                                          _mm256_and_si256(moe_bits_to_bytes(w + 4), b4));
+        const __m256i p = moe_dot_u8s8(q, _mm256_loadu_si256((const __m256i *)qx));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(w) * dx[b]), acc);
+        off += fp16_to_f32(w + 2) * sx[b];
+    }
+    return hsum8(acc) + off;
+}
+
 /* Q8_0 row . q8 x (signed x signed through the sign trick) */
 static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
@@ -105,7 +132,7 @@ static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx
 /* types with an int8-activation row kernel (moe_row_q8) */
 static inline int moe_q8_type(int qtype) {
     return qtype == Q4_0 || qtype == Q8_0 || qtype == MXFP4 || qtype == IQ3_XXS || qtype == Q4_K || qtype == Q5_K
-           || qtype == Q6_K;
+           || qtype == Q6_K || qtype == Q5_1;
 }
 
 /* one row of a moe_q8_type . q8 x (qx [K], dx / sx [K/32]) */
@@ -113,6 +140,7 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
                                int64_t K) {
     switch (qtype) {
     case Q4_0: return moe_row_q4_0_q8(w, qx, dx, K / 32);
+    case Q5_1: return moe_row_q5_1_q8(w, qx, dx, sx, K / 32);
     case Q8_0: return moe_row_q8_0_q8(w, qx, dx, K / 32);
     case MXFP4: return moe_row_mxfp4_q8(w, qx, dx, K / 32);
     case Q4_K: return moe_row_q4_k_q8(w, qx, dx, sx, K / 256);
