@@ -298,7 +298,7 @@ def package_key(model: torch.nn.Module) -> str:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
     h.update(" ".join(sorted({type(m).__qualname__ for m in model.modules()})).encode())
-    # the quantized copies' type ids are constants of the built code (Q4_0 copies interleaved or not: same shapes)
+    # the quantized copies' type ids are constants of the built code (Q4_0 / Q8_0 copies interleaved or not: same shapes)
     h.update(repr([sorted(getattr(m, "_quant_copies", {}).items()) for m in model.modules()]).encode())
     h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{torch.get_num_threads()}".encode())
     sources = {inspect.getsourcefile(type(m)) for m in model.modules() if type(m).__module__.startswith("moetier.")}
