@@ -298,9 +298,9 @@ def test_interleaved_matvec(qtype, n, k, threads):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_interleaved_other_builds(qtype, other_build):
-    """haswell (AVX2, no VNNI: maddubs sums) gives the native build's Q4_0 result to float rounding and refuses
-    interleaved Q8_0 (its bytes + 128 overflow maddubs); a build without int8 activations (x86-64) refuses both
-    instead of misreading them."""
+    """haswell (AVX2, no VNNI: maddubs sums; Q8_0 through the sign trick) gives the native build's result to float
+    rounding (the same int32 sums); a build without int8 activations (x86-64) refuses the layouts instead of misreading
+    them."""
     from moetier.quant.formats import get_format
     tid = get_format(qtype).type_id
     if not cpu.interleaved_supported(tid):

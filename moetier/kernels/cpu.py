@@ -426,8 +426,7 @@ def _interleaved_base(qtype) -> int | None:
 
 
 def interleaved_supported(qtype_id: int) -> bool:
-    """Whether the C kernels read GGML type `qtype_id`'s rows interleaved (built with int8 activations; Q8_0 needs
-    VNNI)."""
+    """Whether the C kernels read GGML type `qtype_id`'s rows interleaved (built with int8 activations)."""
     return backend() == "c" and bool(_lib.moetier_x8_supported(qtype_id))
 
 
@@ -463,8 +462,7 @@ def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: 
     x8 = base is not None
     fmt = get_format(base if x8 else qtype)
     if x8 and not (q8 and interleaved_supported(base)):
-        raise ValueError(f"interleaved {fmt.name} rows are read by the C kernels with int8 activations only"
-                         + (" and VNNI" if base == 8 else ""))
+        raise ValueError(f"interleaved {fmt.name} rows are read by the C kernels with int8 activations only")
     x2 = _as_f32(x.reshape(-1, x.shape[-1]))
     n, k = _check(fmt, w, x2)
     threads = threads or torch.get_num_threads()

@@ -489,12 +489,23 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
  * group (a broadcast x word) for all 8 rows, where moe_rows4_run's one-row-per-register kernels unpack, dot, convert
  * and scale per row and block; the weights are interleaved once, at load. A one-token matvec was compute-bound from
  * cache (the default model's 8192 x 384 lm_head: Q4_0 ~121 us at 14.6 GB/s, Q8_0 ~109 us at 30 GB/s on the 2-core
- * Zen 4 box). The offsets (Q4_0's 8, Q8_0's stored 128) come off in the integer sum (m[b] = -offset x sum of the
- * block's int8 x); the float sums differ from the row kernels' (one lane per row). */
+ * Zen 4 box). The offsets (Q4_0's 8, Q8_0's stored 128 with VNNI) come off in the integer sum (m[b] = -offset x sum
+ * of the block's int8 x); the float sums differ from the row kernels' (one lane per row). */
 #define Q4_0_X8 (0x100 | Q4_0)
 #define Q8_0_X8 (0x100 | Q8_0)
 
 #ifdef MOE_Q8
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define X8_Q8_OFFSET 128        /* acc + sum (w + 128) x: the stored bytes straight into dpbusd, 128 sum x taken off */
+static inline __m256i moe_x8_q8_dot(__m256i acc, __m256i stored, __m256i x) { return moe_dot_u8s8_acc(acc, stored, x); }
+#else
+#define X8_Q8_OFFSET 0          /* acc + sum w x through the sign trick (maddubs' pair sums of (w + 128) x overflow) */
+static inline __m256i moe_x8_q8_dot(__m256i acc, __m256i stored, __m256i x) {
+    const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
+    return moe_dot_u8s8_acc(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+#endif
+
 /* groups at w and w + gs (16 rows) at once, the x broadcasts shared; q8: Q8_0_X8 (else Q4_0_X8) */
 static inline __attribute__((always_inline)) void moe_x8_group2(int q8, const uint8_t *w, int64_t gs,
                                                                 const int8_t *qx, const float *dx, const int32_t *m,
@@ -511,10 +522,10 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int q8, const ui
         if (q8) {
             for (int j = 0; j < 8; j += 2) {
                 const __m256i xa = _mm256_set1_epi32(xv[j]), xb = _mm256_set1_epi32(xv[j + 1]);
-                s0 = moe_dot_u8s8_acc(s0, _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j)), xa);
-                s1 = moe_dot_u8s8_acc(s1, _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j)), xb);
-                t0 = moe_dot_u8s8_acc(t0, _mm256_loadu_si256((const __m256i *)(w + gs + 16 + 32 * j)), xa);
-                t1 = moe_dot_u8s8_acc(t1, _mm256_loadu_si256((const __m256i *)(w + gs + 48 + 32 * j)), xb);
+                s0 = moe_x8_q8_dot(s0, _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j)), xa);
+                s1 = moe_x8_q8_dot(s1, _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j)), xb);
+                t0 = moe_x8_q8_dot(t0, _mm256_loadu_si256((const __m256i *)(w + gs + 16 + 32 * j)), xa);
+                t1 = moe_x8_q8_dot(t1, _mm256_loadu_si256((const __m256i *)(w + gs + 48 + 32 * j)), xb);
             }
         } else {
             for (int j = 0; j < 4; j++) {
@@ -550,7 +561,7 @@ static int moe_matvec_x8(int q8, const uint8_t *w, int64_t N, int64_t K, const f
     for (int64_t b = 0; b < nb; b++) {
         int32_t t = 0;
         for (int i = 0; i < 32; i++) t += qx[32 * b + i];
-        m[b] = -(q8 ? 128 : 8) * t;
+        m[b] = -(q8 ? X8_Q8_OFFSET : 8) * t;
     }
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
@@ -566,13 +577,10 @@ static int moe_matvec_x8(int q8, const uint8_t *w, int64_t N, int64_t K, const f
 }
 #endif
 
-/* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built; Q8_0
- * with VNNI only (its bytes + 128 against int8 x overflow maddubs' 16-bit pair sums) */
+/* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
 int moetier_x8_supported(int qtype) {
-#if defined(MOE_Q8) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef MOE_Q8
     return qtype == Q4_0 || qtype == Q8_0;
-#elif defined(MOE_Q8)
-    return qtype == Q4_0;
 #else
     (void)qtype;
     return 0;
@@ -585,8 +593,7 @@ int moetier_x8_supported(int qtype) {
 int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
                       const float *x, float *y, int nthreads) {
 #ifdef MOE_Q8
-    if (qtype == Q4_0_X8 || qtype == Q8_0_X8)
-        return moetier_x8_supported(qtype & 0xFF) ? moe_matvec_x8(qtype == Q8_0_X8, w, N, K, x, y, nthreads) : -1;
+    if (qtype == Q4_0_X8 || qtype == Q8_0_X8) return moe_matvec_x8(qtype == Q8_0_X8, w, N, K, x, y, nthreads);
     if (!moe_q8_type(qtype)) return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
     if (K % block_elems(qtype)) return -1;
     char *mem = malloc((sizeof(float) + sizeof(int32_t)) * (K / 32) + K + 64);
