@@ -165,6 +165,16 @@ def test_q5_1_fallbacks_pack(tmp_path):
 
 
 @needs_c
+def test_iq4_files_pack(tmp_path):
+    """An IQ4_XS file (IQ4_NL where rows are not a multiple of 256: all of this tiny model's): the experts pack in the
+    file's formats and the compiled step follows eager decode (peaked distributions, as test_q5_1_fallbacks_pack)."""
+    path = quantize(build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen), "IQ4_XS", tmp_path / "m-IQ4_XS.gguf")
+    fast = compiled_follows_eager(path, kl_max=0.05)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all({m.fmt, m.down_fmt} <= {"IQ4_NL", "IQ4_XS"} for m in experts)
+
+
+@needs_c
 def test_compiled_step_on_k_quant_gguf(tmp_path):
     """Q4_K_M keeps the lm_head as Q6_K, attn_q and the dense MLP as Q4_K/Q6_K, attn_k/v as Q8_0 (tiny rows),
     attn_output as Q5_1: the compiled step multiplies each on the file's own blocks (q/k/v differ, so they stay

@@ -43,7 +43,7 @@ from .reference import expert_matvec
 
 log = logging.getLogger(__name__)
 
-FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"}
+FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL"}
 DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS"}     # moetier_dequant (dequantize_rows)
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -306,7 +306,7 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
     return y + down_bias.float() if down_bias is not None else y
 
 
-MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"}   # q8=True: int8 activations for these
+MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL"}   # q8=True: int8 activations for these
 
 
 def moe_tokens(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
@@ -416,8 +416,8 @@ def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
 
 
 # Rows interleaved by 8 (interleave_rows): type ids of moetier_matvec_q8 only, not GGML types. GGML id -> its id.
-INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8}                  # Q4_0, Q8_0
-_BLOCK_BYTES = {2: 18, 8: 34}
+INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8, 20: 0x100 | 20}   # Q4_0, Q8_0, IQ4_NL
+_BLOCK_BYTES = {2: 18, 8: 34, 20: 18}
 
 
 def _interleaved_base(qtype) -> int | None:
@@ -431,7 +431,7 @@ def interleaved_supported(qtype_id: int) -> bool:
 
 
 def interleave_rows(blocks: torch.Tensor, qtype_id: int) -> torch.Tensor:
-    """Q4_0 / Q8_0 blocks uint8 [N, row bytes] (N a multiple of 8) -> the same number of bytes, shape kept, as
+    """Q4_0 / Q8_0 / IQ4_NL blocks uint8 [N, row bytes] (N a multiple of 8) -> the same number of bytes, shape kept, as
     moetier_matvec_q8 reads INTERLEAVED[qtype_id]: rows 8g..8g+7, block b: their 8 fp16 scales, then for each 4-byte
     group j of the block's quants the 8 rows' bytes (row r at 4r); Q8_0's int8 values stored + 128. Undone by
     deinterleave_rows."""

@@ -110,25 +110,42 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
  * pair costs 8 dpbusd with its 4 int8 values broadcast, one conversion and two fma for the 8 rows per block (the 4 x 4
  * tile: a dpbusd, a conversion, a mul and an fma per row and pair), and the results land as dst's rows (no transpose).
  * Per row and block d (dx dot(nib, qx) - 8 sx), as moe_row_q4_0_q8 (its rounding differs: one int32 dot per block).
- * Default model's layer (8 experts, D 384, I 256, 256 tokens, 1 thread, Zen 4): the 4 x 4 tile 4.17 ms, this 2.14. */
-static inline __attribute__((always_inline)) void grp_tile8_q4_0(const uint8_t *w, int64_t rs,
+ * Default model's layer (8 experts, D 384, I 256, 256 tokens, 1 thread, Zen 4): the 4 x 4 tile 4.17 ms, this 2.14.
+ * kind 1 / 2: IQ4_NL / IQ4_XS rows (the same nibble bytes per 32 values; the codebook + 128 as unsigned bytes by one
+ * shuffle, 128 sx off: d (dx dot(book + 128, qx) - 128 sx); IQ4_XS: d (ls - 32) of the row's sub-block). nb: blocks of
+ * 32 values. */
+static inline __attribute__((always_inline)) void grp_tile8_q4_0(const int kind, const uint8_t *w, int64_t rs,
         const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
         int64_t ldo) {
     __m256 acc[GRP_PAIRS8];
     for (int p = 0; p < GRP_PAIRS8; p++) acc[p] = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
+    const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
+                                         _mm256_set1_epi8((char)0x80));       /* value + 128 as an unsigned byte */
+    const float off = kind ? 128.f : 8.f;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + 18 * b;
+        const uint8_t *blk = kind == 2 ? w + 136 * (b / 8) : w + 18 * b;      /* the block, or its super-block */
+        const int64_t qo = kind == 2 ? 8 + 16 * (b % 8) : 2;                  /* its nibble bytes */
         __m256i t[4];                                   /* t[r]: row r's 16 bytes | row r + 4's */
-        uint16_t h[8];
-        for (int r = 0; r < 8; r++) {
-            PREFETCH(blk + r * rs);
-            memcpy(h + r, blk + r * rs, 2);
+        __m256 d;                                       /* lane r: row r's scale */
+        if (kind == 2) {
+            float sc[8];
+            for (int r = 0; r < 8; r++) {
+                PREFETCH(blk + r * rs + qo);
+                sc[r] = iq4_xs_scale(blk + r * rs, (int)(b % 8));
+            }
+            d = _mm256_loadu_ps(sc);
+        } else {
+            uint16_t h[8];
+            for (int r = 0; r < 8; r++) {
+                PREFETCH(blk + r * rs);
+                memcpy(h + r, blk + r * rs, 2);
+            }
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
         }
         for (int r = 0; r < 4; r++)
-            t[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + r * rs + 2))),
-                                           _mm_loadu_si128((const __m128i *)(blk + (r + 4) * rs + 2)), 1);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));        /* lane r: row r's scale */
+            t[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + r * rs + qo))),
+                                           _mm_loadu_si128((const __m128i *)(blk + (r + 4) * rs + qo)), 1);
         const __m256i u0 = _mm256_unpacklo_epi32(t[0], t[1]), u1 = _mm256_unpackhi_epi32(t[0], t[1]);
         const __m256i u2 = _mm256_unpacklo_epi32(t[2], t[3]), u3 = _mm256_unpackhi_epi32(t[2], t[3]);
         const __m256i c[4] = {_mm256_unpacklo_epi64(u0, u2), _mm256_unpackhi_epi64(u0, u2),
@@ -137,6 +154,10 @@ static inline __attribute__((always_inline)) void grp_tile8_q4_0(const uint8_t *
         for (int j = 0; j < 4; j++) {
             wq[j] = _mm256_and_si256(c[j], lo);
             wq[j + 4] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), lo);
+            if (kind) {
+                wq[j] = _mm256_shuffle_epi8(book, wq[j]);
+                wq[j + 4] = _mm256_shuffle_epi8(book, wq[j + 4]);
+            }
         }
         for (int p = 0; p < np; p++) {
             const int8_t *q = qx[p] + 32 * b;
@@ -149,7 +170,7 @@ static inline __attribute__((always_inline)) void grp_tile8_q4_0(const uint8_t *
                 s1 = _mm256_dpbusd_epi32(s1, wq[j + 1], _mm256_set1_epi32(q1));
             }
             const __m256 f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(dx[p][b]),
-                                             _mm256_set1_ps(8.f * sx[p][b]));
+                                             _mm256_set1_ps(off * sx[p][b]));
             acc[p] = _mm256_fmadd_ps(f, d, acc[p]);
         }
     }
@@ -157,10 +178,12 @@ static inline __attribute__((always_inline)) void grp_tile8_q4_0(const uint8_t *
 }
 
 /* the tile for a constant np (its accumulators in registers) */
-static void grp_tile8_q4_0_any(const uint8_t *w, int64_t rs, const int8_t *const *qx, const float *const *dx,
+static void grp_tile8_q4_0_any(int kind, const uint8_t *w, int64_t rs, const int8_t *const *qx, const float *const *dx,
                                const float *const *sx, int np, int64_t nb, float *out, int64_t ldo) {
-    switch (np) {
-#define GRP_TILE8_CASE(n) case n: grp_tile8_q4_0(w, rs, qx, dx, sx, n, nb, out, ldo); break;
+    switch (np * 3 + kind) {
+#define GRP_TILE8_CASE(n) case 3 * n: grp_tile8_q4_0(0, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
+                          case 3 * n + 1: grp_tile8_q4_0(1, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
+                          case 3 * n + 2: grp_tile8_q4_0(2, w, rs, qx, dx, sx, n, nb, out, ldo); break;
     GRP_TILE8_CASE(1) GRP_TILE8_CASE(2) GRP_TILE8_CASE(3) GRP_TILE8_CASE(4)
     GRP_TILE8_CASE(5) GRP_TILE8_CASE(6) GRP_TILE8_CASE(7) GRP_TILE8_CASE(8)
 #undef GRP_TILE8_CASE
@@ -815,7 +838,9 @@ static void grp_side_init(grp_side *a, int qtype, int q8, int64_t K, const float
 static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const grp_side *a, int64_t s0, int64_t s1,
                      float *dst, int64_t ld, int64_t r) {
 #ifdef GRP_ROWS8
-    if (qtype == Q4_0 && a->q8 && m % 8 == 0) {     /* Q4_0 rows in lanes: 8 rows of a pair are contiguous in dst */
+    if ((qtype == Q4_0 || qtype == IQ4_NL || qtype == IQ4_XS) && a->q8 && m % 8 == 0) {   /* rows in lanes: 8 rows of a
+                                                                                              * pair contiguous in dst */
+        const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : 2;
         const int64_t nb = a->K / 32;
         for (int64_t i = 0; i < m; i += 8)
             for (int64_t s = s0; s < s1; s += GRP_PAIRS8) {
@@ -828,7 +853,7 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
                     dx[p] = a->dx + row * nb;
                     sx[p] = a->sx + row * nb;
                 }
-                grp_tile8_q4_0_any(w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
+                grp_tile8_q4_0_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
             }
         return;
     }
@@ -861,6 +886,9 @@ static int64_t grp_tasks(const int64_t *start, int64_t E, int64_t n, int64_t cut
 int moetier_grouped_int8_tile(int qtype) {
 #ifdef MOE_Q8
     if (qtype == Q4_0 || qtype == Q8_0) return 1;
+#endif
+#ifdef GRP_ROWS8
+    if (qtype == IQ4_NL || qtype == IQ4_XS) return 1;
 #endif
     return grp_int8_tile(qtype);
 }

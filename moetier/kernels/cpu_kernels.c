@@ -208,21 +208,81 @@ static void dequant_q5_1(const uint8_t *blk, float *o) {
     }
 }
 
+/* ---- IQ4_XS: 136-byte super-blocks of 256 {fp16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]}; sub-block ib (32
+ * values) has the 6-bit scale ls = scales_l nibble ib | 2 bits of scales_h << 4 and the nibble layout of Q4_0, value
+ * d (ls - 32) iq4nl[q] (llama.cpp's non-linear 4-bit codebook) ---- */
+static const int8_t iq4nl_values[16] __attribute__((aligned(16))) = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13,
+                                                                     25, 38, 53, 69, 89, 113};
+
+static inline float iq4_xs_scale(const uint8_t *w, int ib) {        /* d (ls - 32) of sub-block ib */
+    uint16_t sh;
+    memcpy(&sh, w + 2, 2);
+    return fp16_to_f32(w) * (float)((((w[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
+}
+
+/* IQ4_NL: 18-byte blocks of 32 {fp16 d, u8 qs[16]} (IQ4_XS's sub-block with its own scale; llama.cpp's fallback for
+ * IQ4_XS rows not a multiple of 256) */
+static float row_iq4_nl(const uint8_t *w, const float *x, int64_t nb) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++, w += 18, x += 32) {
+        PREFETCH(w);
+        float s = 0.f;
+        for (int j = 0; j < 16; j++) s += iq4nl_values[w[2 + j] & 0x0F] * x[j] + iq4nl_values[w[2 + j] >> 4] * x[j + 16];
+        acc += fp16_to_f32(w) * s;
+    }
+    return acc;
+}
+
+static float row_iq4_xs(const uint8_t *w, const float *x, int64_t nsb) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nsb; b++, w += 136) {
+        PREFETCH(w);
+        for (int ib = 0; ib < 8; ib++, x += 32) {
+            const uint8_t *q = w + 8 + 16 * ib;
+            float s = 0.f;
+            for (int j = 0; j < 16; j++) s += iq4nl_values[q[j] & 0x0F] * x[j] + iq4nl_values[q[j] >> 4] * x[j + 16];
+            acc += iq4_xs_scale(w, ib) * s;
+        }
+    }
+    return acc;
+}
+
+static void dequant_iq4_nl(const uint8_t *blk, float *o) {
+    const float d = fp16_to_f32(blk);
+    for (int j = 0; j < 16; j++) {
+        o[j] = d * (float)iq4nl_values[blk[2 + j] & 0x0F];
+        o[j + 16] = d * (float)iq4nl_values[blk[2 + j] >> 4];
+    }
+}
+
+static void dequant_iq4_xs(const uint8_t *blk, float *o) {
+    for (int ib = 0; ib < 8; ib++, o += 32) {
+        const float dl = iq4_xs_scale(blk, ib);
+        const uint8_t *q = blk + 8 + 16 * ib;
+        for (int j = 0; j < 16; j++) {
+            o[j] = dl * (float)iq4nl_values[q[j] & 0x0F];
+            o[j + 16] = dl * (float)iq4nl_values[q[j] >> 4];
+        }
+    }
+}
+
 #include "cpu_kquants.c"
 #include "cpu_iquants.c"
 
 /* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N). Type ids: GGML's ---- */
-enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, MXFP4 = 39 };
+enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23,
+       MXFP4 = 39 };
 
 int moetier_supported(int qtype) {
     switch (qtype) {
-    case Q8_0: case Q4_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS: case MXFP4: return 1;
+    case Q8_0: case Q4_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS: case IQ4_NL: case IQ4_XS:
+    case MXFP4: return 1;
     default: return 0;
     }
 }
 
 static int64_t block_elems(int qtype) {
-    return qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_1 || qtype == MXFP4 ? 32 : 256;
+    return qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_1 || qtype == IQ4_NL || qtype == MXFP4 ? 32 : 256;
 }
 static int64_t block_bytes(int qtype) {
     switch (qtype) {
@@ -233,6 +293,8 @@ static int64_t block_bytes(int qtype) {
     case Q5_K: return 176;
     case Q6_K: return 210;
     case IQ3_XXS: return 98;
+    case IQ4_XS: return 136;
+    case IQ4_NL: return 18;
     case MXFP4: return 17;
     default: return 0;
     }
@@ -252,6 +314,8 @@ static float row_dot(int qtype, const uint8_t *w, const float *x, const float *x
     case Q5_K: return row_q5_k(w, x, xs, K / 256);
     case Q6_K: return row_q6_k(w, x, K / 256);
     case IQ3_XXS: return row_iq3_xxs(w, x, K / 256);
+    case IQ4_XS: return row_iq4_xs(w, x, K / 256);
+    case IQ4_NL: return row_iq4_nl(w, x, K / 32);
     case MXFP4: return row_mxfp4(w, x, K / 32);
     default: return 0.f;        /* unreachable: callers check moetier_supported */
     }
@@ -325,6 +389,8 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
     case Q5_1: for (int64_t b = 0; b < K / 32; b++) dequant_q5_1(r + 24 * b, o + 32 * b); break;
     case MXFP4: for (int64_t b = 0; b < K / 32; b++) dequant_mxfp4(r + 17 * b, o + 32 * b); break;
     case IQ3_XXS: for (int64_t b = 0; b < K / 256; b++) dequant_iq3_xxs(r + 98 * b, o + 256 * b); break;
+    case IQ4_XS: for (int64_t b = 0; b < K / 256; b++) dequant_iq4_xs(r + 136 * b, o + 256 * b); break;
+    case IQ4_NL: for (int64_t b = 0; b < K / 32; b++) dequant_iq4_nl(r + 18 * b, o + 32 * b); break;
     default: break;
     }
 }

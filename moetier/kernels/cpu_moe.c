@@ -114,6 +114,34 @@ static float moe_row_q5_1_q8(const uint8_t *w, const int8_t *qx, const float *dx
     return hsum8(acc) + off;
 }
 
+/* The 32 codebook values (int8) of 16 IQ4 nibble bytes at q . 32 int8 x: one byte shuffle, the sign trick */
+static inline __m256i moe_iq4_dot(const uint8_t *q, const int8_t *qx) {
+    const __m256i book = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values));
+    const __m128i t = _mm_loadu_si128((const __m128i *)q);
+    const __m256i v = _mm256_shuffle_epi8(book, _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t),
+                                                                  _mm256_set1_epi8(0x0F)));
+    const __m256i y = _mm256_loadu_si256((const __m256i *)qx);
+    return moe_dot_u8s8(_mm256_sign_epi8(v, v), _mm256_sign_epi8(y, v));
+}
+
+/* IQ4_XS row . q8 x: per sub-block moe_iq4_dot times d (ls - 32) dx */
+static float moe_row_iq4_xs_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 136)
+        for (int ib = 0; ib < 8; ib++, qx += 32, dx++)
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(moe_iq4_dot(w + 8 + 16 * ib, qx)),
+                                  _mm256_set1_ps(iq4_xs_scale(w, ib) * dx[0]), acc);
+    return hsum8(acc);
+}
+
+/* IQ4_NL row . q8 x: per block moe_iq4_dot times d dx */
+static float moe_row_iq4_nl_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 18, qx += 32)
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(moe_iq4_dot(w + 2, qx)), _mm256_set1_ps(fp16_to_f32(w) * dx[b]), acc);
+    return hsum8(acc);
+}
+
 /* Q8_0 row . q8 x (signed x signed through the sign trick) */
 static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nb) {
     __m256 acc = _mm256_setzero_ps();
@@ -132,7 +160,7 @@ static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx
 /* types with an int8-activation row kernel (moe_row_q8) */
 static inline int moe_q8_type(int qtype) {
     return qtype == Q4_0 || qtype == Q8_0 || qtype == MXFP4 || qtype == IQ3_XXS || qtype == Q4_K || qtype == Q5_K
-           || qtype == Q6_K || qtype == Q5_1;
+           || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL;
 }
 
 /* one row of a moe_q8_type . q8 x (qx [K], dx / sx [K/32]) */
@@ -141,6 +169,8 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
     switch (qtype) {
     case Q4_0: return moe_row_q4_0_q8(w, qx, dx, K / 32);
     case Q5_1: return moe_row_q5_1_q8(w, qx, dx, sx, K / 32);
+    case IQ4_XS: return moe_row_iq4_xs_q8(w, qx, dx, K / 256);
+    case IQ4_NL: return moe_row_iq4_nl_q8(w, qx, dx, K / 32);
     case Q8_0: return moe_row_q8_0_q8(w, qx, dx, K / 32);
     case MXFP4: return moe_row_mxfp4_q8(w, qx, dx, K / 32);
     case Q4_K: return moe_row_q4_k_q8(w, qx, dx, sx, K / 256);
@@ -493,25 +523,39 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
  * of the block's int8 x); the float sums differ from the row kernels' (one lane per row). */
 #define Q4_0_X8 (0x100 | Q4_0)
 #define Q8_0_X8 (0x100 | Q8_0)
+#define IQ4_NL_X8 (0x100 | IQ4_NL)
 
 #ifdef MOE_Q8
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define X8_Q8_OFFSET 128        /* acc + sum (w + 128) x: the stored bytes straight into dpbusd, 128 sum x taken off */
 static inline __m256i moe_x8_q8_dot(__m256i acc, __m256i stored, __m256i x) { return moe_dot_u8s8_acc(acc, stored, x); }
+/* IQ4_NL: nibbles -> codebook value + 128 (one shuffle), into dpbusd; 128 sum x taken off likewise */
+static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x) {
+    const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
+                                         _mm256_set1_epi8((char)0x80));
+    return moe_dot_u8s8_acc(acc, _mm256_shuffle_epi8(book, nib), x);
+}
 #else
 #define X8_Q8_OFFSET 0          /* acc + sum w x through the sign trick (maddubs' pair sums of (w + 128) x overflow) */
 static inline __m256i moe_x8_q8_dot(__m256i acc, __m256i stored, __m256i x) {
     const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
     return moe_dot_u8s8_acc(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
+static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x) {
+    const __m256i w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
+                                          nib);
+    return moe_dot_u8s8_acc(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
 #endif
 
-/* groups at w and w + gs (16 rows) at once, the x broadcasts shared; q8: Q8_0_X8 (else Q4_0_X8) */
-static inline __attribute__((always_inline)) void moe_x8_group2(int q8, const uint8_t *w, int64_t gs,
+/* groups at w and w + gs (16 rows) at once, the x broadcasts shared; kind: X8_Q4_0, X8_Q8_0 or X8_IQ4_NL */
+enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL };
+static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const uint8_t *w, int64_t gs,
                                                                 const int8_t *qx, const float *dx, const int32_t *m,
                                                                 int64_t nb, float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
+    const int q8 = kind == X8_Q8_0;
     const int64_t bb = q8 ? 272 : 144;
     for (int64_t b = 0; b < nb; b++, w += bb) {
         PREFETCH(w);
@@ -532,10 +576,19 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int q8, const ui
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
                 const __m256i e = _mm256_loadu_si256((const __m256i *)(w + gs + 16 + 32 * j));
                 const __m256i xl = _mm256_set1_epi32(xv[j]), xh = _mm256_set1_epi32(xv[j + 4]);
-                s0 = moe_dot_u8s8_acc(s0, _mm256_and_si256(c, lo), xl);
-                s1 = moe_dot_u8s8_acc(s1, _mm256_and_si256(_mm256_srli_epi16(c, 4), lo), xh);
-                t0 = moe_dot_u8s8_acc(t0, _mm256_and_si256(e, lo), xl);
-                t1 = moe_dot_u8s8_acc(t1, _mm256_and_si256(_mm256_srli_epi16(e, 4), lo), xh);
+                const __m256i cl = _mm256_and_si256(c, lo), ch = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo);
+                const __m256i el = _mm256_and_si256(e, lo), eh = _mm256_and_si256(_mm256_srli_epi16(e, 4), lo);
+                if (kind == X8_IQ4_NL) {
+                    s0 = moe_x8_iq4_dot(s0, cl, xl);
+                    s1 = moe_x8_iq4_dot(s1, ch, xh);
+                    t0 = moe_x8_iq4_dot(t0, el, xl);
+                    t1 = moe_x8_iq4_dot(t1, eh, xh);
+                } else {
+                    s0 = moe_dot_u8s8_acc(s0, cl, xl);
+                    s1 = moe_dot_u8s8_acc(s1, ch, xh);
+                    t0 = moe_dot_u8s8_acc(t0, el, xl);
+                    t1 = moe_dot_u8s8_acc(t1, eh, xh);
+                }
             }
         }
         const __m256 sx = _mm256_set1_ps(dx[b]);
@@ -548,10 +601,10 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int q8, const ui
     _mm256_storeu_ps(out + 8, acc1);
 }
 
-/* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 (q8; N a multiple of 8), x rounded to int8 per 32 values */
-static int moe_matvec_x8(int q8, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
+/* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 / IQ4_NL_X8 (kind; N a multiple of 8), x rounded to int8 per 32 values */
+static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
     if (N % 8 || K % 32) return -1;
-    const int64_t nb = K / 32, gb = nb * (q8 ? 272 : 144);         /* bytes per group of 8 rows */
+    const int64_t nb = K / 32, gb = nb * (kind == X8_Q8_0 ? 272 : 144);     /* bytes per group of 8 rows */
     char *mem = malloc((2 * sizeof(float) + sizeof(int32_t)) * nb + K + 64);
     if (!mem) return -2;
     float *dx = (float *)mem, *sx = dx + nb;
@@ -561,15 +614,17 @@ static int moe_matvec_x8(int q8, const uint8_t *w, int64_t N, int64_t K, const f
     for (int64_t b = 0; b < nb; b++) {
         int32_t t = 0;
         for (int i = 0; i < 32; i++) t += qx[32 * b + i];
-        m[b] = -(q8 ? X8_Q8_OFFSET : 8) * t;
+        m[b] = -(kind == X8_Q4_0 ? 8 : X8_Q8_OFFSET) * t;       /* IQ4_NL's codebook + 128: as Q8_0's */
     }
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2) {
         float two[16];                              /* an odd last group: twice, once kept */
         const int pair = g + 1 < N / 8;
-        if (q8) moe_x8_group2(1, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
-        else moe_x8_group2(0, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
+        if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
+        else if (kind == X8_IQ4_NL)
+            moe_x8_group2(X8_IQ4_NL, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
+        else moe_x8_group2(X8_Q4_0, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
         if (!pair) memcpy(y + 8 * g, two, sizeof(float) * 8);
     }
     free(mem);
@@ -580,7 +635,7 @@ static int moe_matvec_x8(int q8, const uint8_t *w, int64_t N, int64_t K, const f
 /* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
 int moetier_x8_supported(int qtype) {
 #ifdef MOE_Q8
-    return qtype == Q4_0 || qtype == Q8_0;
+    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL;
 #else
     (void)qtype;
     return 0;
@@ -593,7 +648,8 @@ int moetier_x8_supported(int qtype) {
 int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
                       const float *x, float *y, int nthreads) {
 #ifdef MOE_Q8
-    if (qtype == Q4_0_X8 || qtype == Q8_0_X8) return moe_matvec_x8(qtype == Q8_0_X8, w, N, K, x, y, nthreads);
+    if (qtype == Q4_0_X8 || qtype == Q8_0_X8 || qtype == IQ4_NL_X8)
+        return moe_matvec_x8(qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL : X8_Q4_0, w, N, K, x, y, nthreads);
     if (!moe_q8_type(qtype)) return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
     if (K % block_elems(qtype)) return -1;
     char *mem = malloc((sizeof(float) + sizeof(int32_t)) * (K / 32) + K + 64);

@@ -34,8 +34,9 @@ static at::Tensor qlinear(const at::Tensor &x, const at::Tensor &w, int64_t qtyp
                 "moetier::qlinear needs x [T, K] and uint8 blocks [N, row_bytes] with contiguous rows");
     const int64_t t = x.size(0), n = w.size(0), k = x.size(1);
     const int64_t base = qtype & 0xFF;                                          // 0x100 | 2: Q4_0 rows interleaved
-    const int64_t block = base == 8 || base == 2 || base == 7 ? 32 : 256;      // Q8_0, Q4_0, Q5_1 | K-quants
-    const int64_t bytes = base == 8 ? 34 : base == 2 ? 18 : base == 7 ? 24 : base == 12 ? 144 : base == 13 ? 176 : 210;
+    const int64_t block = base == 8 || base == 2 || base == 7 || base == 20 ? 32 : 256;   // Q8_0, Q4_0, Q5_1, IQ4_NL
+    const int64_t bytes = base == 8 ? 34 : base == 2 || base == 20 ? 18 : base == 7 ? 24 : base == 12 ? 144
+                          : base == 13 ? 176 : base == 23 ? 136 : 210;       // ... Q4_K, Q5_K, IQ4_XS | Q6_K
     TORCH_CHECK(k % block == 0 && w.size(1) * block == k * bytes, "moetier::qlinear: GGML type ", qtype, " rows of ",
                 w.size(1), " bytes do not hold K=", k, " values");
     at::Tensor y = at::empty({t, n}, x.options());

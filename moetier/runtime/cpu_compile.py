@@ -226,7 +226,7 @@ PREFILL_INT8_TYPES = {"Q4_K", "Q6_K"}
 # Sapphire Rapids-class Xeon. Q8_0 (Zen 4, default model, 256 tokens): the int8 tile 7,377 tok/s against 6,409 for
 # float activations (dequantize + MKL at 64 pairs an expert), and a Q6_K file's Q8_0 + Q6_K experts 7,292 vs 5,465.
 # MOETIER_PREFILL_INT8=on | off skips the timing (tests force either).
-TIMED_INT8_TYPES = {"Q4_0", "Q8_0"}
+TIMED_INT8_TYPES = {"Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS"}
 PREFILL_INT8 = os.environ.get("MOETIER_PREFILL_INT8", "auto")
 
 
