@@ -160,8 +160,9 @@ def test_q5_1_fallbacks_pack(tmp_path):
     fast = compiled_follows_eager(path, kl_max=0.05)
     experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
     assert experts and all(m.fmt == "Q5_1" for m in experts)
-    att = fast.model.model.layers[0].self_attn
-    assert att.q_proj._quant_copies == att.o_proj._quant_copies == {"weight": get_format("Q5_1").type_id}
+    att, q51 = fast.model.model.layers[0].self_attn, get_format("Q5_1").type_id
+    q51 = cpu.INTERLEAVED[q51] if cpu.interleaved_supported(q51) else q51       # 8k rows: interleaved
+    assert att.q_proj._quant_copies == att.o_proj._quant_copies == {"weight": q51}
 
 
 @needs_c
@@ -182,8 +183,9 @@ def test_compiled_step_on_k_quant_gguf(tmp_path):
     path = quantize(build_qwen3_moe(tmp_path / "model", **K_QUANT_MODEL), "Q4_K_M", tmp_path / "m-Q4_K_M.gguf")
     fast = compiled_follows_eager(path)
     tid = {n: get_format(n).type_id for n in ("Q4_K", "Q6_K", "Q8_0", "Q5_1")}
-    if cpu.interleaved_supported(tid["Q8_0"]):      # Q8_0 copies of 8k rows: interleaved
-        tid["Q8_0"] = cpu.INTERLEAVED[tid["Q8_0"]]
+    for f in ("Q8_0", "Q5_1"):                      # copies of 8k rows in these formats: interleaved
+        if cpu.interleaved_supported(tid[f]):
+            tid[f] = cpu.INTERLEAVED[tid[f]]
     copies = {name: m._quant_copies for name, m in fast.model.named_modules() if getattr(m, "_quant_copies", None)}
     assert copies["lm_head"] == {"weight": tid["Q6_K"]}
     for i in (0, 1):

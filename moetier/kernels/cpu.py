@@ -416,8 +416,8 @@ def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
 
 
 # Rows interleaved by 8 (interleave_rows): type ids of moetier_matvec_q8 only, not GGML types. GGML id -> its id.
-INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8, 20: 0x100 | 20}   # Q4_0, Q8_0, IQ4_NL
-_BLOCK_BYTES = {2: 18, 8: 34, 20: 18}
+INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8, 20: 0x100 | 20, 7: 0x100 | 7}   # Q4_0, Q8_0, IQ4_NL, Q5_1
+_HEADER = {2: (2,), 8: (2,), 20: (2,), 7: (2, 2, 4)}     # per-row fields before the quants: d (Q5_1: d, m, qh)
 
 
 def _interleaved_base(qtype) -> int | None:
@@ -431,27 +431,37 @@ def interleaved_supported(qtype_id: int) -> bool:
 
 
 def interleave_rows(blocks: torch.Tensor, qtype_id: int) -> torch.Tensor:
-    """Q4_0 / Q8_0 / IQ4_NL blocks uint8 [N, row bytes] (N a multiple of 8) -> the same number of bytes, shape kept, as
-    moetier_matvec_q8 reads INTERLEAVED[qtype_id]: rows 8g..8g+7, block b: their 8 fp16 scales, then for each 4-byte
-    group j of the block's quants the 8 rows' bytes (row r at 4r); Q8_0's int8 values stored + 128. Undone by
-    deinterleave_rows."""
+    """Q4_0 / Q8_0 / IQ4_NL / Q5_1 blocks uint8 [N, row bytes] (N a multiple of 8) -> the same number of bytes, shape
+    kept, as moetier_matvec_q8 reads INTERLEAVED[qtype_id]: rows 8g..8g+7, block b: each header field of the 8 rows
+    (their fp16 scales; Q5_1: then their mins and 5th bits), then for each 4-byte group j of the block's quants the 8
+    rows' bytes (row r at 4r); Q8_0's int8 values stored + 128. Undone by deinterleave_rows."""
     n, rb = blocks.shape
-    bb = _BLOCK_BYTES[qtype_id]
+    head = _HEADER[qtype_id]
+    bb = get_format(qtype_id).type_size
     b = blocks.reshape(n // 8, 8, rb // bb, bb)
-    d = b[..., :2].permute(0, 2, 1, 3).reshape(n // 8, rb // bb, 16)
-    q = b[..., 2:] ^ 0x80 if qtype_id == 8 else b[..., 2:]
-    q = q.reshape(n // 8, 8, rb // bb, (bb - 2) // 4, 4).permute(0, 2, 3, 1, 4).reshape(n // 8, rb // bb, 8 * (bb - 2))
-    return torch.cat([d, q], -1).reshape(n, rb)
+    parts, off = [], 0
+    for f in head:
+        parts.append(b[..., off:off + f].permute(0, 2, 1, 3).reshape(n // 8, rb // bb, 8 * f))
+        off += f
+    q = b[..., off:] ^ 0x80 if qtype_id == 8 else b[..., off:]
+    parts.append(q.reshape(n // 8, 8, rb // bb, (bb - off) // 4, 4).permute(0, 2, 3, 1, 4)
+                 .reshape(n // 8, rb // bb, 8 * (bb - off)))
+    return torch.cat(parts, -1).reshape(n, rb)
 
 
 def deinterleave_rows(x8: torch.Tensor, qtype_id: int) -> torch.Tensor:
     n, rb = x8.shape
-    bb = _BLOCK_BYTES[qtype_id]
+    head = _HEADER[qtype_id]
+    bb = get_format(qtype_id).type_size
     g = x8.reshape(n // 8, rb // bb, 8 * bb)
-    d = g[..., :16].reshape(n // 8, rb // bb, 8, 2).permute(0, 2, 1, 3)
-    q = g[..., 16:].reshape(n // 8, rb // bb, (bb - 2) // 4, 8, 4).permute(0, 3, 1, 2, 4).reshape(n // 8, 8, rb // bb,
-                                                                                                  bb - 2)
-    return torch.cat([d, q ^ 0x80 if qtype_id == 8 else q], -1).reshape(n, rb)
+    parts, off = [], 0
+    for f in head:
+        parts.append(g[..., 8 * off:8 * (off + f)].reshape(n // 8, rb // bb, 8, f).permute(0, 2, 1, 3))
+        off += f
+    q = g[..., 8 * off:].reshape(n // 8, rb // bb, (bb - off) // 4, 8, 4).permute(0, 3, 1, 2, 4)
+    q = q.reshape(n // 8, 8, rb // bb, bb - off)
+    parts.append(q ^ 0x80 if qtype_id == 8 else q)
+    return torch.cat(parts, -1).reshape(n, rb)
 
 
 def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: int | None = None) -> torch.Tensor:

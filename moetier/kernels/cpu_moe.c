@@ -524,6 +524,7 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
 #define Q4_0_X8 (0x100 | Q4_0)
 #define Q8_0_X8 (0x100 | Q8_0)
 #define IQ4_NL_X8 (0x100 | IQ4_NL)
+#define Q5_1_X8 (0x100 | Q5_1)
 
 #ifdef MOE_Q8
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -549,14 +550,24 @@ static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x) {
 #endif
 
 /* groups at w and w + gs (16 rows) at once, the x broadcasts shared; kind: X8_Q4_0, X8_Q8_0 or X8_IQ4_NL */
-enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL };
+enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1 };
+
+/* Q5_1_X8: bit 4 of the 4 values of each lane's nibble group j (low nibbles: qh bits 4j..4j+3 of the lane's row; high:
+ * 16 + 4j..) as bytes 0x10 / 0: the 4 bits spread to bytes by one multiply ((t & 15) 0x204081: copies 7 bits apart,
+ * bit k lands at 8k) */
+static inline __m256i moe_x8_q5_bits(__m256i qh, int shift) {
+    const __m256i t = _mm256_and_si256(_mm256_srli_epi32(qh, shift), _mm256_set1_epi32(0x0F));
+    return _mm256_slli_epi32(_mm256_and_si256(_mm256_mullo_epi32(t, _mm256_set1_epi32(0x204081)),
+                                              _mm256_set1_epi32(0x01010101)), 4);
+}
+
 static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const uint8_t *w, int64_t gs,
-                                                                const int8_t *qx, const float *dx, const int32_t *m,
-                                                                int64_t nb, float *out) {
+                                                                const int8_t *qx, const float *dx, const float *sxs,
+                                                                const int32_t *m, int64_t nb, float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
-    const int q8 = kind == X8_Q8_0;
-    const int64_t bb = q8 ? 272 : 144;
+    const int q8 = kind == X8_Q8_0, q5 = kind == X8_Q5_1;
+    const int64_t bb = q8 ? 272 : q5 ? 192 : 144, qo = q5 ? 64 : 16;    /* block bytes (8 rows), quants' offset */
     for (int64_t b = 0; b < nb; b++, w += bb) {
         PREFETCH(w);
         PREFETCH(w + gs);
@@ -573,11 +584,19 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
             }
         } else {
             for (int j = 0; j < 4; j++) {
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-                const __m256i e = _mm256_loadu_si256((const __m256i *)(w + gs + 16 + 32 * j));
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(w + qo + 32 * j));
+                const __m256i e = _mm256_loadu_si256((const __m256i *)(w + gs + qo + 32 * j));
                 const __m256i xl = _mm256_set1_epi32(xv[j]), xh = _mm256_set1_epi32(xv[j + 4]);
-                const __m256i cl = _mm256_and_si256(c, lo), ch = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo);
-                const __m256i el = _mm256_and_si256(e, lo), eh = _mm256_and_si256(_mm256_srli_epi16(e, 4), lo);
+                __m256i cl = _mm256_and_si256(c, lo), ch = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo);
+                __m256i el = _mm256_and_si256(e, lo), eh = _mm256_and_si256(_mm256_srli_epi16(e, 4), lo);
+                if (q5) {
+                    const __m256i hc = _mm256_loadu_si256((const __m256i *)(w + 32));
+                    const __m256i he = _mm256_loadu_si256((const __m256i *)(w + gs + 32));
+                    cl = _mm256_or_si256(cl, moe_x8_q5_bits(hc, 4 * j));
+                    ch = _mm256_or_si256(ch, moe_x8_q5_bits(hc, 16 + 4 * j));
+                    el = _mm256_or_si256(el, moe_x8_q5_bits(he, 4 * j));
+                    eh = _mm256_or_si256(eh, moe_x8_q5_bits(he, 16 + 4 * j));
+                }
                 if (kind == X8_IQ4_NL) {
                     s0 = moe_x8_iq4_dot(s0, cl, xl);
                     s1 = moe_x8_iq4_dot(s1, ch, xh);
@@ -591,11 +610,16 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
                 }
             }
         }
-        const __m256 sx = _mm256_set1_ps(dx[b]);
+        const __m256 dxv = _mm256_set1_ps(dx[b]);
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(d0, sx), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(t0, t1)), _mm256_mul_ps(d1, sx), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(d0, dxv), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(t0, t1)), _mm256_mul_ps(d1, dxv), acc1);
+        if (q5) {                                       /* + m sx: the rows' mins times the block's scaled sum */
+            const __m256 sb = _mm256_set1_ps(sxs[b]);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16))), sb, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs + 16))), sb, acc1);
+        }
     }
     _mm256_storeu_ps(out, acc0);
     _mm256_storeu_ps(out + 8, acc1);
@@ -604,7 +628,7 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
 /* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 / IQ4_NL_X8 (kind; N a multiple of 8), x rounded to int8 per 32 values */
 static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
     if (N % 8 || K % 32) return -1;
-    const int64_t nb = K / 32, gb = nb * (kind == X8_Q8_0 ? 272 : 144);     /* bytes per group of 8 rows */
+    const int64_t nb = K / 32, gb = nb * (kind == X8_Q8_0 ? 272 : kind == X8_Q5_1 ? 192 : 144);   /* per 8 rows */
     char *mem = malloc((2 * sizeof(float) + sizeof(int32_t)) * nb + K + 64);
     if (!mem) return -2;
     float *dx = (float *)mem, *sx = dx + nb;
@@ -614,17 +638,20 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
     for (int64_t b = 0; b < nb; b++) {
         int32_t t = 0;
         for (int i = 0; i < 32; i++) t += qx[32 * b + i];
-        m[b] = -(kind == X8_Q4_0 ? 8 : X8_Q8_OFFSET) * t;       /* IQ4_NL's codebook + 128: as Q8_0's */
+        m[b] = -(kind == X8_Q4_0 ? 8 : kind == X8_Q5_1 ? 0 : X8_Q8_OFFSET) * t;   /* IQ4_NL's codebook + 128: as Q8_0's */
     }
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2) {
         float two[16];                              /* an odd last group: twice, once kept */
         const int pair = g + 1 < N / 8;
-        if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
-        else if (kind == X8_IQ4_NL)
-            moe_x8_group2(X8_IQ4_NL, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
-        else moe_x8_group2(X8_Q4_0, w + g * gb, pair ? gb : 0, qx, dx, m, nb, pair ? y + 8 * g : two);
+        const uint8_t *wg = w + g * gb;
+        float *o = pair ? y + 8 * g : two;
+        const int64_t gs = pair ? gb : 0;
+        if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, o);
+        else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, o);
+        else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, o);
+        else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, o);
         if (!pair) memcpy(y + 8 * g, two, sizeof(float) * 8);
     }
     free(mem);
@@ -635,7 +662,7 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
 /* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
 int moetier_x8_supported(int qtype) {
 #ifdef MOE_Q8
-    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL;
+    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1;
 #else
     (void)qtype;
     return 0;
@@ -648,8 +675,9 @@ int moetier_x8_supported(int qtype) {
 int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
                       const float *x, float *y, int nthreads) {
 #ifdef MOE_Q8
-    if (qtype == Q4_0_X8 || qtype == Q8_0_X8 || qtype == IQ4_NL_X8)
-        return moe_matvec_x8(qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL : X8_Q4_0, w, N, K, x, y, nthreads);
+    if (qtype == Q4_0_X8 || qtype == Q8_0_X8 || qtype == IQ4_NL_X8 || qtype == Q5_1_X8)
+        return moe_matvec_x8(qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL : qtype == Q5_1_X8 ? X8_Q5_1
+                             : X8_Q4_0, w, N, K, x, y, nthreads);
     if (!moe_q8_type(qtype)) return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
     if (K % block_elems(qtype)) return -1;
     char *mem = malloc((sizeof(float) + sizeof(int32_t)) * (K / 32) + K + 64);
