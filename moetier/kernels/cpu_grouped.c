@@ -9,7 +9,7 @@
  *   4. tasks (expert, block of down rows): o[s] = down_e a[s];
  *   5. y[t] = sum_j w[t, j] o[pos(t, j)] in j order (results do not depend on the thread count).
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
- * weights widened to int8 once for all pairs; Q4_0 with AVX-512 VNNI 8 rows in lanes x 8 pairs, grp_tile8_q4_0); Q4_K / Q6_K the Q8_K tile (AVX-512BW: GRP_QR rows x GRP_QP pairs in
+ * weights widened to int8 once for all pairs; Q4_0 with AVX-512 VNNI 8 rows in lanes x 8 pairs, grp_tile8_nib); Q4_K / Q6_K the Q8_K tile (AVX-512BW: GRP_QR rows x GRP_QP pairs in
  * registers; AVX2: rows unpacked per super-block, pairs looped over them; activations int8 per 256 values as
  * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block); other moe_q8_type
  * rows the q8 row dot per (row, pair); float activations: the 4 rows dequantized to float (GRP_KC values at a
@@ -114,7 +114,7 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
  * kind 1 / 2: IQ4_NL / IQ4_XS rows (the same nibble bytes per 32 values; the codebook + 128 as unsigned bytes by one
  * shuffle, 128 sx off: d (dx dot(book + 128, qx) - 128 sx); IQ4_XS: d (ls - 32) of the row's sub-block). nb: blocks of
  * 32 values. */
-static inline __attribute__((always_inline)) void grp_tile8_q4_0(const int kind, const uint8_t *w, int64_t rs,
+static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, const uint8_t *w, int64_t rs,
         const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
         int64_t ldo) {
     __m256 acc[GRP_PAIRS8];
@@ -178,12 +178,12 @@ static inline __attribute__((always_inline)) void grp_tile8_q4_0(const int kind,
 }
 
 /* the tile for a constant np (its accumulators in registers) */
-static void grp_tile8_q4_0_any(int kind, const uint8_t *w, int64_t rs, const int8_t *const *qx, const float *const *dx,
+static void grp_tile8_nib_any(int kind, const uint8_t *w, int64_t rs, const int8_t *const *qx, const float *const *dx,
                                const float *const *sx, int np, int64_t nb, float *out, int64_t ldo) {
     switch (np * 3 + kind) {
-#define GRP_TILE8_CASE(n) case 3 * n: grp_tile8_q4_0(0, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
-                          case 3 * n + 1: grp_tile8_q4_0(1, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
-                          case 3 * n + 2: grp_tile8_q4_0(2, w, rs, qx, dx, sx, n, nb, out, ldo); break;
+#define GRP_TILE8_CASE(n) case 3 * n: grp_tile8_nib(0, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
+                          case 3 * n + 1: grp_tile8_nib(1, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
+                          case 3 * n + 2: grp_tile8_nib(2, w, rs, qx, dx, sx, n, nb, out, ldo); break;
     GRP_TILE8_CASE(1) GRP_TILE8_CASE(2) GRP_TILE8_CASE(3) GRP_TILE8_CASE(4)
     GRP_TILE8_CASE(5) GRP_TILE8_CASE(6) GRP_TILE8_CASE(7) GRP_TILE8_CASE(8)
 #undef GRP_TILE8_CASE
@@ -853,7 +853,7 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
                     dx[p] = a->dx + row * nb;
                     sx[p] = a->sx + row * nb;
                 }
-                grp_tile8_q4_0_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
+                grp_tile8_nib_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
             }
         return;
     }

@@ -583,6 +583,8 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
                 t1 = moe_x8_q8_dot(t1, _mm256_loadu_si256((const __m256i *)(w + gs + 48 + 32 * j)), xb);
             }
         } else {
+            const __m256i hc = q5 ? _mm256_loadu_si256((const __m256i *)(w + 32)) : lo;     /* Q5_1: 5th bits */
+            const __m256i he = q5 ? _mm256_loadu_si256((const __m256i *)(w + gs + 32)) : lo;
             for (int j = 0; j < 4; j++) {
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(w + qo + 32 * j));
                 const __m256i e = _mm256_loadu_si256((const __m256i *)(w + gs + qo + 32 * j));
@@ -590,8 +592,6 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
                 __m256i cl = _mm256_and_si256(c, lo), ch = _mm256_and_si256(_mm256_srli_epi16(c, 4), lo);
                 __m256i el = _mm256_and_si256(e, lo), eh = _mm256_and_si256(_mm256_srli_epi16(e, 4), lo);
                 if (q5) {
-                    const __m256i hc = _mm256_loadu_si256((const __m256i *)(w + 32));
-                    const __m256i he = _mm256_loadu_si256((const __m256i *)(w + gs + 32));
                     cl = _mm256_or_si256(cl, moe_x8_q5_bits(hc, 4 * j));
                     ch = _mm256_or_si256(ch, moe_x8_q5_bits(hc, 16 + 4 * j));
                     el = _mm256_or_si256(el, moe_x8_q5_bits(he, 4 * j));
