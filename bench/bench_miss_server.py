@@ -58,18 +58,31 @@ def thp_empty(shape) -> torch.Tensor:
     return whole[skip:skip + nbytes].view(*shape)
 
 
-def make_pool(qtype: str, n: int, dim: int, hidden: int, gen, kind: str = "plain") -> tuple[torch.Tensor, torch.Tensor]:
-    """n experts: uint8 gate_up [n, 2I, row bytes], down [n, D, row bytes] (4 real quantized ones, tiled).
-    kind: 'plain' (torch.empty: 4 KiB pages where THP is 'madvise', as the pinned bank's), 'thp' (huge pages)."""
-    tmpl_gu = [quantize(torch.randn(2 * hidden, dim, generator=gen) * 0.1, qtype) for _ in range(4)]
-    tmpl_dn = [quantize(torch.randn(dim, hidden, generator=gen) * 0.1, qtype) for _ in range(4)]
+def make_pool(qtype: str, n: int, dim: int, hidden: int, gen, kind: str = "plain", tmpl=None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """n experts: uint8 gate_up [n, 2I, row bytes], down [n, D, row bytes] (4 real quantized ones, tiled: tmpl, or
+    new ones from gen).
+    kind: 'plain' (torch.empty: 4 KiB pages where THP is 'madvise', as the pinned bank's), 'thp' (huge pages), 'x8'
+    (plain, then its rows interleaved by 8 in place: kernels.cpu.interleave_inplace, as memory/doorbell.py does the
+    RAM bank's Q4_0 / Q8_0 experts)."""
+    tmpl_gu, tmpl_dn = tmpl or templates(qtype, dim, hidden, gen)
     empty = thp_empty if kind == "thp" else (lambda shape: torch.empty(shape, dtype=torch.uint8))
     gu = empty((n, *tmpl_gu[0].shape))
     dn = empty((n, *tmpl_dn[0].shape))
     for i in range(n):
         gu[i].copy_(tmpl_gu[i % 4])
         dn[i].copy_(tmpl_dn[i % 4])
+    if kind == "x8":
+        fmt = get_format(qtype)
+        for t in (gu, dn):
+            cpu.interleave_inplace(t.view(-1, t.shape[-1]), fmt.type_id)
     return gu, dn
+
+
+def templates(qtype: str, dim: int, hidden: int, gen) -> tuple[list, list]:
+    """4 quantized gate_up and down matrices of random weights"""
+    return ([quantize(torch.randn(2 * hidden, dim, generator=gen) * 0.1, qtype) for _ in range(4)],
+            [quantize(torch.randn(dim, hidden, generator=gen) * 0.1, qtype) for _ in range(4)])
 
 
 def ram_gbps(ref: torch.Tensor, threads: int) -> tuple[float, float]:
@@ -93,13 +106,15 @@ def time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t):
     where = torch.randint(n_pool, (L, E), generator=gen).tolist()
     req = db.Requests(L, D, K, pin=torch.cuda.is_available())     # pinned, as in the real step
     servers, pools = {}, []
+    tmpl = templates(qtype, D, I, gen)      # the same weights in every pool kind
     for kind in args.pools.split(","):      # one pool of each kind, the same expert table (the server keeps pointers:
         # the pools stay referenced here)
-        gu, dn = make_pool(qtype, n_pool, D, I, gen, kind)
+        gu, dn = make_pool(qtype, n_pool, D, I, gen, kind, tmpl)
         pools.append((gu, dn))
         s_gu = [[gu[where[li][e]] for e in range(E)] for li in range(L)]
         s_dn = [[dn[where[li][e]] for e in range(E)] for li in range(L)]
-        servers[kind] = db.MissServer(req, s_gu, s_dn, fmt.type_id, D, I, act, threads=nt, q8_act=not args.float_act)
+        tid = cpu.INTERLEAVED[fmt.type_id] if kind == "x8" else fmt.type_id
+        servers[kind] = db.MissServer(req, s_gu, s_dn, tid, D, I, act, threads=nt, q8_act=not args.float_act)
     req.x[:] = torch.randn(L, D, generator=gen)
     seq = 0
 
@@ -119,6 +134,21 @@ def time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t):
         assert n == L * M
         return wall
 
+    if len(servers) > 1:        # every pool kind answers the same step alike (x8: float sums in another order)
+        req.ids[:] = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(L)]).int()
+        req.w[:] = torch.rand(L, K, generator=gen)
+        req.slots[:] = -1
+        ys = []
+        for srv in servers.values():
+            seq += 1
+            req.bell[::db.BELL_STRIDE] = seq
+            srv.serve(seq)
+            ys.append(req.y.clone())
+        for kind, y in zip(servers, ys):
+            err = float((y - ys[0]).abs().max() / ys[0].abs().max())
+            print(f"{qtype} pool {kind}: max |y - y[{next(iter(servers))}]| / max |y| = {err:.2e}", file=sys.stderr)
+            if err > 5e-3:          # h re-rounded to int8: a float-order flip moves a value by its dx
+                raise SystemExit(f"pool {kind} answers differently ({err:.2e})")
     times = {(kind, v): [] for kind in servers for v in variants}
     rounds = []
     for _ in range(args.rounds):
@@ -156,7 +186,7 @@ def main():
                     "4 guided chunks)")
     ap.add_argument("--float-act", action="store_true", help="float32 activations (q8_act=False)")
     ap.add_argument("--act", default="swiglu", choices=["swiglu", "clamped"])
-    ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages)")
+    ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages), x8 (rows interleaved by 8)")
     args = ap.parse_args()
     L, E, D, I, K, M, nt = args.layers, args.experts, args.dim, args.hidden, args.k, args.misses, args.threads
     torch.set_num_threads(nt)

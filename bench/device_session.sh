@@ -30,6 +30,7 @@
 #   qlinear     dense GEMVs on GGUF blocks (QuantLinear) vs cuBLAS bf16 at Qwen3-30B-A3B's shapes, tiles
 #   missbench   the C miss server alone against the RAM read bandwidth (bench/bench_miss_server.py; MVARIANTS, MPF
 #               prefetch distances, MMISSES, MTHREADS, MGIB)
+#   layout      GGUF rows vs rows interleaved by 8 in the C int8 matvec, in cache and from RAM (LTHREADS, LTYPES)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
@@ -132,13 +133,19 @@ for step in $STEPS; do
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     for P in ${P48ONLY:-g9 g8 pp8k}; do     # (P48ONLY="g8 all": those; g8nopdl / g8v2 / g8mixed: 8 GiB with
-                                            # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1)
+                                            # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1;
+                                            # g8rows / g9rows: the bank's GGML rows, MOETIER_X8_BANK=0; cpumoe)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       pp8k) bench proof48_pp8k ${P48SECS:-150} $M --prompt-len 8192 --gen 16 --cpu-moe ;;
       all) bench proof48_all ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8nopdl) MOETIER_PDL=0 bench proof48_g8nopdl ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8v4) MOETIER_MISS_VARIANT=4 bench proof48_g8v4 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8rows) MOETIER_X8_BANK=0 bench proof48_g8rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g9rows) MOETIER_X8_BANK=0 bench proof48_g9rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
+      cpumoe0) bench proof48_cpumoe0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --cpu-moe --pcie-share 0 ;;
+      cpumoe) bench proof48_cpumoe ${P48SECS:-150} $M --prompt-len 512 --gen 48 --cpu-moe ;;
       g8v2) MOETIER_MISS_VARIANT=2 bench proof48_g8v2 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8mixed) MOETIER_MIXED_PREFILL=1 bench proof48_g8mixed ${P48SECS:-150} $M --prompt-len 512,8192 --gen 16 \
         --gpu-mem 8GiB ;;
@@ -232,16 +239,22 @@ PY
   missbench)
     # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read taken around each round.
     # MVARIANTS (default 0,1): 1 the old loops, 2 down over the experts' rows, 3 variant 0's reads without the math;
-    # MPF="4096 8192": one process per software-prefetch distance (MOETIER_PREFETCH_AHEAD); MMISSES misses a layer
+    # MPF="4096 8192": one process per software-prefetch distance (MOETIER_PREFETCH_AHEAD); MMISSES misses a layer;
+    # MPOOLS=plain,x8: the pool's GGML rows and the same rows interleaved by 8
     for PF in ${MPF:-default}; do
       [ "$PF" = default ] && unset MOETIER_PREFETCH_AHEAD || export MOETIER_PREFETCH_AHEAD=$PF
       timeout ${MSECS:-150} python3 bench/bench_miss_server.py --threads ${MTHREADS:-16} --gib ${MGIB:-12} \
-        --types ${MTYPES:-Q4_0,Q8_0,Q4_K} --variants ${MVARIANTS:-0,1} --rounds ${MROUNDS:-3} --misses ${MMISSES:-5} \
+        --types ${MTYPES:-Q4_0,Q8_0,Q4_K} --variants ${MVARIANTS:-0,1} --rounds ${MROUNDS:-3} --misses ${MMISSES:-5} --pools ${MPOOLS:-plain} \
         > "$OUT/missbench_$PF.json" 2> "$OUT/missbench_$PF.err"
       tail -3 "$OUT/missbench_$PF.err"
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('pf', sys.argv[2], d['rounds'], [(r['qtype'], r['variant'], r['gbps_best']) for r in d['results']])" "$OUT/missbench_$PF.json" $PF
     done
     unset MOETIER_PREFETCH_AHEAD ;;
+  layout)
+    # GGUF rows vs rows interleaved by 8 in the C int8 matvec, in cache and from RAM (bench/bench_cpu_layout.py)
+    timeout ${LSECS:-200} python3 bench/bench_cpu_layout.py --threads ${LTHREADS:-1,15} --gib ${LGIB:-2} \
+      --types ${LTYPES:-Q4_0,Q8_0} --rounds ${LROUNDS:-3} > "$OUT/layout.json" 2> "$OUT/layout.err"
+    tail -3 "$OUT/layout.err"; grep -v '^{"machine' "$OUT/layout.json" ;;
   pairprof)
     # where the T=1 decode pair's time goes: each kernel's device time, the gaps, one launch's read ceiling
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \

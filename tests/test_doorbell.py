@@ -576,6 +576,27 @@ def serve_both(srv, req, variants=(0, 1)):
     return ys
 
 
+def odd_request(req, n_exp: int, k: int, misses: int, seed: int) -> None:
+    """Layer 0's request: random x, k of n_exp experts with weights, `misses` of them missed (slot -1)."""
+    g = torch.Generator().manual_seed(seed)
+    req.x[0] = torch.randn(req.x.shape[1], generator=g)
+    req.ids[0] = torch.randperm(n_exp, generator=g)[:k].int()
+    req.w[0] = torch.rand(k, generator=g)
+    slots = torch.arange(k, dtype=torch.int32)
+    slots[torch.randperm(k, generator=g)[:misses]] = -1
+    req.slots[0] = slots
+
+
+def odd_reference(req, f_gu, f_dn) -> torch.Tensor:
+    """Layer 0's y in float32 from the experts' float values."""
+    want = torch.zeros(req.x.shape[1])
+    for j in range(req.ids.shape[1]):
+        if req.slots[0, j] < 0:
+            e = int(req.ids[0, j])
+            want += req.w[0, j] * (f_dn[e] @ Act()(*(f_gu[e] @ req.x[0]).chunk(2)))
+    return want
+
+
 def odd_case(qtype, dim, hidden, misses, threads, q8, lib=None, seed=0, variants=(0, 1)):
     """One layer, k = 8 with `misses` missed experts: y of each variant (the new and the old loops), and the float
     reference."""
@@ -585,19 +606,9 @@ def odd_case(qtype, dim, hidden, misses, threads, q8, lib=None, seed=0, variants
     srv = db.MissServer(req, s_gu, s_dn, tid, dim, hidden, Act(), threads=threads, q8_act=q8)
     if lib is not None:
         srv.lib = lib
-    g = torch.Generator().manual_seed(seed + 1)
-    req.x[0] = torch.randn(dim, generator=g)
-    req.ids[0] = torch.randperm(n_exp, generator=g)[:k].int()
-    req.w[0] = torch.rand(k, generator=g)
-    slots = torch.arange(k, dtype=torch.int32)
-    slots[torch.randperm(k, generator=g)[:misses]] = -1
-    req.slots[0] = slots
+    odd_request(req, n_exp, k, misses, seed + 1)
     ys = serve_both(srv, req, variants)
-    want = torch.zeros(dim)
-    for j in range(k):
-        if slots[j] < 0:
-            e = int(req.ids[0, j])
-            want += req.w[0, j] * (f_dn[e] @ Act()(*(f_gu[e] @ req.x[0]).chunk(2)))
+    want = odd_reference(req, f_gu, f_dn)
     return (*(y[0] for y in ys), want)
 
 
@@ -676,3 +687,58 @@ def test_chunked_runs_scalar_build(qtype, threads, scalar_doorbell):
     new, old, want = odd_case(qtype, dim, hidden, 3, threads, True, lib=lib)
     assert torch.equal(new, old)
     assert ((new - want).abs().max() / want.abs().max()).item() <= 2e-5
+
+
+# ---- the RAM bank's rows interleaved by 8 (memory/doorbell.py interleave_bank; doorbell.c moe_x8_rows) ----
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("misses", [1, 3, 8])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_0+Q8_0", "F32+Q4_0"])
+def test_interleaved_rows_answer_as_the_ggml_rows(qtype, misses, threads):
+    """The same experts with their Q4_0 / Q8_0 / IQ4_NL / Q5_1 rows interleaved in place (cpu.interleave_inplace)
+    and the interleaved type ids: the x8 kernels' float sums differ from the row kernels' (one lane per row), and h is
+    rounded to int8 after gate_up, so a value may land on the other side of a rounding: y within 5e-3 of the
+    GGML rows' y (measured ~1e-4), the float reference within the int8 tolerance; variants 2 and 4 give variant 0's y
+    bit for bit, as with GGML rows. A type without an interleaved kernel (F32) keeps its rows."""
+    from moetier.kernels import cpu
+    if not cpu.interleaved_supported(get_format("Q4_0").type_id):
+        pytest.skip("the C kernels are built without int8 activations")
+    dim, hidden, n_exp, k = 224, 160, 10, 8
+    s_gu, s_dn, f_gu, f_dn, tid = odd_experts(qtype, dim, hidden, n_exp, seed=3)
+    req = db.Requests(1, dim, k, pin=False)
+    odd_request(req, n_exp, k, misses, seed=4)
+    plain = db.MissServer(req, s_gu, s_dn, tid, dim, hidden, Act(), threads=threads, q8_act=True)
+    (rows,) = serve_both(plain, req, (0,))
+    x8_tid = []
+    for table, t in zip((s_gu, s_dn), tid):
+        if t in cpu.INTERLEAVED:
+            for m in table[0]:
+                cpu.interleave_inplace(m, t)
+            t = cpu.INTERLEAVED[t]
+        x8_tid.append(t)
+    srv = db.MissServer(req, s_gu, s_dn, tuple(x8_tid), dim, hidden, Act(), threads=threads, q8_act=True)
+    v0, v2, v4 = serve_both(srv, req, (0, 2, 4))
+    assert torch.equal(v2, v0) and torch.equal(v4, v0)
+    assert ((v0 - rows).abs().max() / rows.abs().max()).item() <= 5e-3
+    want = odd_reference(req, f_gu, f_dn)
+    assert ((v0 - want).abs().max() / want.abs().max()).item() <= 3e-2
+
+
+def test_interleaved_rows_refuse_the_row_loops_and_float_activations():
+    """Variant 1 (one row per call) and float activations have no interleaved kernel: the step is refused."""
+    from moetier.kernels import cpu
+    if not cpu.interleaved_supported(get_format("Q4_0").type_id):
+        pytest.skip("the C kernels are built without int8 activations")
+    s_gu, s_dn, _, _, tid = odd_experts("Q4_0", 224, 160, 10, seed=3)
+    for table in (s_gu, s_dn):
+        for m in table[0]:
+            cpu.interleave_inplace(m, tid[0])
+    x8 = cpu.INTERLEAVED[tid[0]]
+    for q8, variant in ((True, 1), (False, 0)):
+        req = db.Requests(1, 224, 8, pin=False)
+        req.ids[0] = torch.arange(8, dtype=torch.int32)
+        req.slots[0] = -1
+        srv = db.MissServer(req, s_gu, s_dn, x8, 224, 160, Act(), threads=2, q8_act=q8)
+        srv.ctx.variant = variant
+        req.bell[0] = 1
+        with pytest.raises(RuntimeError):
+            srv.serve(1)

@@ -135,6 +135,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_sum_f32.restype = ctypes.c_float
     lib.moetier_matvec_q8.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.moetier_x8_supported.argtypes = [c_int]
+    lib.moetier_interleave8.argtypes = [ptr, i64, i64, c_int, c_int, c_int]
     lib.moetier_moe_tokens.argtypes = [c_int, c_int, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                        ptr, ptr, ptr, ptr, c_int, c_int]
     lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
@@ -462,6 +463,20 @@ def deinterleave_rows(x8: torch.Tensor, qtype_id: int) -> torch.Tensor:
     q = q.reshape(n // 8, 8, rb // bb, bb - off)
     parts.append(q ^ 0x80 if qtype_id == 8 else q)
     return torch.cat(parts, -1).reshape(n, rb)
+
+
+def interleave_inplace(blocks: torch.Tensor, qtype_id: int, inverse: bool = False, threads: int | None = None) -> None:
+    """interleave_rows (inverse: deinterleave_rows) of CPU uint8 [N, row bytes] blocks in place, in C (threads over
+    groups of 8 rows): the RAM bank's experts for the miss server, gigabytes at a time. The C kernels only."""
+    if backend() != "c":
+        raise RuntimeError("interleave_inplace needs the C kernels")
+    if blocks.device.type != "cpu" or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("interleave_inplace takes a contiguous CPU uint8 [N, row bytes] tensor")
+    rc = _lib.moetier_interleave8(blocks.data_ptr(), blocks.shape[0], blocks.shape[1], qtype_id, int(inverse),
+                                  threads or torch.get_num_threads())
+    if rc:
+        raise ValueError(f"interleave_inplace: type {qtype_id} rows {tuple(blocks.shape)} cannot be interleaved by 8"
+                         if rc == -1 else "interleave_inplace: out of memory")
 
 
 def qlinear(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = False, threads: int | None = None) -> torch.Tensor:

@@ -563,14 +563,20 @@ static inline __m256i moe_x8_q5_bits(__m256i qh, int shift) {
 
 static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const uint8_t *w, int64_t gs,
                                                                 const int8_t *qx, const float *dx, const float *sxs,
-                                                                const int32_t *m, int64_t nb, float *out) {
+                                                                const int32_t *m, int64_t nb, const uint8_t *pf_end,
+                                                                float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
     const int q8 = kind == X8_Q8_0, q5 = kind == X8_Q5_1;
     const int64_t bb = q8 ? 272 : q5 ? 192 : 144, qo = q5 ? 64 : 16;    /* block bytes (8 rows), quants' offset */
+    /* every line of both groups PREFETCH_AHEAD ahead (one prefetch per block covered a 144-byte Q4_0 block's
+     * first line only: from RAM 0.70-0.86x the row kernels on the dev box, now 1.12-1.5x), not past pf_end */
+    const uint8_t *pf = w + PREFETCH_AHEAD;
     for (int64_t b = 0; b < nb; b++, w += bb) {
-        PREFETCH(w);
-        PREFETCH(w + gs);
+        for (; pf < w + bb + PREFETCH_AHEAD; pf += 64) {
+            if (pf < pf_end) __builtin_prefetch(pf, 0, 3);
+            if (pf + gs < pf_end) __builtin_prefetch(pf + gs, 0, 3);
+        }
         int32_t xv[8];
         memcpy(xv, qx + 32 * b, 32);
         __m256i s0 = _mm256_set1_epi32(m[b]), s1 = _mm256_setzero_si256(), t0 = s0, t1 = s1;
@@ -625,6 +631,50 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
     _mm256_storeu_ps(out + 8, acc1);
 }
 
+/* The x8 kind of an interleaved type id, -1 for any other id */
+static inline int x8_kind(int qtype) {
+    return qtype == Q4_0_X8 ? X8_Q4_0 : qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL
+           : qtype == Q5_1_X8 ? X8_Q5_1 : -1;
+}
+
+/* m[b] = -offset x the sum of block b's int8 x: the stored offset (Q4_0's 8, Q8_0's and IQ4_NL's 128 with VNNI)
+ * taken off in the integer sum */
+static void x8_offsets(int kind, const int8_t *qx, int64_t nb, int32_t *m) {
+    const int off = kind == X8_Q4_0 ? 8 : kind == X8_Q5_1 ? 0 : X8_Q8_OFFSET;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t t = 0;
+        for (int i = 0; i < 32; i++) t += qx[32 * b + i];
+        m[b] = -off * t;
+    }
+}
+
+/* out[i] = row i . q8 x for n rows (a multiple of 8) of an interleaved matrix of type `qtype` (Q4_0_X8 ...), w at
+ * the first byte of a group of 8 (row 8g of the GGML matrix: interleaving keeps each group's bytes in place), rs a
+ * row's bytes; 16 rows per moe_x8_group2 call, an odd last group twice and kept once. m: x8_offsets of x, or NULL
+ * (computed here). Prefetch not past pf_end. The miss server's rows of an interleaved RAM bank. */
+static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
+                        const float *sx, const int32_t *m, int64_t K, const uint8_t *pf_end, float *out) {
+    const int kind = x8_kind(qtype);
+    const int64_t nb = K / 32, gb = 8 * rs;
+    int32_t mine[m ? 1 : nb];
+    if (!m) {
+        x8_offsets(kind, qx, nb, mine);
+        m = mine;
+    }
+    for (int64_t g = 0; g < n / 8; g += 2) {
+        float two[16];
+        const int pair = g + 1 < n / 8;
+        const uint8_t *wg = w + g * gb;
+        float *o = pair ? out + 8 * g : two;
+        const int64_t gs = pair ? gb : 0;
+        if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        if (!pair) memcpy(out + 8 * g, two, sizeof(float) * 8);
+    }
+}
+
 /* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 / IQ4_NL_X8 (kind; N a multiple of 8), x rounded to int8 per 32 values */
 static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
     if (N % 8 || K % 32) return -1;
@@ -635,29 +685,63 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
     int32_t *m = (int32_t *)(sx + nb);
     int8_t *qx = (int8_t *)(m + nb);
     moe_quantize_q8(x, K, qx, dx, sx);
-    for (int64_t b = 0; b < nb; b++) {
-        int32_t t = 0;
-        for (int i = 0; i < 32; i++) t += qx[32 * b + i];
-        m[b] = -(kind == X8_Q4_0 ? 8 : kind == X8_Q5_1 ? 0 : X8_Q8_OFFSET) * t;   /* IQ4_NL's codebook + 128: as Q8_0's */
-    }
+    x8_offsets(kind, qx, nb, m);                    /* IQ4_NL's codebook + 128: as Q8_0's */
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
+    const int qtype = kind == X8_Q8_0 ? Q8_0_X8 : kind == X8_IQ4_NL ? IQ4_NL_X8 : kind == X8_Q5_1 ? Q5_1_X8 : Q4_0_X8;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t g = 0; g < N / 8; g += 2) {
-        float two[16];                              /* an odd last group: twice, once kept */
-        const int pair = g + 1 < N / 8;
-        const uint8_t *wg = w + g * gb;
-        float *o = pair ? y + 8 * g : two;
-        const int64_t gs = pair ? gb : 0;
-        if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, o);
-        else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, o);
-        else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, o);
-        else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, o);
-        if (!pair) memcpy(y + 8 * g, two, sizeof(float) * 8);
-    }
+    for (int64_t g = 0; g < N / 8; g += 2)          /* 16 rows a step (moe_x8_rows: an odd last group once) */
+        moe_x8_rows(qtype, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, y + 8 * g);
     free(mem);
     return 0;
 }
 #endif
+
+/* In place: n rows (a multiple of 8) of row_bytes bytes of GGML type qtype (Q4_0, Q8_0, IQ4_NL, Q5_1) -> rows
+ * interleaved by 8 as kernels.cpu.interleave_rows lays them out (inverse: back; its twin deinterleave_rows):
+ * per group of 8 rows and block, each header field of the 8 rows, then each 4-byte group of the quants of the 8
+ * rows (Q8_0's int8 values + 128). A group's bytes stay where they were. Threads over groups. The RAM bank's
+ * experts for the miss server (memory/doorbell.py). 0, -1 for another type or n, -2 if out of memory. */
+int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int inverse, int nthreads) {
+    static const int q4_0[] = {2, 0}, q5_1[] = {2, 2, 4, 0};
+    const int *fields = qtype == Q5_1 ? q5_1 : q4_0;
+    if ((qtype != Q4_0 && qtype != Q8_0 && qtype != IQ4_NL && qtype != Q5_1) || n % 8 || row_bytes % block_bytes(qtype))
+        return -1;
+    const int64_t bb = block_bytes(qtype), nb = row_bytes / bb, gb = 8 * row_bytes;
+    const uint8_t flip = qtype == Q8_0 ? 0x80 : 0;
+    int bad = 0;
+    #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1) reduction(|:bad)
+    {
+        uint8_t *tmp = malloc((size_t)gb);
+        if (!tmp) bad = 1;
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < n / 8; g++) {
+            if (!tmp) continue;
+            uint8_t *grp = w + g * gb;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t *x8 = (inverse ? grp : tmp) + b * 8 * bb;          /* the interleaved block */
+                int64_t off = 0, out = 0;
+                for (const int *f = fields; *f; out += 8 * *f, off += *f, f++)
+                    for (int r = 0; r < 8; r++) {
+                        uint8_t *row = (inverse ? tmp : grp) + r * row_bytes + b * bb + off;
+                        if (inverse) memcpy(row, x8 + out + r * *f, *f);
+                        else memcpy(x8 + out + r * *f, row, *f);
+                    }
+                for (int64_t j = 0; j < (bb - off) / 4; j++)
+                    for (int r = 0; r < 8; r++) {
+                        uint8_t *row = (inverse ? tmp : grp) + r * row_bytes + b * bb + off + 4 * j;
+                        uint8_t *lane = x8 + out + 32 * j + 4 * r;
+                        for (int i = 0; i < 4; i++) {
+                            if (inverse) row[i] = lane[i] ^ flip;
+                            else lane[i] = row[i] ^ flip;
+                        }
+                    }
+            }
+            memcpy(grp, tmp, (size_t)gb);
+        }
+        free(tmp);
+    }
+    return bad ? -2 : 0;
+}
 
 /* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
 int moetier_x8_supported(int qtype) {

@@ -62,6 +62,19 @@ typedef struct {
 } serve_ctx;
 
 static int is_quant(int qtype) { return qtype != F32 && qtype != BF16 && qtype != F16; }
+/* rows interleaved by 8 (Q4_0_X8 ...: kernels.cpu.interleave_rows; the RAM bank interleaved by memory/doorbell.py):
+ * read by moe_x8_rows with int8 activations, in runs of whole 16-row units */
+static int is_x8(int qtype) {
+#ifdef MOE_Q8
+    return x8_kind(qtype) >= 0;
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
+static int base_type(int qtype) { return is_x8(qtype) ? qtype & 0xFF : qtype; }
+/* rows per unit of a phase's split over threads: whole kernel calls (4 rows; interleaved: 2 groups of 8) */
+static int64_t unit_of(int qtype) { return is_x8(qtype) ? 16 : 4; }
 static int layer_type(const serve_ctx *c, int li, int proj) {
     return c->layer_types ? c->layer_types[2 * li + proj] : proj ? c->dn_qtype : c->qtype;
 }
@@ -149,7 +162,7 @@ static float act_row(int qtype, int q8, const uint8_t *w, act_vec a, int64_t K) 
 
 static int q8_ok(int qtype) {
 #ifdef MOE_Q8
-    return moe_q8_type(qtype);
+    return moe_q8_type(qtype) || is_x8(qtype);
 #else
     (void)qtype;
     return 0;
@@ -157,7 +170,7 @@ static int q8_ok(int qtype) {
 }
 
 int moetier_serve_supported(int qtype) {
-    return qtype == F32 || qtype == BF16 || qtype == F16 || moetier_supported(qtype);
+    return qtype == F32 || qtype == BF16 || qtype == F16 || moetier_supported(qtype) || is_x8(qtype);
 }
 
 static float act_one(const serve_ctx *c, float g, float u) {
@@ -206,6 +219,7 @@ static inline int64_t flat_bound(int64_t home_hi, int64_t j, int64_t R) {
 static void run_rows(int qtype, int q8, const uint8_t *w, int64_t rs, int64_t n, act_vec a, int64_t K,
                      const uint8_t *pf_end, float *out) {
 #ifdef MOE_Q8
+    if (is_x8(qtype)) { moe_x8_rows(qtype, w, rs, n, a.qx, a.dx, a.sx, NULL, K, pf_end, out); return; }
     if (q8 && moe_q8_type(qtype)) { moe_rows_run_q8(qtype, w, rs, n, a.qx, a.dx, a.sx, K, pf_end, out); return; }
 #else
     (void)pf_end;
@@ -375,12 +389,13 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     const int64_t I = c->I, D = c->D;
     const int guided = c->variant == 4;
     const int m = ly->m;
+    const int64_t ug = unit_of(ly->gq), ud = unit_of(ly->dq);      /* rows per unit: gate_up, down */
     const act_vec ax = {ly->x, s->xs, s->qxv, s->dx, s->sxv};
     int64_t lo, hi, home_lo, home_hi, ch;
     int v;
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-        chunk_of((int64_t)m * I, 4, ch, nt, guided, &lo, &hi);
-        home((int64_t)m * I, 4, v, nt, &home_lo, &home_hi);
+        chunk_of((int64_t)m * I, ug, ch, nt, guided, &lo, &hi);
+        home((int64_t)m * I, ug, v, nt, &home_lo, &home_hi);
         for (int64_t p = lo; p < hi;) {
             int64_t r, i0, n;
             flat_run(p, hi, I, &r, &i0, &n);
@@ -418,8 +433,8 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
          * below at many threads), each row's weighted result to part[j, d]; then, after a barrier, y[d] summed in
          * expert order over a static slice of D per thread: the additions of the loop below, bit-identical */
         while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-            chunk_of((int64_t)m * D, 4, ch, nt, guided, &lo, &hi);
-            home((int64_t)m * D, 4, v, nt, &home_lo, &home_hi);
+            chunk_of((int64_t)m * D, ud, ch, nt, guided, &lo, &hi);
+            home((int64_t)m * D, ud, v, nt, &home_lo, &home_hi);
             for (int64_t p = lo; p < hi;) {
                 int64_t j, d0, n_run;
                 flat_run(p, hi, D, &j, &d0, &n_run);
@@ -438,7 +453,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         }
         ++*ph;
         #pragma omp barrier
-        split(D, 4, t, nt, &lo, &hi);
+        split(D, ud, t, nt, &lo, &hi);
         for (int64_t d = lo; d < hi; d++) {
             float acc = 0.f + s->part[d];
             for (int j = 1; j < m; j++) acc = acc + s->part[j * D + d];
@@ -447,8 +462,8 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         return;
     }
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-        chunk_of(D, 4, ch, nt, guided, &lo, &hi);
-        home(D, 4, v, nt, &home_lo, &home_hi);
+        chunk_of(D, ud, ch, nt, guided, &lo, &hi);
+        home(D, ud, v, nt, &home_lo, &home_hi);
         for (int j = 0; j < m; j++) {
             const int e = ly->e[j];
             const float wj = ly->wt[j], *b = ly->dnb ? ly->dnb[e] : NULL;
@@ -536,7 +551,8 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
     const int64_t gu_rb = layer_row_bytes(c, li, 0), dn_rb = layer_row_bytes(c, li, 1);
     int64_t budget = prefetch_budget();
     int64_t lo, hi;
-    home((int64_t)m * I, 4, t, nt, &lo, &hi);
+    const int64_t ug = unit_of(layer_type(c, li, 0)), ud = unit_of(layer_type(c, li, 1));   /* as layer_runs' */
+    home((int64_t)m * I, ug, t, nt, &lo, &hi);
     for (int64_t p = lo; p < hi;) {
         int64_t r, i0, n;
         flat_run(p, hi, I, &r, &i0, &n);
@@ -546,7 +562,7 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
         p += n;
     }
     if (c->variant == 2) {      /* layer_runs' down homes over the m x D rows */
-        home((int64_t)m * D, 4, t, nt, &lo, &hi);
+        home((int64_t)m * D, ud, t, nt, &lo, &hi);
         for (int64_t p = lo; p < hi;) {
             int64_t j, d0, n;
             flat_run(p, hi, D, &j, &d0, &n);
@@ -555,7 +571,7 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
         }
         return;
     }
-    home(D, 4, t, nt, &lo, &hi);
+    home(D, ud, t, nt, &lo, &hi);
     for (int j = 0; j < m; j++)
         if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq, &budget)) return;
 }
@@ -568,7 +584,10 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     for (int li = 0; li < L; li++) {
         const int gq = layer_type(c, li, 0), dq = layer_type(c, li, 1);
         if (!moetier_serve_supported(gq) || !moetier_serve_supported(dq)) return -200;
-        if ((is_quant(gq) && D % block_elems(gq)) || (is_quant(dq) && I % block_elems(dq))) return -200;
+        if ((is_quant(gq) && D % block_elems(base_type(gq))) || (is_quant(dq) && I % block_elems(base_type(dq))))
+            return -200;
+        /* interleaved rows: int8 activations, whole 16-row units of gate_up (I rows) and down (D), no per-row loops */
+        if ((is_x8(gq) || is_x8(dq)) && (!c->q8_act || I % 16 || D % 16 || c->variant == 1)) return -200;
     }
     serve_scratch s;
     s.hpre = c->scratch;                            /* [k, 2I] */

@@ -415,6 +415,8 @@ class Tiers:
         converted into one preallocated buffer (no allocation per miss: glibc would keep the freed
         memory and RSS would creep past the budget). GGML experts: views of the raw blocks."""
         src = self.layout.unpack(buf, li)
+        if self.layout.qtype and self.fast.x8:     # the miss server's interleaved rows: GGML rows again (a copy)
+            src = {n: self.fast._ggml_rows(n, v) for n, v in src.items()}
         if self.layout.qtype or all(v.dtype == self.cpu_dtype for v in src.values()):
             return src
         if self._conv is None:

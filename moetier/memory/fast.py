@@ -145,6 +145,7 @@ class FastTier:
         self.copy_timer = {p: Timer(self.cuda) for p in ("prefill", "decode")}
         self.compute_timer = {p: Timer(self.cuda) for p in ("prefill", "decode")}
         self.bytes_copied = {"prefill": 0, "decode": 0}
+        self.x8: dict[str, int] = {}    # params whose RAM rows are interleaved by 8 (memory/doorbell.interleave_bank)
 
     def _alloc(self, p: ParamSpec, n: int):
         """[n, *shape] in the compute dtype, or for a GGML param its repack planes [n, rows, ...]."""
@@ -183,6 +184,15 @@ class FastTier:
         b = (self.arena.get("gate_up_bias"), self.arena.get("down_bias"))
         return None if b == (None, None) else b
 
+    def _ggml_rows(self, name: str, raw: torch.Tensor) -> torch.Tensor:
+        """raw [..., rows, row bytes] of param `name` as read from the RAM bank -> GGML rows (undoes the bank's
+        interleaving, on raw's device)."""
+        tid = self.x8.get(name)
+        if tid is None:
+            return raw
+        from ..kernels.cpu import deinterleave_rows
+        return deinterleave_rows(raw.reshape(-1, raw.shape[-1]), tid).view(raw.shape)
+
     def _put(self, slot: int, src: dict[str, torch.Tensor], li: int | None = None) -> None:
         """Write one expert of layer li (layout.unpack views, on the arena's device) into `slot`; GGML
         params are repacked (plain torch indexing: on CUDA it runs on the GPU, on the current stream)."""
@@ -192,7 +202,7 @@ class FastTier:
                 self.arena[p.name][slot].copy_(t)
                 continue
             dst = self.planes[(p.name, p.qtype)]
-            for k, plane in repack(p.qtype, t[None]).items():
+            for k, plane in repack(p.qtype, self._ggml_rows(p.name, t)[None]).items():
                 dst[k][slot].copy_(plane[0])
 
     # ------------------------------------------------------------------ copies
@@ -284,7 +294,7 @@ class FastTier:
                 dst.index_copy_(0, idx, raw.view(p.dtype).view(n, *p.shape).to(dst.dtype))
                 continue
             dst = self.planes[(p.name, p.qtype)]
-            for k, plane in repack(p.qtype, raw.view(n, *p.shape)).items():
+            for k, plane in repack(p.qtype, self._ggml_rows(p.name, raw.view(n, *p.shape))).items():
                 dst[k].index_copy_(0, idx, plane)
 
     def wait(self, li: int) -> None:

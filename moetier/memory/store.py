@@ -135,6 +135,7 @@ class RamBank:
         self.inflight: dict[tuple[int, int], Future] = {}   # reads into bank slots (demand or prefetch)
         self.busy: dict[tuple, object] = {}                  # ("bank"|"scratch", i) -> CUDA event of a copy reading it
         self.prefetched: set[tuple[int, int]] = set()
+        self.x8: dict[str, int] | None = None     # params whose rows the miss server interleaved (memory/doorbell.py)
         # every expert the bank is meant for fits (set by the placement; pinned fast-tier experts excluded)
         self.all_resident = capacity >= layout.num_layers * layout.num_experts and not self.disk_layers
         self.stats = {"ram_hits": 0, "ssd_reads": 0, "evictions": 0, "prefetch_reads": 0,
