@@ -21,17 +21,14 @@ import torch
 
 from moetier.kernels import cpu
 from moetier.quant.formats import get_format
+from moetier.quant.pack import quantize
 
 SHAPES = [(1536, 2048), (2048, 768)]      # (N, K): Qwen3-30B-A3B's gate+up and down of one expert
 
 
 def blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
-    fmt = get_format(qtype)
-    rb = fmt.nbytes((1, k))
-    raw = rng.integers(0, 256, size=(n, rb // fmt.type_size, fmt.type_size), dtype=np.uint8)
-    raw[..., 0:2] = rng.uniform(0.5, 1.0, size=raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(
-        *raw.shape[:2], 2)
-    return torch.from_numpy(raw.reshape(n, rb))
+    """n rows of k random weights quantized to qtype (valid scales in every format)"""
+    return quantize(torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32)) * 0.1, qtype)
 
 
 def rate(fn, nbytes: int, reps: int) -> float:
@@ -43,7 +40,7 @@ def rate(fn, nbytes: int, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--types", default="Q4_0,Q8_0")
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q4_K")
     ap.add_argument("--threads", default=str(torch.get_num_threads()))
     ap.add_argument("--gib", type=float, default=2.0, help="the RAM bank per layout")
     ap.add_argument("--rounds", type=int, default=5)

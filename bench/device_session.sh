@@ -44,6 +44,8 @@ DATA=${DATA:-/tmp/moetier-data}; mkdir -p "$DATA"
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 synth() {  # NAME QUANT LAYERS SKEW OUT SECONDS
   timeout "$6" python3 -m moetier synth "$1" --quant "$2" --layers "$3" --skew "$4" --out "$5" 2>&1 | tail -1
+  # the 17 GB just written fill the page cache: the first bench after it read slow in session 14 (calls 4, 5)
+  sync; echo 1 > /proc/sys/vm/drop_caches 2>/dev/null || true
 }
 bench() {  # LABEL SECONDS MODEL FLAGS...
   local label=$1 secs=$2; shift 2

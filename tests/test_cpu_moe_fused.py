@@ -183,7 +183,7 @@ def test_compiled_step_on_k_quant_gguf(tmp_path):
     path = quantize(build_qwen3_moe(tmp_path / "model", **K_QUANT_MODEL), "Q4_K_M", tmp_path / "m-Q4_K_M.gguf")
     fast = compiled_follows_eager(path)
     tid = {n: get_format(n).type_id for n in ("Q4_K", "Q6_K", "Q8_0", "Q5_1")}
-    for f in ("Q8_0", "Q5_1"):                      # copies of 8k rows in these formats: interleaved
+    for f in ("Q8_0", "Q5_1", "Q4_K"):              # copies of 8k rows in these formats: interleaved
         if cpu.interleaved_supported(tid[f]):
             tid[f] = cpu.INTERLEAVED[tid[f]]
     copies = {name: m._quant_copies for name, m in fast.model.named_modules() if getattr(m, "_quant_copies", None)}

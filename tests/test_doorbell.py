@@ -692,17 +692,19 @@ def test_chunked_runs_scalar_build(qtype, threads, scalar_doorbell):
 # ---- the RAM bank's rows interleaved by 8 (memory/doorbell.py interleave_bank; doorbell.c moe_x8_rows) ----
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("misses", [1, 3, 8])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_0+Q8_0", "F32+Q4_0"])
-def test_interleaved_rows_answer_as_the_ggml_rows(qtype, misses, threads):
-    """The same experts with their Q4_0 / Q8_0 / IQ4_NL / Q5_1 rows interleaved in place (cpu.interleave_inplace)
+@pytest.mark.parametrize("qtype,dim,hidden", [("Q4_0", 224, 160), ("Q8_0", 224, 160), ("IQ4_NL", 224, 160),
+                                               ("Q5_1", 224, 160), ("Q4_0+Q8_0", 224, 160), ("F32+Q4_0", 224, 160),
+                                               ("Q4_K", 512, 256), ("Q4_K+Q6_K", 768, 256)])
+def test_interleaved_rows_answer_as_the_ggml_rows(qtype, dim, hidden, misses, threads):
+    """The same experts with their Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K rows interleaved in place (cpu.interleave_inplace)
     and the interleaved type ids: the x8 kernels' float sums differ from the row kernels' (one lane per row), and h is
     rounded to int8 after gate_up, so a value may land on the other side of a rounding: y within 5e-3 of the
     GGML rows' y (measured ~1e-4), the float reference within the int8 tolerance; variants 2 and 4 give variant 0's y
-    bit for bit, as with GGML rows. A type without an interleaved kernel (F32) keeps its rows."""
+    bit for bit, as with GGML rows. A type without an interleaved kernel (F32, Q6_K) keeps its rows."""
     from moetier.kernels import cpu
     if not cpu.interleaved_supported(get_format("Q4_0").type_id):
         pytest.skip("the C kernels are built without int8 activations")
-    dim, hidden, n_exp, k = 224, 160, 10, 8
+    n_exp, k = 10, 8
     s_gu, s_dn, f_gu, f_dn, tid = odd_experts(qtype, dim, hidden, n_exp, seed=3)
     req = db.Requests(1, dim, k, pin=False)
     odd_request(req, n_exp, k, misses, seed=4)

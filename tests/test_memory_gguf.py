@@ -245,3 +245,37 @@ def test_mixed_prefill_layer_without_a_host_sync(gguf, monkeypatch):
     c = eng.memory_stats()["cumulative"]
     assert c["hits"]["gpu"] > 0 and c["staged_prefill_experts"] > 0
     eng.tiers.close()
+
+
+def test_interleaved_bank_is_undone_for_every_other_reader(gguf):
+    """memory/doorbell.interleave_bank (done when a graphed decode starts, CUDA): the RAM bank's Q8_0 / Q4_0 / Q4_K
+    expert rows interleaved by 8 in place, here on a CPU load with a few fast slots. Every other reader undoes it: the
+    eager CPU misses (Tiers._cpu_weights) and the fast tier's copies of admitted experts (FastTier._ggml_rows), so the
+    logits stay within TOL of the untiered model's and the greedy tokens do not move (prefill's staged copies and decode's admissions both copy from the bank);
+    the miss server gets the interleaved type ids; a second call changes nothing."""
+    from moetier.memory.doorbell import _qtype_id, interleave_bank
+    if not cpu.interleaved_supported(2):
+        pytest.skip("the C kernels are built without int8 activations")
+    out, tokens, want, want_toks = gguf
+    _, _, fb = sizes(out)
+    eng = Engine.load(out, EngineConfig(progress=False, max_context=CTX, ram_mem=1 << 30, gpu_mem=7 * fb,
+                                        prefill_copy_tokens=2))
+    tiers, lay = eng.tiers, eng.tiers.layout
+    bank = [b.clone() for b in tiers.bank.slots]
+    x8 = interleave_bank(tiers, "0")
+    assert {n for n, _ in x8} == {"gate_up_proj", "down_proj"} and tiers.fast.x8 is x8
+    assert any(not torch.equal(a, b) for a, b in zip(bank, tiers.bank.slots))          # the rows moved
+    li, e = 0, int(tiers.bank.where[0].argmax())
+    buf = tiers.bank.slots[int(tiers.bank.where[li, e])]
+    orig = lay.unpack(bank[int(tiers.bank.where[li, e])], li)
+    assert all(torch.equal(v, orig[n]) for n, v in tiers._cpu_weights(buf, li).items())
+    assert interleave_bank(tiers, "0") is x8                                            # once per bank
+    ids = _qtype_id(lay, x8)
+    assert all(t in cpu.INTERLEAVED.values() for pair in (ids if isinstance(ids, list) else [ids]) for t in pair)
+    c0 = eng.memory_stats()["cumulative"]
+    got = logits(eng.model, tokens)     # (hits on the torch twin, misses in C: a warmer cache rounds otherwise)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= TOL
+    assert greedy_tokens(eng.model, tokens[:SPLIT].tolist(), N_GREEDY) == want_toks
+    c1 = eng.memory_stats()["cumulative"]
+    assert c1["admissions"] > c0["admissions"] and c1["staged_prefill_experts"] > c0["staged_prefill_experts"]
+    tiers.cache.check()

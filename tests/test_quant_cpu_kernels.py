@@ -274,18 +274,25 @@ def test_kquant_kernels_see_every_bit_pattern(qtype, threads, other_build):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(8, 64), (40, 768), (136, 384)])    # 1, 5 (odd: one group alone), 17 groups of 8
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K"])
 def test_interleaved_matvec(qtype, n, k, threads):
-    """Q4_0 / Q8_0 rows interleaved by 8 (the compiled step's copies): the layout round-trips, the matvec writes every
-    row, matches the GGUF rows' int8 kernel to float rounding (the same int32 sums) and the reference within the
-    int8 activations' error; qlinear_native reads the layout too."""
+    """Rows interleaved by 8 (the compiled step's copies, the miss server's RAM bank): the layout round-trips (in torch
+    and in place in C), the matvec writes every row, matches the GGUF rows' int8 kernel to float rounding (the same
+    int32 sums) and the reference within the int8 activations' error; qlinear_native reads the layout too. Q4_K: k
+    rounded up to whole super-blocks."""
     from moetier.quant.formats import get_format
+    k = -(-k // get_format(qtype).block_size) * get_format(qtype).block_size
     tid = get_format(qtype).type_id
     if not cpu.interleaved_supported(tid):
         pytest.skip(f"this build reads no interleaved {qtype} rows")
     raw, x, ref = case(qtype, n, k, seed=8)
     x8 = cpu.interleave_rows(raw, tid)
     assert x8.shape == raw.shape and not torch.equal(x8, raw) and torch.equal(cpu.deinterleave_rows(x8, tid), raw)
+    inplace = raw.clone()
+    cpu.interleave_inplace(inplace, tid, threads=threads)
+    assert torch.equal(inplace, x8)
+    cpu.interleave_inplace(inplace, tid, inverse=True, threads=threads)
+    assert torch.equal(inplace, raw)
     y = torch.full((1, n), float("nan"))
     y[:] = cpu.qlinear(cpu.INTERLEAVED[tid], x8, x[None], q8=True, threads=threads)
     assert_q8_close(y[0], ref)
@@ -296,7 +303,7 @@ def test_interleaved_matvec(qtype, n, k, threads):
         cpu.qlinear(cpu.INTERLEAVED[tid], x8, x[None], q8=False)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K"])
 def test_interleaved_other_builds(qtype, other_build):
     """haswell (AVX2, no VNNI: maddubs sums; Q8_0 through the sign trick) gives the native build's result to float
     rounding (the same int32 sums); a build without int8 activations (x86-64) refuses the layouts instead of misreading
@@ -316,3 +323,21 @@ def test_interleaved_other_builds(qtype, other_build):
     want = cpu.qlinear(cpu.INTERLEAVED[tid], x8, x[None], q8=True)[0]
     assert rc == 0 and torch.isfinite(y).all()
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_interleave_inplace_refuses_what_it_cannot_lay_out():
+    """A type without the layout (Q6_K), a row count not a multiple of 8, or a non-contiguous view: a clear error, the
+    bytes untouched."""
+    from moetier.quant.formats import get_format
+    if cpu.backend() != "c":
+        pytest.skip("the C kernels are not built")
+    raw, _, _ = case("Q6_K", 16, 256, seed=10)
+    keep = raw.clone()
+    with pytest.raises(ValueError, match="cannot be interleaved"):
+        cpu.interleave_inplace(raw, get_format("Q6_K").type_id)
+    q4, _, _ = case("Q4_0", 12, 64, seed=10)
+    with pytest.raises(ValueError, match="cannot be interleaved"):
+        cpu.interleave_inplace(q4, get_format("Q4_0").type_id)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.interleave_inplace(q4[:, :18], get_format("Q4_0").type_id)
+    assert torch.equal(raw, keep)

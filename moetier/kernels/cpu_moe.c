@@ -525,6 +525,7 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
 #define Q8_0_X8 (0x100 | Q8_0)
 #define IQ4_NL_X8 (0x100 | IQ4_NL)
 #define Q5_1_X8 (0x100 | Q5_1)
+#define Q4_K_X8 (0x100 | Q4_K)
 
 #ifdef MOE_Q8
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -550,7 +551,7 @@ static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x) {
 #endif
 
 /* groups at w and w + gs (16 rows) at once, the x broadcasts shared; kind: X8_Q4_0, X8_Q8_0 or X8_IQ4_NL */
-enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1 };
+enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1, X8_Q4_K };
 
 /* Q5_1_X8: bit 4 of the 4 values of each lane's nibble group j (low nibbles: qh bits 4j..4j+3 of the lane's row; high:
  * 16 + 4j..) as bytes 0x10 / 0: the 4 bits spread to bytes by one multiply ((t & 15) 0x204081: copies 7 bits apart,
@@ -634,13 +635,88 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
 /* The x8 kind of an interleaved type id, -1 for any other id */
 static inline int x8_kind(int qtype) {
     return qtype == Q4_0_X8 ? X8_Q4_0 : qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL
-           : qtype == Q5_1_X8 ? X8_Q5_1 : -1;
+           : qtype == Q5_1_X8 ? X8_Q5_1 : qtype == Q4_K_X8 ? X8_Q4_K : -1;
+}
+
+/* Q4_K_X8's 6-bit scale (sc) and min (mn) of sub-block j in each lane (row), from the lanes' 12 scale bytes as three
+ * words s0, s1, s2 (bytes 0-3, 4-7, 8-11): GGML's get_scale_min_k4 */
+static inline __m256i x8_q4k_sc(__m256i s0, __m256i s2, int j) {
+    if (j < 4) return _mm256_and_si256(_mm256_srli_epi32(s0, 8 * j), _mm256_set1_epi32(63));
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 8 * (j - 4)), _mm256_set1_epi32(15)),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(s0, 8 * (j - 4) + 6),
+                                                              _mm256_set1_epi32(3)), 4));
+}
+static inline __m256i x8_q4k_mn(__m256i s1, __m256i s2, int j) {
+    if (j < 4) return _mm256_and_si256(_mm256_srli_epi32(s1, 8 * j), _mm256_set1_epi32(63));
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 8 * (j - 4) + 4), _mm256_set1_epi32(15)),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(s1, 8 * (j - 4) + 6),
+                                                              _mm256_set1_epi32(3)), 4));
+}
+
+/* acc + one chunk of a Q4_K_X8 group: sub-blocks j, j + 1 with integer sums lo, hi; d, dmin and the scale words s0-s2
+ * of the group's rows; dx, sx at the chunk's first 32-block */
+static inline __m256 x8_q4k_chunk(__m256 acc, __m256i lo, __m256i hi, __m256 d, __m256 dmin, __m256i s0, __m256i s1,
+                                  __m256i s2, int j, const float *dx, const float *sx) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(d, _mm256_mul_ps(
+        _mm256_cvtepi32_ps(x8_q4k_sc(s0, s2, j)), _mm256_set1_ps(dx[0]))), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(d, _mm256_mul_ps(
+        _mm256_cvtepi32_ps(x8_q4k_sc(s0, s2, j + 1)), _mm256_set1_ps(dx[1]))), acc);
+    acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(x8_q4k_mn(s1, s2, j))), _mm256_set1_ps(sx[0]), acc);
+    return _mm256_fnmadd_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(x8_q4k_mn(s1, s2, j + 1))), _mm256_set1_ps(sx[1]),
+                            acc);
+}
+
+/* Q4_K rows interleaved by 8 (Q4_K_X8), groups at w and w + gs (16 rows), nsb super-blocks: per group and super-block
+ * (1152 bytes) the 8 rows' d (16 bytes), dmin (16), then 35 4-byte groups of the 8 rows (32 bytes each, row r at 4r):
+ * the 12 scale bytes (3), the 128 quant bytes (32: chunk c's 8 words at 3 + 8c, low nibbles sub-block 2c, high ones
+ * 2c + 1). Per chunk 16 dot products per group (a broadcast x word each) for all 8 rows, then per sub-block
+ * d sc dx isum - dmin mn sx in float (sx = dx sum qx). The row kernels (cpu_kq_q8.c) unpack and scale per row. */
+static inline __attribute__((always_inline)) void moe_x8_q4k_group2(const uint8_t *w, int64_t gs, const int8_t *qx,
+                                                                    const float *dx, const float *sx, int64_t nsb,
+                                                                    const uint8_t *pf_end, float *out) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    const uint8_t *pf = w + PREFETCH_AHEAD;
+    for (int64_t b = 0; b < nsb; b++, w += 1152) {
+        for (; pf < w + 1152 + PREFETCH_AHEAD; pf += 64) {
+            if (pf < pf_end) __builtin_prefetch(pf, 0, 3);
+            if (pf + gs < pf_end) __builtin_prefetch(pf + gs, 0, 3);
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
+        const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
+        const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs + 16)));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(w + 32)), a1 = _mm256_loadu_si256((const __m256i *)(w + 64));
+        const __m256i a2 = _mm256_loadu_si256((const __m256i *)(w + 96));
+        const __m256i e0 = _mm256_loadu_si256((const __m256i *)(w + gs + 32));
+        const __m256i e1 = _mm256_loadu_si256((const __m256i *)(w + gs + 64));
+        const __m256i e2 = _mm256_loadu_si256((const __m256i *)(w + gs + 96));
+        int32_t xv[64];
+        memcpy(xv, qx + 256 * b, 256);
+        for (int c = 0; c < 4; c++) {
+            __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0;     /* sub-blocks 2c, 2c + 1 */
+            for (int g = 0; g < 8; g++) {
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * (8 * c + g)));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + gs + 128 + 32 * (8 * c + g)));
+                const __m256i xl = _mm256_set1_epi32(xv[16 * c + g]), xh = _mm256_set1_epi32(xv[16 * c + 8 + g]);
+                s0 = moe_dot_u8s8_acc(s0, _mm256_and_si256(u, lo), xl);
+                s1 = moe_dot_u8s8_acc(s1, _mm256_and_si256(_mm256_srli_epi16(u, 4), lo), xh);
+                t0 = moe_dot_u8s8_acc(t0, _mm256_and_si256(v, lo), xl);
+                t1 = moe_dot_u8s8_acc(t1, _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), xh);
+            }
+            const int64_t j = 8 * b + 2 * c;        /* the 32-block of sub-block 2c */
+            acc0 = x8_q4k_chunk(acc0, s0, s1, d0, n0, a0, a1, a2, 2 * c, dx + j, sx + j);
+            acc1 = x8_q4k_chunk(acc1, t0, t1, d1, n1, e0, e1, e2, 2 * c, dx + j, sx + j);
+        }
+    }
+    _mm256_storeu_ps(out, acc0);
+    _mm256_storeu_ps(out + 8, acc1);
 }
 
 /* m[b] = -offset x the sum of block b's int8 x: the stored offset (Q4_0's 8, Q8_0's and IQ4_NL's 128 with VNNI)
  * taken off in the integer sum */
 static void x8_offsets(int kind, const int8_t *qx, int64_t nb, int32_t *m) {
-    const int off = kind == X8_Q4_0 ? 8 : kind == X8_Q5_1 ? 0 : X8_Q8_OFFSET;
+    const int off = kind == X8_Q4_0 ? 8 : kind == X8_Q5_1 || kind == X8_Q4_K ? 0 : X8_Q8_OFFSET;
     for (int64_t b = 0; b < nb; b++) {
         int32_t t = 0;
         for (int i = 0; i < 32; i++) t += qx[32 * b + i];
@@ -656,6 +732,15 @@ static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, cons
                         const float *sx, const int32_t *m, int64_t K, const uint8_t *pf_end, float *out) {
     const int kind = x8_kind(qtype);
     const int64_t nb = K / 32, gb = 8 * rs;
+    if (kind == X8_Q4_K) {                          /* no offsets: the mins come off in float */
+        for (int64_t g = 0; g < n / 8; g += 2) {
+            float two[16];
+            const int pair = g + 1 < n / 8;
+            moe_x8_q4k_group2(w + g * gb, pair ? gb : 0, qx, dx, sx, K / 256, pf_end, pair ? out + 8 * g : two);
+            if (!pair) memcpy(out + 8 * g, two, sizeof(float) * 8);
+        }
+        return;
+    }
     int32_t mine[m ? 1 : nb];
     if (!m) {
         x8_offsets(kind, qx, nb, mine);
@@ -677,8 +762,9 @@ static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, cons
 
 /* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 / IQ4_NL_X8 (kind; N a multiple of 8), x rounded to int8 per 32 values */
 static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
-    if (N % 8 || K % 32) return -1;
-    const int64_t nb = K / 32, gb = nb * (kind == X8_Q8_0 ? 272 : kind == X8_Q5_1 ? 192 : 144);   /* per 8 rows */
+    if (N % 8 || K % (kind == X8_Q4_K ? 256 : 32)) return -1;
+    const int64_t nb = K / 32;
+    const int64_t gb = kind == X8_Q4_K ? K / 256 * 1152 : nb * (kind == X8_Q8_0 ? 272 : kind == X8_Q5_1 ? 192 : 144);
     char *mem = malloc((2 * sizeof(float) + sizeof(int32_t)) * nb + K + 64);
     if (!mem) return -2;
     float *dx = (float *)mem, *sx = dx + nb;
@@ -687,7 +773,8 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
     moe_quantize_q8(x, K, qx, dx, sx);
     x8_offsets(kind, qx, nb, m);                    /* IQ4_NL's codebook + 128: as Q8_0's */
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
-    const int qtype = kind == X8_Q8_0 ? Q8_0_X8 : kind == X8_IQ4_NL ? IQ4_NL_X8 : kind == X8_Q5_1 ? Q5_1_X8 : Q4_0_X8;
+    const int qtype = kind == X8_Q8_0 ? Q8_0_X8 : kind == X8_IQ4_NL ? IQ4_NL_X8 : kind == X8_Q5_1 ? Q5_1_X8
+                      : kind == X8_Q4_K ? Q4_K_X8 : Q4_0_X8;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2)          /* 16 rows a step (moe_x8_rows: an odd last group once) */
         moe_x8_rows(qtype, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, y + 8 * g);
@@ -702,9 +789,10 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
  * rows (Q8_0's int8 values + 128). A group's bytes stay where they were. Threads over groups. The RAM bank's
  * experts for the miss server (memory/doorbell.py). 0, -1 for another type or n, -2 if out of memory. */
 int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int inverse, int nthreads) {
-    static const int q4_0[] = {2, 0}, q5_1[] = {2, 2, 4, 0};
-    const int *fields = qtype == Q5_1 ? q5_1 : q4_0;
-    if ((qtype != Q4_0 && qtype != Q8_0 && qtype != IQ4_NL && qtype != Q5_1) || n % 8 || row_bytes % block_bytes(qtype))
+    static const int q4_0[] = {2, 0}, q5_1[] = {2, 2, 4, 0}, q4_k[] = {2, 2, 0};    /* header fields' bytes */
+    const int *fields = qtype == Q5_1 ? q5_1 : qtype == Q4_K ? q4_k : q4_0;
+    if ((qtype != Q4_0 && qtype != Q8_0 && qtype != IQ4_NL && qtype != Q5_1 && qtype != Q4_K) || n % 8
+        || row_bytes % block_bytes(qtype))
         return -1;
     const int64_t bb = block_bytes(qtype), nb = row_bytes / bb, gb = 8 * row_bytes;
     const uint8_t flip = qtype == Q8_0 ? 0x80 : 0;
@@ -746,7 +834,7 @@ int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int
 /* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
 int moetier_x8_supported(int qtype) {
 #ifdef MOE_Q8
-    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1;
+    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1 || qtype == Q4_K;
 #else
     (void)qtype;
     return 0;
@@ -759,9 +847,7 @@ int moetier_x8_supported(int qtype) {
 int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
                       const float *x, float *y, int nthreads) {
 #ifdef MOE_Q8
-    if (qtype == Q4_0_X8 || qtype == Q8_0_X8 || qtype == IQ4_NL_X8 || qtype == Q5_1_X8)
-        return moe_matvec_x8(qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL : qtype == Q5_1_X8 ? X8_Q5_1
-                             : X8_Q4_0, w, N, K, x, y, nthreads);
+    if (x8_kind(qtype) >= 0) return moe_matvec_x8(x8_kind(qtype), w, N, K, x, y, nthreads);
     if (!moe_q8_type(qtype)) return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
     if (K % block_elems(qtype)) return -1;
     char *mem = malloc((sizeof(float) + sizeof(int32_t)) * (K / 32) + K + 64);

@@ -61,55 +61,66 @@ def unavailable(tiers, act) -> str | None:
     return None
 
 
-def _qtype_id(layout) -> tuple[int, int] | list[tuple[int, int]] | None:
+def _qtype_id(layout, x8: dict | None = None) -> tuple[int, int] | list[tuple[int, int]] | None:
     """(gate_up, down) GGML type ids for the C server, or one such pair per layer when the formats
-    vary by layer (Q4_K_M); None when it has no kernel for one of them."""
-    from ..kernels import doorbell
+    vary by layer (Q4_K_M); None when it has no kernel for one of them. x8: the bank's interleaved
+    (param, format)s (interleave_bank): their interleaved ids (kernels.cpu.INTERLEAVED)."""
+    from ..kernels import cpu, doorbell
     from ..quant.formats import get_format
+
+    def tid(p):
+        if p.qtype is None:
+            return doorbell.GGML_IDS.get(p.dtype)
+        f = get_format(p.qtype)
+        return cpu.INTERLEAVED[f.type_id] if x8 and (p.name, f.name) in x8 else f.type_id
     pairs = []
     for li in range(layout.num_layers) if layout.varies_by_layer else [None]:
         spec = {p.name: p for p in layout.specs(li)}
-        ids = tuple(doorbell.GGML_IDS.get(spec[n].dtype) if spec[n].qtype is None else get_format(spec[n].qtype).type_id
-                    for n in ("gate_up_proj", "down_proj"))
+        ids = tuple(tid(spec[n]) for n in ("gate_up_proj", "down_proj"))
         if not all(t is not None and doorbell.serve_supported(t) for t in ids):
             return None
         pairs.append(ids)
     return pairs if layout.varies_by_layer else pairs[0]
 
 
-def interleave_bank(tiers, qtypes, variant: str) -> dict[str, int]:
-    """The RAM bank's Q4_0 / Q8_0 / IQ4_NL / Q5_1 expert rows interleaved by 8 in place (kernels.cpu.interleave_rows'
-    layout), once per bank: the miss server then reads them with the x8 kernels (8 rows in the lanes, one dot product
+def interleave_bank(tiers, variant: str) -> dict[tuple[str, str], int]:
+    """The RAM bank's Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K expert rows interleaved by 8 in place (kernels.cpu.interleave_rows'
+    layout), once per bank (Q4_K_M: its Q4_K gate_up and down, not its Q6_K down): the miss server then reads them with the x8 kernels (8 rows in the lanes, one dot product
     per 4-byte group for all of them), which on the H200 box's Xeon run ~2x the GGML-row kernels from cache (1 thread,
     Qwen3-30B-A3B's gate_up: 24.7 vs 12.4 GB/s) and 1.2-2x from RAM (docs/perf-log.md, session 14). Every other reader
     of the bank undoes it: the GPU tier on its copies (FastTier.x8), the eager CPU misses on a copy (Tiers._cpu_weights).
-    -> {param name: GGML type id} of the interleaved params ({} when off: MOETIER_X8_BANK=0, variant 1's per-row
-    loops, formats varying by layer, dims not multiples of 16, no such C kernel, or the PCIe share on: its copies
+    -> {(param name, format name): GGML type id} of the interleaved params ({} when off: MOETIER_X8_BANK=0, variant 1's
+    per-row loops, dims not multiples of 16, no such C kernel, or the PCIe share on: its copies
     would be undone inside the graph, on the GPU's path of every layer; at --cpu-moe, where the share is on by default,
     the first run with the bank interleaved read 65.0 tok/s, the GPU's part of a token 5.7 ms)."""
     from ..kernels import cpu
+    from ..quant.formats import get_format
     bank, lay = tiers.bank, tiers.layout
     if getattr(bank, "x8", None) is not None:
         if bank.x8 and variant == "1":
             raise UserError("MOETIER_MISS_VARIANT=1 (the per-row loops) cannot read this bank: an earlier decode step "
                             "interleaved its rows; set the variant before the model's first decode, or MOETIER_X8_BANK=0")
         return bank.x8
-    x8: dict[str, int] = {}
+    x8: dict[tuple[str, str], int] = {}
     spec = {p.name: p for p in lay.params}
-    share = tiers.pl.pcie_share > 0 and tiers.fast.stage and not all(s >= lay.num_experts for s in tiers.cache.sizes)
-    if (os.environ.get("MOETIER_X8_BANK", "1") != "0" and variant != "1" and not lay.varies_by_layer and not share
-            and not isinstance(qtypes, list) and cpu.backend() == "c"
+    share = (tiers.pl.pcie_share or 0) > 0 and tiers.fast.stage and not all(s >= lay.num_experts for s in tiers.cache.sizes)
+    if (os.environ.get("MOETIER_X8_BANK", "1") != "0" and variant != "1" and not share and cpu.backend() == "c"
             and spec["down_proj"].shape[0] % 16 == 0 and spec["gate_up_proj"].shape[0] % 32 == 0):
-        for name, tid in zip(("gate_up_proj", "down_proj"), qtypes if isinstance(qtypes, tuple) else (qtypes,) * 2):
-            if tid in cpu.INTERLEAVED and cpu.interleaved_supported(tid):
-                x8[name] = tid
+        for li in range(lay.num_layers) if lay.varies_by_layer else [None]:
+            for p in lay.specs(li):
+                if p.name in ("gate_up_proj", "down_proj") and p.qtype is not None:
+                    f = get_format(p.qtype)
+                    if f.type_id in cpu.INTERLEAVED and cpu.interleaved_supported(f.type_id):
+                        x8[(p.name, f.name)] = f.type_id
     if x8:
         if tiers.cuda:
             torch.cuda.synchronize()        # no copy to the GPU reads the bank while its rows move
         for li in range(lay.num_layers):
+            specs = [(p.name, x8[(p.name, get_format(p.qtype).name)]) for p in lay.specs(li)
+                     if p.qtype is not None and (p.name, get_format(p.qtype).name) in x8]
             for e in np.flatnonzero(bank.where[li] >= 0).tolist():
                 w = lay.unpack(bank.slots[int(bank.where[li, e])], li)
-                for name, tid in x8.items():
+                for name, tid in specs:
                     cpu.interleave_inplace(w[name], tid)
     bank.x8 = tiers.fast.x8 = x8
     return x8
@@ -147,12 +158,7 @@ class GraphTiers:
         if variant not in ("0", "1", "2", "4"):
             raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 0 (default), 1, 2 and 4 "
                             "(3 reads the experts without computing them: bench/bench_miss_server.py only)")
-        qtypes = _qtype_id(lay)
-        x8 = interleave_bank(tiers, qtypes, variant)
-        if x8:
-            from ..kernels import cpu
-            qtypes = tuple(cpu.INTERLEAVED[x8[n]] if n in x8 else t for n, t in zip(
-                ("gate_up_proj", "down_proj"), qtypes if isinstance(qtypes, tuple) else (qtypes,) * 2))
+        qtypes = _qtype_id(lay, interleave_bank(tiers, variant))
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
         # (gpt-oss's biases as float32: views of the bank when stored so, else copies kept here)
         names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
@@ -221,7 +227,7 @@ class GraphTiers:
         # only, until a GPU run times it (MOETIER_STAGE_REPACK=triton; docs/perf-log.md, session 5)
         kernel = os.environ.get("MOETIER_STAGE_REPACK", "torch") == "triton"
         for p in self.tiers.layout.specs(li):
-            if kernel and p.qtype is not None and triton_repack.supported(p.qtype) and p.name not in fast.x8:
+            if kernel and p.qtype is not None and triton_repack.supported(p.qtype) and not fast.x8:
                 triton_repack.repack_rows(p.qtype, self.staging, self.stage_off, p.offset, p.shape[0], p.shape[1],
                                           fast.planes[(p.name, p.qtype)], self.stage0)
             else:

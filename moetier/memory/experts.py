@@ -416,7 +416,7 @@ class Tiers:
         memory and RSS would creep past the budget). GGML experts: views of the raw blocks."""
         src = self.layout.unpack(buf, li)
         if self.layout.qtype and self.fast.x8:     # the miss server's interleaved rows: GGML rows again (a copy)
-            src = {n: self.fast._ggml_rows(n, v) for n, v in src.items()}
+            src = {p.name: self.fast._ggml_rows(p, src[p.name]) for p in self.layout.specs(li)}
         if self.layout.qtype or all(v.dtype == self.cpu_dtype for v in src.values()):
             return src
         if self._conv is None:

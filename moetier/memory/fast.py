@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..kernels import ops
 from ..kernels.cpu import expert_ffn
+from ..quant.formats import get_format
 from ..quant.repack import repack
 from .layout import ExpertLayout, ParamSpec
 
@@ -145,7 +146,8 @@ class FastTier:
         self.copy_timer = {p: Timer(self.cuda) for p in ("prefill", "decode")}
         self.compute_timer = {p: Timer(self.cuda) for p in ("prefill", "decode")}
         self.bytes_copied = {"prefill": 0, "decode": 0}
-        self.x8: dict[str, int] = {}    # params whose RAM rows are interleaved by 8 (memory/doorbell.interleave_bank)
+        # (param, format)s whose RAM rows are interleaved by 8 (memory/doorbell.interleave_bank): GGML type ids
+        self.x8: dict[tuple[str, str], int] = {}
 
     def _alloc(self, p: ParamSpec, n: int):
         """[n, *shape] in the compute dtype, or for a GGML param its repack planes [n, rows, ...]."""
@@ -184,10 +186,10 @@ class FastTier:
         b = (self.arena.get("gate_up_bias"), self.arena.get("down_bias"))
         return None if b == (None, None) else b
 
-    def _ggml_rows(self, name: str, raw: torch.Tensor) -> torch.Tensor:
-        """raw [..., rows, row bytes] of param `name` as read from the RAM bank -> GGML rows (undoes the bank's
+    def _ggml_rows(self, p: ParamSpec, raw: torch.Tensor) -> torch.Tensor:
+        """raw [..., rows, row bytes] of param p as read from the RAM bank -> GGML rows (undoes the bank's
         interleaving, on raw's device)."""
-        tid = self.x8.get(name)
+        tid = self.x8.get((p.name, get_format(p.qtype).name)) if self.x8 and p.qtype is not None else None
         if tid is None:
             return raw
         from ..kernels.cpu import deinterleave_rows
@@ -202,7 +204,7 @@ class FastTier:
                 self.arena[p.name][slot].copy_(t)
                 continue
             dst = self.planes[(p.name, p.qtype)]
-            for k, plane in repack(p.qtype, self._ggml_rows(p.name, t)[None]).items():
+            for k, plane in repack(p.qtype, self._ggml_rows(p, t)[None]).items():
                 dst[k][slot].copy_(plane[0])
 
     # ------------------------------------------------------------------ copies
@@ -294,7 +296,7 @@ class FastTier:
                 dst.index_copy_(0, idx, raw.view(p.dtype).view(n, *p.shape).to(dst.dtype))
                 continue
             dst = self.planes[(p.name, p.qtype)]
-            for k, plane in repack(p.qtype, self._ggml_rows(p.name, raw.view(n, *p.shape))).items():
+            for k, plane in repack(p.qtype, self._ggml_rows(p, raw.view(n, *p.shape))).items():
                 dst[k].index_copy_(0, idx, plane)
 
     def wait(self, li: int) -> None:

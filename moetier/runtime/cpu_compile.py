@@ -149,9 +149,10 @@ def _quantized_copies(model: torch.nn.Module) -> None:
     """Float weights of Linear modules (and 2-D `*weight` buffers: Attention.qkv_weight) get their GGML
     blocks as a buffer `<name>_q`: the blocks a GGUF file stored them in (any C-kernel format: Q6_K
     lm_heads, Q4_K attention), else the Q4_0 / Q8_0 blocks they are exactly the values of. The compiled
-    step multiplies on them with the C kernels (3.8-7x fewer bytes than float32). Q4_0 / Q8_0 copies of 8k rows are
-    kept interleaved by 8 rows (kernels.cpu.INTERLEAVED: the one-token matvec with rows in lanes; on the default
-    model's lm_head, Zen 4 box, Q4_0 2.1x faster). MOETIER_X8=0: the file's rows. Once per model."""
+    step multiplies on them with the C kernels (3.8-7x fewer bytes than float32). Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K
+    copies of 8k rows are kept interleaved by 8 rows (kernels.cpu.INTERLEAVED: the one-token matvec with rows in lanes;
+    on the default model's lm_head, Zen 4 box, Q4_0 2.1x faster; Q4_K 1.4-1.9x from cache, bench/bench_cpu_layout.py).
+    MOETIER_X8=0: the file's rows. Once per model."""
     if cpu_kernels.backend() != "c" or getattr(model, "_quant_copies_done", False):
         return
     model._quant_copies_done = True
