@@ -186,7 +186,8 @@ def main():
                     "4 guided chunks)")
     ap.add_argument("--float-act", action="store_true", help="float32 activations (q8_act=False)")
     ap.add_argument("--act", default="swiglu", choices=["swiglu", "clamped"])
-    ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages), x8 (rows interleaved by 8)")
+    ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages), "
+                    "x8 (rows interleaved by 8)")
     args = ap.parse_args()
     L, E, D, I, K, M, nt = args.layers, args.experts, args.dim, args.hidden, args.k, args.misses, args.threads
     torch.set_num_threads(nt)

@@ -84,15 +84,15 @@ def _qtype_id(layout, x8: dict | None = None) -> tuple[int, int] | list[tuple[in
 
 
 def interleave_bank(tiers, variant: str) -> dict[tuple[str, str], int]:
-    """The RAM bank's Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K expert rows interleaved by 8 in place (kernels.cpu.interleave_rows'
-    layout), once per bank (Q4_K_M: its Q4_K gate_up and down, not its Q6_K down): the miss server then reads them with the x8 kernels (8 rows in the lanes, one dot product
-    per 4-byte group for all of them), which on the H200 box's Xeon run ~2x the GGML-row kernels from cache (1 thread,
-    Qwen3-30B-A3B's gate_up: 24.7 vs 12.4 GB/s) and 1.2-2x from RAM (docs/perf-log.md, session 14). Every other reader
-    of the bank undoes it: the GPU tier on its copies (FastTier.x8), the eager CPU misses on a copy (Tiers._cpu_weights).
-    -> {(param name, format name): GGML type id} of the interleaved params ({} when off: MOETIER_X8_BANK=0, variant 1's
-    per-row loops, dims not multiples of 16, no such C kernel, or the PCIe share on: its copies
-    would be undone inside the graph, on the GPU's path of every layer; at --cpu-moe, where the share is on by default,
-    the first run with the bank interleaved read 65.0 tok/s, the GPU's part of a token 5.7 ms)."""
+    """The RAM bank's Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K expert rows interleaved by 8 in place (the layout of
+    kernels.cpu.interleave_rows), once per bank and per (param, format): a Q4_K_M file's Q4_K rows, not its Q6_K ones.
+    The miss server then reads them with the x8 kernels (8 rows in the lanes, one dot product per 4-byte group for all
+    of them): on the H200 box's Xeon ~2x the GGML-row kernels' math from cache (1 thread, Qwen3-30B-A3B's gate_up, Q4_0:
+    24.7 vs 12.4 GB/s), the server +8-15% at RAM speed (docs/perf-log.md, session 14). Every other reader of the bank
+    undoes it: the GPU tier on its copies (FastTier._ggml_rows), the eager CPU misses on a copy (Tiers._cpu_weights).
+    -> {(param name, format name): GGML type id} of the interleaved params; {} when off: MOETIER_X8_BANK=0, variant
+    1's per-row loops, dims not multiples of 16, no such C kernel, or the PCIe share on (its copies would be undone
+    inside the graph, on the GPU's path of every layer: at --cpu-moe the round trip went 40 -> 91 us a layer)."""
     from ..kernels import cpu
     from ..quant.formats import get_format
     bank, lay = tiers.bank, tiers.layout
@@ -101,26 +101,29 @@ def interleave_bank(tiers, variant: str) -> dict[tuple[str, str], int]:
             raise UserError("MOETIER_MISS_VARIANT=1 (the per-row loops) cannot read this bank: an earlier decode step "
                             "interleaved its rows; set the variant before the model's first decode, or MOETIER_X8_BANK=0")
         return bank.x8
+
+    def key(p):
+        return (p.name, get_format(p.qtype).name) if p.qtype is not None else None
     x8: dict[tuple[str, str], int] = {}
     spec = {p.name: p for p in lay.params}
-    share = (tiers.pl.pcie_share or 0) > 0 and tiers.fast.stage and not all(s >= lay.num_experts for s in tiers.cache.sizes)
+    share = ((tiers.pl.pcie_share or 0) > 0 and tiers.fast.stage
+             and not all(s >= lay.num_experts for s in tiers.cache.sizes))
     if (os.environ.get("MOETIER_X8_BANK", "1") != "0" and variant != "1" and not share and cpu.backend() == "c"
             and spec["down_proj"].shape[0] % 16 == 0 and spec["gate_up_proj"].shape[0] % 32 == 0):
         for li in range(lay.num_layers) if lay.varies_by_layer else [None]:
             for p in lay.specs(li):
-                if p.name in ("gate_up_proj", "down_proj") and p.qtype is not None:
-                    f = get_format(p.qtype)
-                    if f.type_id in cpu.INTERLEAVED and cpu.interleaved_supported(f.type_id):
-                        x8[(p.name, f.name)] = f.type_id
+                tid = get_format(p.qtype).type_id if p.qtype is not None else None
+                if (p.name in ("gate_up_proj", "down_proj") and tid in cpu.INTERLEAVED
+                        and cpu.interleaved_supported(tid)):
+                    x8[key(p)] = tid
     if x8:
         if tiers.cuda:
             torch.cuda.synchronize()        # no copy to the GPU reads the bank while its rows move
         for li in range(lay.num_layers):
-            specs = [(p.name, x8[(p.name, get_format(p.qtype).name)]) for p in lay.specs(li)
-                     if p.qtype is not None and (p.name, get_format(p.qtype).name) in x8]
+            moved = [(p.name, x8[key(p)]) for p in lay.specs(li) if key(p) in x8]
             for e in np.flatnonzero(bank.where[li] >= 0).tolist():
                 w = lay.unpack(bank.slots[int(bank.where[li, e])], li)
-                for name, tid in specs:
+                for name, tid in moved:
                     cpu.interleave_inplace(w[name], tid)
     bank.x8 = tiers.fast.x8 = x8
     return x8
