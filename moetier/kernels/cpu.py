@@ -417,9 +417,10 @@ def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
 
 
 # Rows interleaved by 8 (interleave_rows): type ids of moetier_matvec_q8 only, not GGML types. GGML id -> its id.
-INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8, 20: 0x100 | 20, 7: 0x100 | 7, 12: 0x100 | 12}  # Q4_0 Q8_0 IQ4_NL Q5_1 Q4_K
-# per-row fields before the quants: d (Q5_1: d, m, qh; Q4_K: d, dmin, then its 12 scale bytes as quants)
-_HEADER = {2: (2,), 8: (2,), 20: (2,), 7: (2, 2, 4), 12: (2, 2)}
+# Q4_0, Q8_0, IQ4_NL, Q5_1, Q4_K, MXFP4
+INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8, 20: 0x100 | 20, 7: 0x100 | 7, 12: 0x100 | 12, 39: 0x100 | 39}
+# per-row fields before the quants: d (Q5_1: d, m, qh; Q4_K: d, dmin, then its 12 scale bytes as quants; MXFP4: e)
+_HEADER = {2: (2,), 8: (2,), 20: (2,), 7: (2, 2, 4), 12: (2, 2), 39: (1,)}
 
 
 def _interleaved_base(qtype) -> int | None:
@@ -433,9 +434,9 @@ def interleaved_supported(qtype_id: int) -> bool:
 
 
 def interleave_rows(blocks: torch.Tensor, qtype_id: int) -> torch.Tensor:
-    """Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K blocks uint8 [N, row bytes] (N a multiple of 8) -> the same number of bytes,
-    shape kept, as moetier_matvec_q8 reads INTERLEAVED[qtype_id]: rows 8g..8g+7, block b: each header field of the 8
-    rows (their fp16 scales; Q5_1: then their mins and 5th bits; Q4_K: d, dmin), then for each 4-byte group j of the
+    """Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K / MXFP4 blocks uint8 [N, row bytes] (N a multiple of 8) -> the same number of
+    bytes, shape kept, as moetier_matvec_q8 reads INTERLEAVED[qtype_id]: rows 8g..8g+7, block b: each header field of
+    the 8 rows (their fp16 scales; Q5_1: then their mins and 5th bits; Q4_K: d, dmin; MXFP4: its e8m0 byte), then for each 4-byte group j of the
     rest of the block (the quants; Q4_K: its 12 scale bytes first) the 8 rows' bytes (row r at 4r); Q8_0's int8 values
     stored + 128. Undone by deinterleave_rows; interleave_inplace does it in C."""
     n, rb = blocks.shape

@@ -526,14 +526,16 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
 #define IQ4_NL_X8 (0x100 | IQ4_NL)
 #define Q5_1_X8 (0x100 | Q5_1)
 #define Q4_K_X8 (0x100 | Q4_K)
+#define MXFP4_X8 (0x100 | MXFP4)
 
 #ifdef MOE_Q8
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define X8_Q8_OFFSET 128        /* acc + sum (w + 128) x: the stored bytes straight into dpbusd, 128 sum x taken off */
 static inline __m256i moe_x8_q8_dot(__m256i acc, __m256i stored, __m256i x) { return moe_dot_u8s8_acc(acc, stored, x); }
-/* IQ4_NL: nibbles -> codebook value + 128 (one shuffle), into dpbusd; 128 sum x taken off likewise */
-static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x) {
-    const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
+/* IQ4_NL / MXFP4: nibbles -> codebook value + 128 (one shuffle of `values`), into dpbusd; 128 sum x taken off
+ * likewise */
+static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x, const int8_t *values) {
+    const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)values)),
                                          _mm256_set1_epi8((char)0x80));
     return moe_dot_u8s8_acc(acc, _mm256_shuffle_epi8(book, nib), x);
 }
@@ -543,15 +545,22 @@ static inline __m256i moe_x8_q8_dot(__m256i acc, __m256i stored, __m256i x) {
     const __m256i w = _mm256_xor_si256(stored, _mm256_set1_epi8((char)0x80));
     return moe_dot_u8s8_acc(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
-static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x) {
-    const __m256i w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
-                                          nib);
+static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x, const int8_t *values) {
+    const __m256i w = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)values)), nib);
     return moe_dot_u8s8_acc(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 #endif
 
 /* groups at w and w + gs (16 rows) at once, the x broadcasts shared; kind: X8_Q4_0, X8_Q8_0 or X8_IQ4_NL */
-enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1, X8_Q4_K };
+enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1, X8_Q4_K, X8_MXFP4 };
+
+/* MXFP4_X8: the 8 rows' e8m0 scales (8 bytes at e) as e8m0_half's floats (2^(e - 128); e < 2 subnormal) */
+static inline __m256 moe_x8_e8m0_half(const uint8_t *e) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), v)));
+}
 
 /* Q5_1_X8: bit 4 of the 4 values of each lane's nibble group j (low nibbles: qh bits 4j..4j+3 of the lane's row; high:
  * 16 + 4j..) as bytes 0x10 / 0: the 4 bits spread to bytes by one multiply ((t & 15) 0x204081: copies 7 bits apart,
@@ -568,8 +577,9 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
                                                                 float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
-    const int q8 = kind == X8_Q8_0, q5 = kind == X8_Q5_1;
-    const int64_t bb = q8 ? 272 : q5 ? 192 : 144, qo = q5 ? 64 : 16;    /* block bytes (8 rows), quants' offset */
+    const int q8 = kind == X8_Q8_0, q5 = kind == X8_Q5_1, fp4 = kind == X8_MXFP4;
+    /* block bytes (8 rows), the quants' offset (after the 8 rows' scales: fp16, MXFP4 one e8m0 byte) */
+    const int64_t bb = q8 ? 272 : q5 ? 192 : fp4 ? 136 : 144, qo = q5 ? 64 : fp4 ? 8 : 16;
     /* every line of both groups PREFETCH_AHEAD ahead (one prefetch per block covered a 144-byte Q4_0 block's
      * first line only: from RAM 0.70-0.86x the row kernels on the dev box, now 1.12-1.5x), not past pf_end */
     const uint8_t *pf = w + PREFETCH_AHEAD;
@@ -604,11 +614,12 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
                     el = _mm256_or_si256(el, moe_x8_q5_bits(he, 4 * j));
                     eh = _mm256_or_si256(eh, moe_x8_q5_bits(he, 16 + 4 * j));
                 }
-                if (kind == X8_IQ4_NL) {
-                    s0 = moe_x8_iq4_dot(s0, cl, xl);
-                    s1 = moe_x8_iq4_dot(s1, ch, xh);
-                    t0 = moe_x8_iq4_dot(t0, el, xl);
-                    t1 = moe_x8_iq4_dot(t1, eh, xh);
+                if (kind == X8_IQ4_NL || fp4) {
+                    const int8_t *book = fp4 ? mxfp4_values : iq4nl_values;
+                    s0 = moe_x8_iq4_dot(s0, cl, xl, book);
+                    s1 = moe_x8_iq4_dot(s1, ch, xh, book);
+                    t0 = moe_x8_iq4_dot(t0, el, xl, book);
+                    t1 = moe_x8_iq4_dot(t1, eh, xh, book);
                 } else {
                     s0 = moe_dot_u8s8_acc(s0, cl, xl);
                     s1 = moe_dot_u8s8_acc(s1, ch, xh);
@@ -618,8 +629,8 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
             }
         }
         const __m256 dxv = _mm256_set1_ps(dx[b]);
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
+        const __m256 d0 = fp4 ? moe_x8_e8m0_half(w) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        const __m256 d1 = fp4 ? moe_x8_e8m0_half(w + gs) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
         acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(d0, dxv), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(t0, t1)), _mm256_mul_ps(d1, dxv), acc1);
         if (q5) {                                       /* + m sx: the rows' mins times the block's scaled sum */
@@ -635,7 +646,7 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
 /* The x8 kind of an interleaved type id, -1 for any other id */
 static inline int x8_kind(int qtype) {
     return qtype == Q4_0_X8 ? X8_Q4_0 : qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL
-           : qtype == Q5_1_X8 ? X8_Q5_1 : qtype == Q4_K_X8 ? X8_Q4_K : -1;
+           : qtype == Q5_1_X8 ? X8_Q5_1 : qtype == Q4_K_X8 ? X8_Q4_K : qtype == MXFP4_X8 ? X8_MXFP4 : -1;
 }
 
 /* Q4_K_X8's 6-bit scale (sc) and min (mn) of sub-block j in each lane (row), from the lanes' 12 scale bytes as three
@@ -755,6 +766,7 @@ static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, cons
         if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        else if (kind == X8_MXFP4) moe_x8_group2(X8_MXFP4, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         if (!pair) memcpy(out + 8 * g, two, sizeof(float) * 8);
     }
@@ -764,7 +776,8 @@ static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, cons
 static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
     if (N % 8 || K % (kind == X8_Q4_K ? 256 : 32)) return -1;
     const int64_t nb = K / 32;
-    const int64_t gb = kind == X8_Q4_K ? K / 256 * 1152 : nb * (kind == X8_Q8_0 ? 272 : kind == X8_Q5_1 ? 192 : 144);
+    const int64_t gb = kind == X8_Q4_K ? K / 256 * 1152
+                       : nb * (kind == X8_Q8_0 ? 272 : kind == X8_Q5_1 ? 192 : kind == X8_MXFP4 ? 136 : 144);
     char *mem = malloc((2 * sizeof(float) + sizeof(int32_t)) * nb + K + 64);
     if (!mem) return -2;
     float *dx = (float *)mem, *sx = dx + nb;
@@ -774,7 +787,7 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
     x8_offsets(kind, qx, nb, m);                    /* IQ4_NL's codebook + 128: as Q8_0's */
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
     const int qtype = kind == X8_Q8_0 ? Q8_0_X8 : kind == X8_IQ4_NL ? IQ4_NL_X8 : kind == X8_Q5_1 ? Q5_1_X8
-                      : kind == X8_Q4_K ? Q4_K_X8 : Q4_0_X8;
+                      : kind == X8_Q4_K ? Q4_K_X8 : kind == X8_MXFP4 ? MXFP4_X8 : Q4_0_X8;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2)          /* 16 rows a step (moe_x8_rows: an odd last group once) */
         moe_x8_rows(qtype, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, y + 8 * g);
@@ -789,9 +802,9 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
  * rows (Q8_0's int8 values + 128). A group's bytes stay where they were. Threads over groups. The RAM bank's
  * experts for the miss server (memory/doorbell.py). 0, -1 for another type or n, -2 if out of memory. */
 int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int inverse, int nthreads) {
-    static const int q4_0[] = {2, 0}, q5_1[] = {2, 2, 4, 0}, q4_k[] = {2, 2, 0};    /* header fields' bytes */
-    const int *fields = qtype == Q5_1 ? q5_1 : qtype == Q4_K ? q4_k : q4_0;
-    if ((qtype != Q4_0 && qtype != Q8_0 && qtype != IQ4_NL && qtype != Q5_1 && qtype != Q4_K) || n % 8
+    static const int q4_0[] = {2, 0}, q5_1[] = {2, 2, 4, 0}, q4_k[] = {2, 2, 0}, fp4[] = {1, 0};   /* header bytes */
+    const int *fields = qtype == Q5_1 ? q5_1 : qtype == Q4_K ? q4_k : qtype == MXFP4 ? fp4 : q4_0;
+    if ((qtype != Q4_0 && qtype != Q8_0 && qtype != IQ4_NL && qtype != Q5_1 && qtype != Q4_K && qtype != MXFP4) || n % 8
         || row_bytes % block_bytes(qtype))
         return -1;
     const int64_t bb = block_bytes(qtype), nb = row_bytes / bb, gb = 8 * row_bytes;
@@ -834,7 +847,7 @@ int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int
 /* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
 int moetier_x8_supported(int qtype) {
 #ifdef MOE_Q8
-    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1 || qtype == Q4_K;
+    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1 || qtype == Q4_K || qtype == MXFP4;
 #else
     (void)qtype;
     return 0;
