@@ -694,9 +694,10 @@ def test_chunked_runs_scalar_build(qtype, threads, scalar_doorbell):
 @pytest.mark.parametrize("misses", [1, 3, 8])
 @pytest.mark.parametrize("qtype,dim,hidden", [("Q4_0", 224, 160), ("Q8_0", 224, 160), ("IQ4_NL", 224, 160),
                                                ("Q5_1", 224, 160), ("Q4_0+Q8_0", 224, 160), ("F32+Q4_0", 224, 160),
-                                               ("Q4_K", 512, 256), ("Q4_K+Q6_K", 768, 256), ("MXFP4", 224, 160)])
+                                               ("Q4_K", 512, 256), ("Q4_K+Q6_K", 768, 256), ("MXFP4", 224, 160),
+                                               ("IQ4_XS", 512, 256)])
 def test_interleaved_rows_answer_as_the_ggml_rows(qtype, dim, hidden, misses, threads):
-    """The same experts with their Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K / MXFP4 rows interleaved in place (interleave_inplace)
+    """The same experts with their Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K / MXFP4 / IQ4_XS rows interleaved in place
     and the interleaved type ids: the x8 kernels' float sums differ from the row kernels' (one lane per row), and h is
     rounded to int8 after gate_up, so a value may land on the other side of a rounding: y within 5e-3 of the
     GGML rows' y (measured ~1e-4), the float reference within the int8 tolerance; variants 2 and 4 give variant 0's y

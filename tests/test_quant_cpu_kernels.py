@@ -274,7 +274,7 @@ def test_kquant_kernels_see_every_bit_pattern(qtype, threads, other_build):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(8, 64), (40, 768), (136, 384)])    # 1, 5 (odd: one group alone), 17 groups of 8
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K", "MXFP4", "IQ4_XS"])
 def test_interleaved_matvec(qtype, n, k, threads):
     """Rows interleaved by 8 (the compiled step's copies, the miss server's RAM bank): the layout round-trips (in torch
     and in place in C), the matvec writes every row, matches the GGUF rows' int8 kernel to float rounding (the same
@@ -303,7 +303,7 @@ def test_interleaved_matvec(qtype, n, k, threads):
         cpu.qlinear(cpu.INTERLEAVED[tid], x8, x[None], q8=False)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "Q5_1", "Q4_K", "MXFP4", "IQ4_XS"])
 def test_interleaved_other_builds(qtype, other_build):
     """haswell (AVX2, no VNNI: maddubs sums; Q8_0 through the sign trick) gives the native build's result to float
     rounding (the same int32 sums); a build without int8 activations (x86-64) refuses the layouts instead of misreading

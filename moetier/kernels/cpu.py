@@ -417,10 +417,11 @@ def _(x, ids, w, gate, up, down, gate_type, down_type, q8):
 
 
 # Rows interleaved by 8 (interleave_rows): type ids of moetier_matvec_q8 only, not GGML types. GGML id -> its id.
-# Q4_0, Q8_0, IQ4_NL, Q5_1, Q4_K, MXFP4
-INTERLEAVED = {2: 0x100 | 2, 8: 0x100 | 8, 20: 0x100 | 20, 7: 0x100 | 7, 12: 0x100 | 12, 39: 0x100 | 39}
-# per-row fields before the quants: d (Q5_1: d, m, qh; Q4_K: d, dmin, then its 12 scale bytes as quants; MXFP4: e)
-_HEADER = {2: (2,), 8: (2,), 20: (2,), 7: (2, 2, 4), 12: (2, 2), 39: (1,)}
+# Q4_0, Q8_0, IQ4_NL, Q5_1, Q4_K, MXFP4, IQ4_XS
+INTERLEAVED = {t: 0x100 | t for t in (2, 8, 20, 7, 12, 39, 23)}
+# per-row fields before the quants: d (Q5_1: d, m, qh; Q4_K: d, dmin, then its 12 scale bytes as quants; MXFP4: e;
+# IQ4_XS: d, scales_h, then its 4 scales_l bytes as quants)
+_HEADER = {2: (2,), 8: (2,), 20: (2,), 7: (2, 2, 4), 12: (2, 2), 39: (1,), 23: (2, 2)}
 
 
 def _interleaved_base(qtype) -> int | None:

@@ -527,6 +527,7 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
 #define Q5_1_X8 (0x100 | Q5_1)
 #define Q4_K_X8 (0x100 | Q4_K)
 #define MXFP4_X8 (0x100 | MXFP4)
+#define IQ4_XS_X8 (0x100 | IQ4_XS)
 
 #ifdef MOE_Q8
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -551,8 +552,16 @@ static inline __m256i moe_x8_iq4_dot(__m256i acc, __m256i nib, __m256i x, const 
 }
 #endif
 
+/* Software prefetch of two groups' lines (at p and p + gs) from *pf up to `upto`, none past pf_end */
+static inline void x8_prefetch2(const uint8_t **pf, const uint8_t *upto, int64_t gs, const uint8_t *pf_end) {
+    for (; *pf < upto; *pf += 64) {
+        if (*pf < pf_end) __builtin_prefetch(*pf, 0, 3);
+        if (*pf + gs < pf_end) __builtin_prefetch(*pf + gs, 0, 3);
+    }
+}
+
 /* groups at w and w + gs (16 rows) at once, the x broadcasts shared; kind: X8_Q4_0, X8_Q8_0 or X8_IQ4_NL */
-enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1, X8_Q4_K, X8_MXFP4 };
+enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1, X8_Q4_K, X8_MXFP4, X8_IQ4_XS };
 
 /* MXFP4_X8: the 8 rows' e8m0 scales (8 bytes at e) as e8m0_half's floats (2^(e - 128); e < 2 subnormal) */
 static inline __m256 moe_x8_e8m0_half(const uint8_t *e) {
@@ -584,10 +593,7 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
      * first line only: from RAM 0.70-0.86x the row kernels on the dev box, now 1.12-1.5x), not past pf_end */
     const uint8_t *pf = w + PREFETCH_AHEAD;
     for (int64_t b = 0; b < nb; b++, w += bb) {
-        for (; pf < w + bb + PREFETCH_AHEAD; pf += 64) {
-            if (pf < pf_end) __builtin_prefetch(pf, 0, 3);
-            if (pf + gs < pf_end) __builtin_prefetch(pf + gs, 0, 3);
-        }
+        x8_prefetch2(&pf, w + bb + PREFETCH_AHEAD, gs, pf_end);
         int32_t xv[8];
         memcpy(xv, qx + 32 * b, 32);
         __m256i s0 = _mm256_set1_epi32(m[b]), s1 = _mm256_setzero_si256(), t0 = s0, t1 = s1;
@@ -646,7 +652,8 @@ static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const 
 /* The x8 kind of an interleaved type id, -1 for any other id */
 static inline int x8_kind(int qtype) {
     return qtype == Q4_0_X8 ? X8_Q4_0 : qtype == Q8_0_X8 ? X8_Q8_0 : qtype == IQ4_NL_X8 ? X8_IQ4_NL
-           : qtype == Q5_1_X8 ? X8_Q5_1 : qtype == Q4_K_X8 ? X8_Q4_K : qtype == MXFP4_X8 ? X8_MXFP4 : -1;
+           : qtype == Q5_1_X8 ? X8_Q5_1 : qtype == Q4_K_X8 ? X8_Q4_K : qtype == MXFP4_X8 ? X8_MXFP4
+           : qtype == IQ4_XS_X8 ? X8_IQ4_XS : -1;
 }
 
 /* Q4_K_X8's 6-bit scale (sc) and min (mn) of sub-block j in each lane (row), from the lanes' 12 scale bytes as three
@@ -677,11 +684,65 @@ static inline __m256 x8_q4k_chunk(__m256 acc, __m256i lo, __m256i hi, __m256 d, 
                             acc);
 }
 
+/* IQ4_XS rows interleaved by 8 (IQ4_XS_X8), groups at w and w + gs (16 rows), nsb super-blocks: per group and
+ * super-block (1088 bytes) the 8 rows' d (16 bytes) and scales_h (16), then 33 4-byte groups of the 8 rows (32 bytes
+ * each, row r at 4r): the 4 scales_l bytes, then sub-block ib's 16 quant bytes as words 1 + 4ib .. 4 + 4ib (IQ4_NL's
+ * nibble layout). Per sub-block 8 dot products per group of the codebook values + 128 (m: -128 x the 32-block's sum of
+ * int8 x, as IQ4_NL_X8), then d (ls - 32) dx in float, the 6-bit ls decoded in the lanes. The prefetch runs an eighth
+ * of a block per sub-block (all of a block's lines at its start read slower from RAM than the row kernel). */
+static inline __attribute__((always_inline)) void moe_x8_iq4xs_group2(const uint8_t *w, int64_t gs, const int8_t *qx,
+                                                                      const float *dx, const int32_t *m, int64_t nsb,
+                                                                      const uint8_t *pf_end, float *out) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const __m256i lo = _mm256_set1_epi8(0x0F), m4 = _mm256_set1_epi32(0x0F), m2 = _mm256_set1_epi32(3);
+    const uint8_t *pf = w + PREFETCH_AHEAD;
+    for (int64_t b = 0; b < nsb; b++, w += 1088) {
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
+        const __m256i h0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 16)));
+        const __m256i h1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + gs + 16)));
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w + gs + 32));
+        const uint8_t *q = w + 64, *r = w + gs + 64;        /* sub-block ib's words at q + 128 ib */
+        int32_t xv[64];
+        memcpy(xv, qx + 256 * b, 256);
+        for (int ib = 0; ib < 8; ib++) {
+            x8_prefetch2(&pf, w + 136 * (ib + 1) + PREFETCH_AHEAD, gs, pf_end);
+            __m256i s = _mm256_set1_epi32(m[8 * b + ib]), t = s;
+            for (int j = 0; j < 4; j++) {
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(q + 128 * ib + 32 * j));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(r + 128 * ib + 32 * j));
+                const __m256i xl = _mm256_set1_epi32(xv[8 * ib + j]), xh = _mm256_set1_epi32(xv[8 * ib + 4 + j]);
+                s = moe_x8_iq4_dot(s, _mm256_and_si256(u, lo), xl, iq4nl_values);
+                s = moe_x8_iq4_dot(s, _mm256_and_si256(_mm256_srli_epi16(u, 4), lo), xh, iq4nl_values);
+                t = moe_x8_iq4_dot(t, _mm256_and_si256(v, lo), xl, iq4nl_values);
+                t = moe_x8_iq4_dot(t, _mm256_and_si256(_mm256_srli_epi16(v, 4), lo), xh, iq4nl_values);
+            }
+            const int sh = 8 * (ib / 2) + 4 * (ib % 2);     /* ls = scales_l nibble ib | 2 bits of scales_h << 4 */
+            const __m256i ls0 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(l0, sh), m4),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h0, 2 * ib), m2), 4));
+            const __m256i ls1 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(l1, sh), m4),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h1, 2 * ib), m2), 4));
+            const __m256 dxb = _mm256_set1_ps(dx[8 * b + ib]), k32 = _mm256_set1_ps(32.f);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(
+                _mm256_mul_ps(d0, _mm256_sub_ps(_mm256_cvtepi32_ps(ls0), k32)), dxb), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(
+                _mm256_mul_ps(d1, _mm256_sub_ps(_mm256_cvtepi32_ps(ls1), k32)), dxb), acc1);
+        }
+    }
+    _mm256_storeu_ps(out, acc0);
+    _mm256_storeu_ps(out + 8, acc1);
+}
+
 /* Q4_K rows interleaved by 8 (Q4_K_X8), groups at w and w + gs (16 rows), nsb super-blocks: per group and super-block
  * (1152 bytes) the 8 rows' d (16 bytes), dmin (16), then 35 4-byte groups of the 8 rows (32 bytes each, row r at 4r):
  * the 12 scale bytes (3), the 128 quant bytes (32: chunk c's 8 words at 3 + 8c, low nibbles sub-block 2c, high ones
  * 2c + 1). Per chunk 16 dot products per group (a broadcast x word each) for all 8 rows, then per sub-block
- * d sc dx isum - dmin mn sx in float (sx = dx sum qx). The row kernels (cpu_kq_q8.c) unpack and scale per row. */
+ * d sc dx isum - dmin mn sx in float (sx = dx sum qx). The row kernels (cpu_kq_q8.c) unpack and scale per row. The
+ * prefetch runs a quarter of a block per chunk: all of a block's lines at its start read slower from RAM than the row
+ * kernel (dev box: gate_up 9.0 -> 12.6 GB/s on 1 thread; docs/perf-log.md, session 14). */
 static inline __attribute__((always_inline)) void moe_x8_q4k_group2(const uint8_t *w, int64_t gs, const int8_t *qx,
                                                                     const float *dx, const float *sx, int64_t nsb,
                                                                     const uint8_t *pf_end, float *out) {
@@ -689,15 +750,12 @@ static inline __attribute__((always_inline)) void moe_x8_q4k_group2(const uint8_
     const __m256i lo = _mm256_set1_epi8(0x0F);
     const uint8_t *pf = w + PREFETCH_AHEAD;
     for (int64_t b = 0; b < nsb; b++, w += 1152) {
-        for (; pf < w + 1152 + PREFETCH_AHEAD; pf += 64) {
-            if (pf < pf_end) __builtin_prefetch(pf, 0, 3);
-            if (pf + gs < pf_end) __builtin_prefetch(pf + gs, 0, 3);
-        }
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
         const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
         const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs + 16)));
-        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(w + 32)), a1 = _mm256_loadu_si256((const __m256i *)(w + 64));
+        const __m256i a0 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        const __m256i a1 = _mm256_loadu_si256((const __m256i *)(w + 64));
         const __m256i a2 = _mm256_loadu_si256((const __m256i *)(w + 96));
         const __m256i e0 = _mm256_loadu_si256((const __m256i *)(w + gs + 32));
         const __m256i e1 = _mm256_loadu_si256((const __m256i *)(w + gs + 64));
@@ -705,6 +763,7 @@ static inline __attribute__((always_inline)) void moe_x8_q4k_group2(const uint8_
         int32_t xv[64];
         memcpy(xv, qx + 256 * b, 256);
         for (int c = 0; c < 4; c++) {
+            x8_prefetch2(&pf, w + 288 * (c + 1) + PREFETCH_AHEAD, gs, pf_end);   /* a quarter of the block per chunk */
             __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0;     /* sub-blocks 2c, 2c + 1 */
             for (int g = 0; g < 8; g++) {
                 const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * (8 * c + g)));
@@ -767,6 +826,7 @@ static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, cons
         else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else if (kind == X8_MXFP4) moe_x8_group2(X8_MXFP4, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        else if (kind == X8_IQ4_XS) moe_x8_iq4xs_group2(wg, gs, qx, dx, m, K / 256, pf_end, o);
         else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         if (!pair) memcpy(out + 8 * g, two, sizeof(float) * 8);
     }
@@ -774,9 +834,9 @@ static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, cons
 
 /* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 / IQ4_NL_X8 (kind; N a multiple of 8), x rounded to int8 per 32 values */
 static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
-    if (N % 8 || K % (kind == X8_Q4_K ? 256 : 32)) return -1;
+    if (N % 8 || K % (kind == X8_Q4_K || kind == X8_IQ4_XS ? 256 : 32)) return -1;
     const int64_t nb = K / 32;
-    const int64_t gb = kind == X8_Q4_K ? K / 256 * 1152
+    const int64_t gb = kind == X8_Q4_K ? K / 256 * 1152 : kind == X8_IQ4_XS ? K / 256 * 1088
                        : nb * (kind == X8_Q8_0 ? 272 : kind == X8_Q5_1 ? 192 : kind == X8_MXFP4 ? 136 : 144);
     char *mem = malloc((2 * sizeof(float) + sizeof(int32_t)) * nb + K + 64);
     if (!mem) return -2;
@@ -787,7 +847,8 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
     x8_offsets(kind, qx, nb, m);                    /* IQ4_NL's codebook + 128: as Q8_0's */
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
     const int qtype = kind == X8_Q8_0 ? Q8_0_X8 : kind == X8_IQ4_NL ? IQ4_NL_X8 : kind == X8_Q5_1 ? Q5_1_X8
-                      : kind == X8_Q4_K ? Q4_K_X8 : kind == X8_MXFP4 ? MXFP4_X8 : Q4_0_X8;
+                      : kind == X8_Q4_K ? Q4_K_X8 : kind == X8_MXFP4 ? MXFP4_X8 : kind == X8_IQ4_XS ? IQ4_XS_X8
+                      : Q4_0_X8;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2)          /* 16 rows a step (moe_x8_rows: an odd last group once) */
         moe_x8_rows(qtype, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, y + 8 * g);
@@ -803,8 +864,9 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
  * experts for the miss server (memory/doorbell.py). 0, -1 for another type or n, -2 if out of memory. */
 int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int inverse, int nthreads) {
     static const int q4_0[] = {2, 0}, q5_1[] = {2, 2, 4, 0}, q4_k[] = {2, 2, 0}, fp4[] = {1, 0};   /* header bytes */
-    const int *fields = qtype == Q5_1 ? q5_1 : qtype == Q4_K ? q4_k : qtype == MXFP4 ? fp4 : q4_0;
-    if ((qtype != Q4_0 && qtype != Q8_0 && qtype != IQ4_NL && qtype != Q5_1 && qtype != Q4_K && qtype != MXFP4) || n % 8
+    const int *fields = qtype == Q5_1 ? q5_1 : qtype == Q4_K || qtype == IQ4_XS ? q4_k : qtype == MXFP4 ? fp4 : q4_0;
+    if ((qtype != Q4_0 && qtype != Q8_0 && qtype != IQ4_NL && qtype != Q5_1 && qtype != Q4_K && qtype != MXFP4
+         && qtype != IQ4_XS) || n % 8
         || row_bytes % block_bytes(qtype))
         return -1;
     const int64_t bb = block_bytes(qtype), nb = row_bytes / bb, gb = 8 * row_bytes;
@@ -847,7 +909,8 @@ int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int
 /* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
 int moetier_x8_supported(int qtype) {
 #ifdef MOE_Q8
-    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1 || qtype == Q4_K || qtype == MXFP4;
+    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1 || qtype == Q4_K || qtype == MXFP4
+           || qtype == IQ4_XS;
 #else
     (void)qtype;
     return 0;

@@ -84,8 +84,9 @@ def _qtype_id(layout, x8: dict | None = None) -> tuple[int, int] | list[tuple[in
 
 
 def interleave_bank(tiers, variant: str) -> dict[tuple[str, str], int]:
-    """The RAM bank's Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K / MXFP4 expert rows interleaved by 8 in place (the layout of
-    kernels.cpu.interleave_rows), once per bank and per (param, format): a Q4_K_M file's Q4_K rows, not its Q6_K ones.
+    """The RAM bank's Q4_0 / Q8_0 / IQ4_NL / IQ4_XS / Q5_1 / Q4_K / MXFP4 expert rows interleaved by 8 in place (the
+    layout of kernels.cpu.interleave_rows), once per bank and per (param, format): a Q4_K_M file's Q4_K rows, not its
+    Q6_K ones.
     The miss server then reads them with the x8 kernels (8 rows in the lanes, one dot product per 4-byte group for all
     of them): on the H200 box's Xeon ~2x the GGML-row kernels' math from cache (1 thread, Qwen3-30B-A3B's gate_up, Q4_0:
     24.7 vs 12.4 GB/s), the server +8-15% at RAM speed (docs/perf-log.md, session 14). Every other reader of the bank
