@@ -273,6 +273,29 @@ def test_native_op_kernels_match_python_kernels():
 
 
 @needs_c
+def test_native_qlinear_takes_every_c_format():
+    """The compiled step's copies come in any C-kernel format (a GGUF's stored blocks: IQ3_XXS, MXFP4 ... and the
+    interleaved ids): the C++ op checks their rows with the C kernels' own block table and gives the Python kernel's
+    result. (Its own table knew Q8_0 / Q4_0 / Q5_1 / IQ4_NL / K-quants / IQ4_XS only: IQ3_XXS and MXFP4 rows were
+    refused as not holding K values.)"""
+    import shutil
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler")
+    assert cpu.load_native_ops()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 512, generator=g)
+    for name in sorted(cpu.FAST_TYPES):
+        tid = get_format(name).type_id
+        w = pack(torch.randn(16, 512, generator=g) * 0.1, name)
+        ids = [tid] + ([cpu.INTERLEAVED[tid]] if cpu.interleaved_supported(tid) else [])
+        for q in ids:
+            blocks = cpu.interleave_rows(w, tid) if q != tid else w
+            for q8_act in (False, True) if q == tid else (True,):
+                got = torch.ops.moetier.qlinear(x, blocks, q, q8_act)
+                assert torch.equal(got, cpu._qlinear_op(x, blocks, q, q8_act)), (name, q, q8_act)
+
+
+@needs_c
 def test_quantized_copies_skip_views_and_drop():
     """Exact Q8_0 weights get a copy; a view into a larger weight (fuse_qkv's q/k/v) and float weights
     do not; dropping removes them all."""

@@ -568,7 +568,7 @@ def load_native_ops() -> bool:
                     _register_python_kernels()
                     raise
                 ctypes.CDLL(str(path)).moetier_ops_bind(*(ctypes.cast(f, ctypes.c_void_p) for f in (
-                    _lib.moetier_matvec, _lib.moetier_matvec_q8, _lib.moetier_moe_tokens)))
+                    _lib.moetier_matvec, _lib.moetier_matvec_q8, _lib.moetier_moe_tokens, _lib.moetier_row_bytes)))
                 _native_ops = True
             except (RuntimeError, OSError) as e:
                 log.warning("C++ kernels of the moetier torch ops unavailable (%s); the Python ones stay", e)

@@ -300,6 +300,14 @@ static int64_t block_bytes(int qtype) {
     }
 }
 
+/* Bytes of a row of K values of `qtype` (a GGML id, or 0x100 | id: the rows interleaved by 8 take as many); -1 for a
+ * type the kernels do not read or K not a whole number of its blocks. The torch op's shape check (cpu_ops.cpp). */
+int64_t moetier_row_bytes(int qtype, int64_t K) {
+    const int base = qtype >= 0x100 ? qtype & 0xFF : qtype;
+    if (!moetier_supported(base) || K % block_elems(base)) return -1;
+    return K / block_elems(base) * block_bytes(base);
+}
+
 /* Each thread gets at least this many weight bytes (~10 us of streaming): below it a fork /
  * join costs more than it saves, and on a busy machine the join waits for a descheduled
  * thread (measured: 0.6-1 ms per tiny call with 2 threads at load 5 on 2 cores). */

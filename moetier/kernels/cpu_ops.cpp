@@ -9,20 +9,23 @@
 
 extern "C" {
 typedef int (*matvec_fn)(int, const uint8_t *, int64_t, int64_t, int64_t, const float *, float *, int);
+typedef int64_t (*row_bytes_fn)(int, int64_t);
 typedef int (*moe_fn)(int, int, const uint8_t *, const uint8_t *, int64_t, int64_t, const uint8_t *, int64_t, int64_t,
                       int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *, const float *, const float *,
                       float *, int, int);
 static matvec_fn g_matvec, g_matvec_q8;
 static moe_fn g_moe;
-void moetier_ops_bind(void *matvec, void *matvec_q8, void *moe) {
+static row_bytes_fn g_row_bytes;
+void moetier_ops_bind(void *matvec, void *matvec_q8, void *moe, void *row_bytes) {
     g_matvec = (matvec_fn)matvec;
     g_matvec_q8 = (matvec_fn)matvec_q8;
     g_moe = (moe_fn)moe;
+    g_row_bytes = (row_bytes_fn)row_bytes;
 }
 }
 
 static void check_f32(const at::Tensor &t, const char *what) {
-    TORCH_CHECK(g_matvec && g_matvec_q8 && g_moe, "moetier CPU ops: the C kernels are not bound (moetier_ops_bind)");
+    TORCH_CHECK(g_matvec && g_matvec_q8 && g_moe && g_row_bytes, "moetier CPU ops: the C kernels are not bound (moetier_ops_bind)");
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), "moetier CPU op: ", what,
                 " must be a contiguous float32 CPU tensor");
 }
@@ -33,12 +36,9 @@ static at::Tensor qlinear(const at::Tensor &x, const at::Tensor &w, int64_t qtyp
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
                 "moetier::qlinear needs x [T, K] and uint8 blocks [N, row_bytes] with contiguous rows");
     const int64_t t = x.size(0), n = w.size(0), k = x.size(1);
-    const int64_t base = qtype & 0xFF;                                          // 0x100 | 2: Q4_0 rows interleaved
-    const int64_t block = base == 8 || base == 2 || base == 7 || base == 20 ? 32 : 256;   // Q8_0, Q4_0, Q5_1, IQ4_NL
-    const int64_t bytes = base == 8 ? 34 : base == 2 || base == 20 ? 18 : base == 7 ? 24 : base == 12 ? 144
-                          : base == 13 ? 176 : base == 23 ? 136 : 210;       // ... Q4_K, Q5_K, IQ4_XS | Q6_K
-    TORCH_CHECK(k % block == 0 && w.size(1) * block == k * bytes, "moetier::qlinear: GGML type ", qtype, " rows of ",
-                w.size(1), " bytes do not hold K=", k, " values");
+    const int64_t bytes = g_row_bytes((int)qtype, k);        // the C kernels' own block table (x8 ids included)
+    TORCH_CHECK(bytes > 0 && w.size(1) == bytes, "moetier::qlinear: GGML type ", qtype, " rows of ", w.size(1),
+                " bytes do not hold K=", k, " values");
     at::Tensor y = at::empty({t, n}, x.options());
     const int threads = at::get_num_threads();
     for (int64_t i = 0; i < t; i++) {
