@@ -560,7 +560,7 @@ static inline void x8_prefetch2(const uint8_t **pf, const uint8_t *upto, int64_t
     }
 }
 
-/* groups at w and w + gs (16 rows) at once, the x broadcasts shared; kind: X8_Q4_0, X8_Q8_0 or X8_IQ4_NL */
+/* the interleaved layouts' kernels (x8_kind) */
 enum { X8_Q4_0, X8_Q8_0, X8_IQ4_NL, X8_Q5_1, X8_Q4_K, X8_MXFP4, X8_IQ4_XS };
 
 /* MXFP4_X8: the 8 rows' e8m0 scales (8 bytes at e) as e8m0_half's floats (2^(e - 128); e < 2 subnormal) */
@@ -580,6 +580,8 @@ static inline __m256i moe_x8_q5_bits(__m256i qh, int shift) {
                                               _mm256_set1_epi32(0x01010101)), 4);
 }
 
+/* groups at w and w + gs (16 rows) of 32-value blocks at once, the x broadcasts shared; kind: X8_Q4_0, X8_Q8_0,
+ * X8_IQ4_NL, X8_Q5_1 or X8_MXFP4 */
 static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const uint8_t *w, int64_t gs,
                                                                 const int8_t *qx, const float *dx, const float *sxs,
                                                                 const int32_t *m, int64_t nb, const uint8_t *pf_end,
@@ -794,25 +796,16 @@ static void x8_offsets(int kind, const int8_t *qx, int64_t nb, int32_t *m) {
     }
 }
 
-/* out[i] = row i . q8 x for n rows (a multiple of 8) of an interleaved matrix of type `qtype` (Q4_0_X8 ...), w at
- * the first byte of a group of 8 (row 8g of the GGML matrix: interleaving keeps each group's bytes in place), rs a
- * row's bytes; 16 rows per moe_x8_group2 call, an odd last group twice and kept once. m: x8_offsets of x, or NULL
- * (computed here). Prefetch not past pf_end. The miss server's rows of an interleaved RAM bank. */
-static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
+/* out[i] = row i . q8 x for n rows (a multiple of 8) of an interleaved matrix of x8 kind `kind` (x8_kind), w at the
+ * first byte of a group of 8 (row 8g of the GGML matrix: interleaving keeps each group's bytes in place), rs a row's
+ * bytes; 16 rows per kernel call, an odd last group twice and kept once. m: x8_offsets of x, or NULL (computed here
+ * where the kind takes them). Prefetch not past pf_end. The miss server's rows of an interleaved RAM bank, and the
+ * compiled CPU step's copies (moe_matvec_x8). */
+static void moe_x8_rows(int kind, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
                         const float *sx, const int32_t *m, int64_t K, const uint8_t *pf_end, float *out) {
-    const int kind = x8_kind(qtype);
     const int64_t nb = K / 32, gb = 8 * rs;
-    if (kind == X8_Q4_K) {                          /* no offsets: the mins come off in float */
-        for (int64_t g = 0; g < n / 8; g += 2) {
-            float two[16];
-            const int pair = g + 1 < n / 8;
-            moe_x8_q4k_group2(w + g * gb, pair ? gb : 0, qx, dx, sx, K / 256, pf_end, pair ? out + 8 * g : two);
-            if (!pair) memcpy(out + 8 * g, two, sizeof(float) * 8);
-        }
-        return;
-    }
-    int32_t mine[m ? 1 : nb];
-    if (!m) {
+    int32_t mine[m || kind == X8_Q4_K ? 1 : nb];    /* Q4_K: no offsets (its mins come off in float) */
+    if (!m && kind != X8_Q4_K) {
         x8_offsets(kind, qx, nb, mine);
         m = mine;
     }
@@ -822,22 +815,23 @@ static void moe_x8_rows(int qtype, const uint8_t *w, int64_t rs, int64_t n, cons
         const uint8_t *wg = w + g * gb;
         float *o = pair ? out + 8 * g : two;
         const int64_t gs = pair ? gb : 0;
-        if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        if (kind == X8_Q4_K) moe_x8_q4k_group2(wg, gs, qx, dx, sx, K / 256, pf_end, o);
+        else if (kind == X8_IQ4_XS) moe_x8_iq4xs_group2(wg, gs, qx, dx, m, K / 256, pf_end, o);
+        else if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         else if (kind == X8_MXFP4) moe_x8_group2(X8_MXFP4, wg, gs, qx, dx, sx, m, nb, pf_end, o);
-        else if (kind == X8_IQ4_XS) moe_x8_iq4xs_group2(wg, gs, qx, dx, m, K / 256, pf_end, o);
         else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
         if (!pair) memcpy(out + 8 * g, two, sizeof(float) * 8);
     }
 }
 
-/* y[N] = W x for W in Q4_0_X8 / Q8_0_X8 / IQ4_NL_X8 (kind; N a multiple of 8), x rounded to int8 per 32 values */
-static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
-    if (N % 8 || K % (kind == X8_Q4_K || kind == X8_IQ4_XS ? 256 : 32)) return -1;
-    const int64_t nb = K / 32;
-    const int64_t gb = kind == X8_Q4_K ? K / 256 * 1152 : kind == X8_IQ4_XS ? K / 256 * 1088
-                       : nb * (kind == X8_Q8_0 ? 272 : kind == X8_Q5_1 ? 192 : kind == X8_MXFP4 ? 136 : 144);
+/* y[N] = W x for W rows interleaved by 8 of type `qtype` (an INTERLEAVED id; N a multiple of 8), x rounded to int8
+ * per 32 values */
+static int moe_matvec_x8(int qtype, const uint8_t *w, int64_t N, int64_t K, const float *x, float *y, int nthreads) {
+    const int kind = x8_kind(qtype), base = qtype & 0xFF;
+    if (N % 8 || K % block_elems(base)) return -1;
+    const int64_t nb = K / 32, gb = 8 * (K / block_elems(base) * block_bytes(base));    /* bytes per 8 rows */
     char *mem = malloc((2 * sizeof(float) + sizeof(int32_t)) * nb + K + 64);
     if (!mem) return -2;
     float *dx = (float *)mem, *sx = dx + nb;
@@ -846,18 +840,15 @@ static int moe_matvec_x8(int kind, const uint8_t *w, int64_t N, int64_t K, const
     moe_quantize_q8(x, K, qx, dx, sx);
     x8_offsets(kind, qx, nb, m);                    /* IQ4_NL's codebook + 128: as Q8_0's */
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
-    const int qtype = kind == X8_Q8_0 ? Q8_0_X8 : kind == X8_IQ4_NL ? IQ4_NL_X8 : kind == X8_Q5_1 ? Q5_1_X8
-                      : kind == X8_Q4_K ? Q4_K_X8 : kind == X8_MXFP4 ? MXFP4_X8 : kind == X8_IQ4_XS ? IQ4_XS_X8
-                      : Q4_0_X8;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2)          /* 16 rows a step (moe_x8_rows: an odd last group once) */
-        moe_x8_rows(qtype, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, y + 8 * g);
+        moe_x8_rows(kind, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, y + 8 * g);
     free(mem);
     return 0;
 }
 #endif
 
-/* In place: n rows (a multiple of 8) of row_bytes bytes of GGML type qtype (Q4_0, Q8_0, IQ4_NL, Q5_1) -> rows
+/* In place: n rows (a multiple of 8) of row_bytes bytes of GGML type qtype (moetier_x8_supported's) -> rows
  * interleaved by 8 as kernels.cpu.interleave_rows lays them out (inverse: back; its twin deinterleave_rows):
  * per group of 8 rows and block, each header field of the 8 rows, then each 4-byte group of the quants of the 8
  * rows (Q8_0's int8 values + 128). A group's bytes stay where they were. Threads over groups. The RAM bank's
@@ -906,7 +897,7 @@ int moetier_interleave8(uint8_t *w, int64_t n, int64_t row_bytes, int qtype, int
     return bad ? -2 : 0;
 }
 
-/* 1 where moetier_matvec_q8 reads `qtype`'s rows interleaved (Q4_0 / Q8_0 type ids): int8 activations built */
+/* 1 where moetier_matvec_q8 reads GGML type `qtype`'s rows interleaved (0x100 | qtype): int8 activations built */
 int moetier_x8_supported(int qtype) {
 #ifdef MOE_Q8
     return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == Q5_1 || qtype == Q4_K || qtype == MXFP4
@@ -918,12 +909,12 @@ int moetier_x8_supported(int qtype) {
 }
 
 /* y[N] = W[N, K] @ x[K] for Q4_0 / Q8_0 / MXFP4 / IQ3_XXS W with x rounded to int8 per 32 values (llama.cpp's Q8_0
- * activations; ~1% relative error): integer dot products; Q4_0_X8 / Q8_0_X8 (interleaved rows, row_stride unused).
+ * activations; ~1% relative error): integer dot products; 0x100 | id: rows interleaved by 8 (row_stride unused).
  * Other types: as moetier_matvec. Returns 0, -1 for an unsupported type / K, -2 if out of memory. */
 int moetier_matvec_q8(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K,
                       const float *x, float *y, int nthreads) {
 #ifdef MOE_Q8
-    if (x8_kind(qtype) >= 0) return moe_matvec_x8(x8_kind(qtype), w, N, K, x, y, nthreads);
+    if (x8_kind(qtype) >= 0) return moe_matvec_x8(qtype, w, N, K, x, y, nthreads);
     if (!moe_q8_type(qtype)) return moetier_matvec(qtype, w, row_stride, N, K, x, y, nthreads);
     if (K % block_elems(qtype)) return -1;
     char *mem = malloc((sizeof(float) + sizeof(int32_t)) * (K / 32) + K + 64);

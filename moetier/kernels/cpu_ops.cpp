@@ -25,7 +25,8 @@ void moetier_ops_bind(void *matvec, void *matvec_q8, void *moe, void *row_bytes)
 }
 
 static void check_f32(const at::Tensor &t, const char *what) {
-    TORCH_CHECK(g_matvec && g_matvec_q8 && g_moe && g_row_bytes, "moetier CPU ops: the C kernels are not bound (moetier_ops_bind)");
+    TORCH_CHECK(g_matvec && g_matvec_q8 && g_moe && g_row_bytes,
+                "moetier CPU ops: the C kernels are not bound (moetier_ops_bind)");
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(), "moetier CPU op: ", what,
                 " must be a contiguous float32 CPU tensor");
 }

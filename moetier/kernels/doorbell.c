@@ -219,7 +219,7 @@ static inline int64_t flat_bound(int64_t home_hi, int64_t j, int64_t R) {
 static void run_rows(int qtype, int q8, const uint8_t *w, int64_t rs, int64_t n, act_vec a, int64_t K,
                      const uint8_t *pf_end, float *out) {
 #ifdef MOE_Q8
-    if (is_x8(qtype)) { moe_x8_rows(qtype, w, rs, n, a.qx, a.dx, a.sx, NULL, K, pf_end, out); return; }
+    if (is_x8(qtype)) { moe_x8_rows(x8_kind(qtype), w, rs, n, a.qx, a.dx, a.sx, NULL, K, pf_end, out); return; }
     if (q8 && moe_q8_type(qtype)) { moe_rows_run_q8(qtype, w, rs, n, a.qx, a.dx, a.sx, K, pf_end, out); return; }
 #else
     (void)pf_end;
