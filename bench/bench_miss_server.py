@@ -64,7 +64,7 @@ def make_pool(qtype: str, n: int, dim: int, hidden: int, gen, kind: str = "plain
     new ones from gen).
     kind: 'plain' (torch.empty: 4 KiB pages where THP is 'madvise', as the pinned bank's), 'thp' (huge pages), 'x8'
     (plain, then its rows interleaved by 8 in place: kernels.cpu.interleave_inplace, as memory/doorbell.py does the
-    RAM bank's Q4_0 / Q8_0 experts)."""
+    RAM bank's experts in the formats that have x8 kernels)."""
     tmpl_gu, tmpl_dn = tmpl or templates(qtype, dim, hidden, gen)
     empty = thp_empty if kind == "thp" else (lambda shape: torch.empty(shape, dtype=torch.uint8))
     gu = empty((n, *tmpl_gu[0].shape))

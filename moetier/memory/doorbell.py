@@ -158,7 +158,7 @@ class GraphTiers:
         # waited for the step being served (the bookkeeping thread then finished after it: account_ms)
         self._minus1 = torch.full((), -1, dtype=tiers.cache.table.dtype, device=dev)
         # MOETIER_MISS_VARIANT (A/B; all bit-identical): 1 the old per-row loops, 2 the down phase over the experts'
-        # rows (session 13, H200: no gain), 4 guided chunks (not yet measured on the H200); 3 only reads (bench only)
+        # rows (session 13, H200: no gain), 4 guided chunks (session 14, H200: undecided); 3 only reads (bench only)
         variant = os.environ.get("MOETIER_MISS_VARIANT", "0")
         if variant not in ("0", "1", "2", "4"):
             raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 0 (default), 1, 2 and 4 "
