@@ -15,9 +15,11 @@
 #               PL48DEQ=1: all on the GPU and 8 GiB again with --dequantize-dense; PL48X=LABEL:FLAGS one more
 #               configuration, e.g. g9:--gpu-mem=9GiB, llama.cpp's 9.5 GB placement with its CUDA context)
 #   pf48        48 layers Q4_0: the CPU's prefetch of guessed misses on / off at 8 GiB and --cpu-moe, and 9 GiB
+#   pfab48      48 layers Q4_0 at 8 GiB, PCIe share 0: the guessed-miss prefetch on / off / on, one process
 #   proof48     48 layers Q4_0, one process each: 9 GiB and 8 GiB decode, an 8K prefill with all experts in RAM
 #   gpu48       48 layers Q4_0 all on the GPU: decode with the v2 kernels vs v3 (G48V=v3pdl ...)
 #   decode48    48 layers Q4_0: the kernels of a decode token (bench/profile_decode.py), all on GPU / --cpu-moe
+#   chain12     12 layers Q4_0: one decode layer's kernels in order (start, length, gap), all on GPU and tiered
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
 #   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py;
 #               PPLEN=512 another length; PPBENCH=1 the bench's 8K figure at both)
@@ -129,6 +131,14 @@ for step in $STEPS; do
       --compare "g8off:--gpu-mem=8GiB --prefetch=off" --compare cpumoe:--cpu-moe \
       --compare "cpumoeoff:--cpu-moe --prefetch=off" "${X[@]}"
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  pfab48)
+    # the guessed-miss prefetch on / off / on at 8 GiB, the PCIe share 0 in all three (--prefetch off alone turns
+    # the share on), one process: CPU busy ms, round trip and MB prefetched per layer side by side
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    bench pfab48 ${PFABSECS:-300} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --pcie-share 0 \
+      --compare "off:--gpu-mem=8GiB --pcie-share=0 --prefetch=off" --compare "on:--gpu-mem=8GiB --pcie-share=0"
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
   proof48)
     # the issues' proof figures, one process each (a clean VRAM peak per placement): 9 GiB (llama.cpp's 9.5 GB
     # placement: 76.6 tok/s), 8 GiB (>= 100 tok/s and >= 70% of the bound), an 8K prefill with all experts in RAM
@@ -136,13 +146,15 @@ for step in $STEPS; do
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     for P in ${P48ONLY:-g9 g8 pp8k}; do     # (P48ONLY="g8 all": those; g8nopdl / g8v2 / g8mixed: 8 GiB with
                                             # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1;
-                                            # g8rows / g9rows: the bank's GGML rows, MOETIER_X8_BANK=0; cpumoe)
+                                            # g8rows / g9rows: the bank's GGML rows, MOETIER_X8_BANK=0; cpumoe;
+                                            # g8pf0: 8 GiB without the guessed-miss prefetch)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       pp8k) bench proof48_pp8k ${P48SECS:-150} $M --prompt-len 8192 --gen 16 --cpu-moe ;;
       all) bench proof48_all ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8nopdl) MOETIER_PDL=0 bench proof48_g8nopdl ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8pf0) bench proof48_g8pf0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --prefetch off ;;
       g8v4) MOETIER_MISS_VARIANT=4 bench proof48_g8v4 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8rows) MOETIER_X8_BANK=0 bench proof48_g8rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9rows) MOETIER_X8_BANK=0 bench proof48_g9rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
@@ -170,6 +182,26 @@ for step in $STEPS; do
       head -c 4000 "$OUT/decode48_$F.txt"; echo
     done
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  chain12)
+    # one decode layer's chain of kernels in order (profile_decode --timeline) on 12 layers of the same shapes: all
+    # on the GPU and tiered (C12F, default --gpu-mem 2600MiB: about 8 GiB's share of the experts at 48 layers)
+    M=$DATA/q30-Q4_0-12.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 12 0 $M 90
+    for F in all "${C12F:---gpu-mem 2600MiB}"; do
+      timeout ${C12SECS:-120} python3 bench/profile_decode.py $M ${F/all/} --gen 32 --timeline ${C12N:-60} \
+        > "$OUT/chain12_${F// /_}.txt" 2>&1
+      python3 - "$OUT/chain12_${F// /_}.txt" <<'PY'
+import json, sys
+t = open(sys.argv[1]).read()
+try:
+    d = json.loads(t[t.index("{"):])
+except ValueError:
+    print(t[-3000:]); sys.exit()
+print({k: d[k] for k in ("decode_tok_s", "ms_per_token") if k in d}, d.get("graph"))
+print("\n".join(d.get("timeline", [])))
+print("\n".join(f"{r['us_per_call']:7.2f} us x {r['calls_per_token']:6.2f} {r['kernel']}" for r in d.get("kernels", [])[:25]))
+PY
+    done ;;
   vram48)
     # what is live on the GPU at the peak of a --gpu-mem 8GiB run (the budget is a hard limit)
     M=$DATA/q30-Q4_0-48.gguf

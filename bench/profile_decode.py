@@ -47,12 +47,32 @@ def kernel_table(prof, tokens: int, rows: int) -> tuple[list[dict], list[tuple[f
              "us_per_call": round(us / n, 2)} for k, (n, us) in top], iv
 
 
+def timeline(prof, n: int) -> list[str]:
+    """n consecutive device events from 3/4 into the trace (the decode part of the request), in start order:
+    "start +length (gap) name", times in us from the first listed event."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    if not ev:
+        return []
+    i0 = max(0, min(len(ev) - n, len(ev) * 3 // 4))
+    t0, end, rows = ev[i0].time_range.start, None, []
+    for e in ev[i0:i0 + n]:
+        a, b = e.time_range.start, e.time_range.end
+        gap = "" if end is None else f" ({a - end:+.1f})"
+        rows.append(f"{a - t0:8.1f} +{b - a:5.1f}{gap} {e.name[:70]}")
+        end = b if end is None else max(end, b)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)              # engine and memory-tier flags
     p.add_argument("--prompt-len", type=int, default=8, help="short: its prefill shares the profile")
     p.add_argument("--gen", type=int, default=32, help="decoded tokens profiled")
     p.add_argument("--rows", type=int, default=30, help="rows of the kernel table")
+    p.add_argument("--timeline", type=int, default=0,
+                   help="also list this many consecutive device events from the middle of the decode (start us, "
+                        "length us, gap after the previous one): one layer's chain of kernels in order")
     a = p.parse_args()
     a.ctx = a.ctx or a.prompt_len + a.gen + 64
     e = Engine.load(a.model, engine_config(a))
@@ -88,6 +108,8 @@ def main() -> None:
                          "launches_per_token_top_rows": round(launches, 1),
                          "launches_per_layer_top_rows": round(launches / layers, 2)}
         out["kernels"] = table
+        if a.timeline:
+            out["timeline"] = timeline(prof, a.timeline)
     if e.tiers is not None:
         out["graph"] = e.memory_stats().get("graph")
     print(json.dumps(out, indent=1), flush=True)

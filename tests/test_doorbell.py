@@ -391,10 +391,13 @@ def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads, variant)
         req.hint_flag[2 * db.BELL_STRIDE] = 0
         req.y.fill_(float("nan"))
 
-        def gpu():      # the bells 20 ms apart: the threads prefetch in between
+        def gpu():      # each bell 20 ms after the layer before is answered: the threads prefetch in between
             for li in range(L):
+                t0 = time.perf_counter()
+                while li and int(req.done[(li - 1) * db.BELL_STRIDE]) != 1 and time.perf_counter() - t0 < 5:
+                    time.sleep(0.001)
+                time.sleep(0.02 if li else 0.0)
                 req.bell[li * db.BELL_STRIDE] = 1
-                time.sleep(0.02)
         th = threading.Thread(target=gpu)
         th.start()
         assert srv.serve(1)[2] == 3 + 2 + 4
@@ -402,8 +405,9 @@ def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads, variant)
         ys.append(req.y.clone())
         if hints:
             assert srv.guesses == (3, 2, 2)      # 3 valid guesses in layer 1, 2 right, 2 misses there
+            assert srv.prefetched > 0           # layer 1's guessed rows, in the 20 ms before its bell
         else:
-            assert srv.guesses == (0, 0, 0)
+            assert srv.guesses == (0, 0, 0) and srv.prefetched == 0
     assert torch.equal(ys[0], ys[1])
     for li in range(L):
         want = reference(req.x[li], req.ids[li], req.w[li], req.slots[li], f_gu[li], f_dn[li], Act())
@@ -484,12 +488,12 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     surfaces at the next step."""
     from types import SimpleNamespace
 
-    from moetier.memory.doorbell import GraphTiers, _Worker
+    from moetier.memory.doorbell import STEP_TIMING, GraphTiers, _Worker
     req = db.Requests(2, 8, 2, pin=False)
     seen, during = [], []
 
     class FakeServer:
-        detail, guesses = (0.0, 0, 0.0), (0, 0, 0)
+        detail, guesses, prefetched, first_bell = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0
 
         def serve(self, seq, timeout_s=None):
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here
@@ -499,8 +503,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     gt = object.__new__(GraphTiers)
     gt.host_seq, gt._pending, gt._worker, gt.counting = 0, None, _Worker(), True
     gt.server, gt.req = FakeServer(), req
-    gt.timing = {k: 0 for k in ("steps", "serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "round_s",
-                                "round_pairs", "prep_s", "guessed", "guessed_right", "guessed_misses")}
+    gt.timing, gt._t_served = dict.fromkeys(STEP_TIMING, 0), 0.0
     gt.tiers = SimpleNamespace(stats=SimpleNamespace(prefetch={"predicted": 0, "correct": 0, "actual": 0}))
     gt._account = lambda ids, slots, w, busy: seen.append(int(ids[0, 0]))
     for _ in range(3):
@@ -508,6 +511,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     assert during == [[], [1], [1, 2]] and seen == [1, 2]
     gt.drain()
     assert seen == [1, 2, 3] and gt._pending is None and gt.timing["steps"] == 3
+    assert gt.timing["outside_n"] == 2 and gt._t_served == 0.0    # between serves 1-2 and 2-3; drain ends the run
 
     def boom(*a):
         raise ValueError("bookkeeping failed")

@@ -46,7 +46,7 @@ typedef struct {
     const float *w;                       /* [L, k] */
     float *y;                             /* [L, D] */
     float *scratch;                       /* >= k * 2I + k * I + (D + k * I) / 32 + 64 floats */
-    double *timing;                       /* out: [0] compute s, [1] wait-for-bell s, [2] misses */
+    double *timing;                       /* out [11]: [0] compute s, [1] bell wait s, [2] misses, ... [10] s to the first bell */
     int32_t q8_act;                       /* Q4_0 / Q8_0 / MXFP4 / IQ3_XXS: int8 activations, integer dots */
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
     const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
@@ -487,7 +487,10 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
 static int touch(const uint8_t *p, int64_t n, volatile int64_t *bell, int64_t seq, int64_t *budget) {
     if (n > *budget) n = *budget;
     for (int64_t o = 0; o < n; o += 64) {
-        if ((o & 4095) == 0 && __atomic_load_n(bell, __ATOMIC_RELAXED) == seq) return 1;
+        if ((o & 4095) == 0 && __atomic_load_n(bell, __ATOMIC_RELAXED) == seq) {
+            *budget -= o;
+            return 1;
+        }
         __builtin_prefetch(p + o, 0, 2);
     }
     *budget -= n;
@@ -531,7 +534,17 @@ static int guess_of(const serve_ctx *c, int li, int32_t *e) {
  * t loads the rows it will compute in layer li if the guess is right: layer_runs' home ranges for the guessed set
  * (phase 1 splits in expert-id order, phase 3 by rows of D: the set decides both, not the routing order). The CPU's
  * RAM stream then overlaps the GPU's part instead of following it. Stops when layer li's bell rings. */
-static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start) {
+static void prefetch_rows(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start, int64_t *budget);
+
+/* prefetch_rows, counting the bytes whose prefetches were issued before the bell into *issued */
+static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start, int64_t *issued) {
+    const int64_t full = prefetch_budget();
+    int64_t budget = full;
+    prefetch_rows(c, li, seq, t, nt, t_start, &budget);
+    __atomic_add_fetch(issued, full - (budget > 0 ? budget : 0), __ATOMIC_RELAXED);
+}
+
+static void prefetch_rows(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start, int64_t *budget) {
     if (!c->hint || !c->hint_flag) return;
     volatile int64_t *bell = c->bell + (int64_t)li * BELL_STRIDE;
     volatile int64_t *flag = c->hint_flag + (int64_t)li * BELL_STRIDE;
@@ -549,7 +562,6 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
     if (!m) return;
     const int64_t I = c->I, D = c->D;
     const int64_t gu_rb = layer_row_bytes(c, li, 0), dn_rb = layer_row_bytes(c, li, 1);
-    int64_t budget = prefetch_budget();
     int64_t lo, hi;
     const int64_t ug = unit_of(layer_type(c, li, 0)), ud = unit_of(layer_type(c, li, 1));   /* as layer_runs' */
     home((int64_t)m * I, ug, t, nt, &lo, &hi);
@@ -557,8 +569,8 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
         int64_t r, i0, n;
         flat_run(p, hi, I, &r, &i0, &n);
         const uint8_t *g = c->gate_up[li * (int64_t)c->E + e[r]];
-        if (touch(g + i0 * gu_rb, n * gu_rb, bell, seq, &budget) || touch(g + (I + i0) * gu_rb, n * gu_rb, bell, seq,
-                                                                            &budget)) return;
+        if (touch(g + i0 * gu_rb, n * gu_rb, bell, seq, budget) || touch(g + (I + i0) * gu_rb, n * gu_rb, bell, seq,
+                                                                           budget)) return;
         p += n;
     }
     if (c->variant == 2) {      /* layer_runs' down homes over the m x D rows */
@@ -566,14 +578,14 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
         for (int64_t p = lo; p < hi;) {
             int64_t j, d0, n;
             flat_run(p, hi, D, &j, &d0, &n);
-            if (touch(c->down[li * (int64_t)c->E + e[j]] + d0 * dn_rb, n * dn_rb, bell, seq, &budget)) return;
+            if (touch(c->down[li * (int64_t)c->E + e[j]] + d0 * dn_rb, n * dn_rb, bell, seq, budget)) return;
             p += n;
         }
         return;
     }
     home(D, ud, t, nt, &lo, &hi);
     for (int j = 0; j < m; j++)
-        if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq, &budget)) return;
+        if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq, budget)) return;
 }
 
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang
@@ -605,6 +617,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     int n_miss[Ln], finished[Ln];
     int32_t miss_e[Ln][MAX_K], miss_ord[Ln][MAX_K];
     int64_t guessed = 0, guessed_right = 0, guessed_misses = 0;   /* layers with a fresh guess */
+    int64_t prefetched = 0;                 /* bytes of guessed rows prefetched before their bells, all threads */
     float miss_w[Ln][MAX_K];
     double t_begin[Ln], t_end[Ln], t_seen[Ln];
     int status = 0, total = 0;
@@ -670,7 +683,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             if (status) break;
             const int m = n_miss[li];
             if (m == 0) {
-                if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0);
+                if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);
                 continue;
             }
             const serve_layer ly = {gq, dq, q8g, q8d, m, c->variant == 3, layer_row_bytes(c, li, 0),
@@ -695,7 +708,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     __atomic_store_n(c->done + (int64_t)li * BELL_STRIDE, seq, __ATOMIC_RELEASE);
                 }
             }
-            if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0);     /* after this thread's answer is in */
+            if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);   /* after its answer is in */
         }
     }
     double t_busy = 0.0;
@@ -712,10 +725,12 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         }
     for (int li = 0; li < L; li++)
         if (t_seen[li] > 0.0 && t_begin[li] > 0.0) t_prep += t_begin[li] - t_seen[li];
-    if (c->timing) {            /* [9] */
+    if (c->timing) {            /* [11] */
         c->timing[6] = (double)guessed;
         c->timing[7] = (double)guessed_right;
         c->timing[8] = (double)guessed_misses;
+        c->timing[9] = (double)prefetched;
+        c->timing[10] = t_seen[0] > 0.0 ? t_seen[0] - t0 : 0.0;
         c->timing[0] = t_busy;
         c->timing[1] = t_wait;
         c->timing[2] = total;

@@ -131,6 +131,12 @@ def interleave_bank(tiers, variant: str) -> dict[tuple[str, str], int]:
     return x8
 
 
+# GraphTiers.timing's sums over the graphed steps (report() turns them into per-step figures)
+STEP_TIMING = ("steps", "serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "admitted", "round_s", "round_pairs",
+               "prep_s", "guessed", "guessed_right", "guessed_misses", "prefetched", "first_bell_s", "outside_s",
+               "outside_n")
+
+
 class GraphTiers:
     def __init__(self, tiers, act, threads: int, k: int):
         from ..kernels import doorbell
@@ -148,9 +154,8 @@ class GraphTiers:
         self._pending = None        # the last served step's request rows, not yet accounted for
         self._worker = _Worker(dev)     # accounts for each step while the next one is served
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
-        self.timing = {"steps": 0, "serve_s": 0.0, "cpu_busy_s": 0.0, "bell_wait_s": 0.0, "account_s": 0.0,
-                       "admitted": 0, "round_s": 0.0, "round_pairs": 0, "prep_s": 0.0,
-                       "guessed": 0, "guessed_right": 0, "guessed_misses": 0}
+        self.timing = dict.fromkeys(STEP_TIMING, 0)
+        self._t_served = 0.0        # when the last serve of a run of graphed steps returned (0: none yet)
         self._db = doorbell
         self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
@@ -321,6 +326,11 @@ class GraphTiers:
             tm["round_s"] += round_s
             tm["round_pairs"] += pairs
             tm["prep_s"] += prep
+            tm["prefetched"] += self.server.prefetched
+            tm["first_bell_s"] += self.server.first_bell
+            if self._t_served:
+                tm["outside_s"] += t0 - self._t_served
+                tm["outside_n"] += 1
             pf = self.tiers.stats.prefetch      # the run's prefetch figures (stats.prefetch_summary): of the CPU's misses
             for key, stat, v in zip(("guessed", "guessed_right", "guessed_misses"), ("predicted", "correct", "actual"),
                                     self.server.guesses):
@@ -329,6 +339,7 @@ class GraphTiers:
             # _pending's bookkeeping runs on the worker while the next step is served (the server holds no GIL): off
             # the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md); its admissions
             # then reach the GPU table one step later
+        self._t_served = time.perf_counter()
 
     def _account_thread(self, *step) -> None:
         with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
@@ -343,6 +354,7 @@ class GraphTiers:
         """Finish the graphed steps' bookkeeping (before anything else reads or changes the tiers): the worker's,
         then the last step's, here."""
         self._wait_worker()
+        self._t_served = 0.0            # the next step starts a new run of steps (outside_ms counts within runs)
         pending, self._pending = self._pending, None
         if pending is not None:
             self._account_thread(*pending)
@@ -361,15 +373,19 @@ class GraphTiers:
                 "pcie_share": self.share if self.n_pcie else 0.0, "pcie_off_why": self.pcie_why,
                 "pcie_per_step": round(self.tiers.stats.pcie["decode"] / n, 3),
                 # account_ms: time the next step waited for the bookkeeping thread (0 when hidden)
+                # first_bell_ms: serve's call to layer 0's bell; outside_ms: one serve's return to the next call
                 **{k.removesuffix("_s") + "_ms": round(tm[k] / n * 1e3, 4)
-                   for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "prep_s")},
+                   for k in ("serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "prep_s", "first_bell_s")},
+                "outside_ms": round(tm["outside_s"] / max(1, tm["outside_n"]) * 1e3, 4),
                 # the GPU's part between two answered layers, seen from the CPU: the last answer of a layer to
                 # the next layer's bell (the flag over PCIe, post-MoE + attention + router kernels, the bell)
                 "round_trip_us": round(tm["round_s"] / max(1, tm["round_pairs"]) * 1e6, 2),
                 # the CPU's prefetch of guessed misses: share of the misses guessed, share of the guesses right
                 "miss_prefetch": any(r is not None for r in self.guess),
                 "guess_recall": round(tm["guessed_right"] / tm["guessed_misses"], 4) if tm["guessed_misses"] else None,
-                "guess_precision": round(tm["guessed_right"] / tm["guessed"], 4) if tm["guessed"] else None}
+                "guess_precision": round(tm["guessed_right"] / tm["guessed"], 4) if tm["guessed"] else None,
+                # MB of guessed rows the CPU prefetched per layer during the GPU's part (issued before the bell)
+                "prefetch_mb_per_layer": round(tm["prefetched"] / n / max(1, self.L) / 2**20, 3)}
 
     def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
         t = self.tiers
