@@ -147,7 +147,8 @@ for step in $STEPS; do
     for P in ${P48ONLY:-g9 g8 pp8k}; do     # (P48ONLY="g8 all": those; g8nopdl / g8v2 / g8mixed: 8 GiB with
                                             # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1;
                                             # g8rows / g9rows: the bank's GGML rows, MOETIER_X8_BANK=0; cpumoe;
-                                            # g8pf0: 8 GiB without the guessed-miss prefetch)
+                                            # g8pf0: 8 GiB without the guessed-miss prefetch; g8v5 / g9v5: the
+                                            # miss server's variant 5)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -155,6 +156,8 @@ for step in $STEPS; do
       all) bench proof48_all ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8nopdl) MOETIER_PDL=0 bench proof48_g8nopdl ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8pf0) bench proof48_g8pf0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --prefetch off ;;
+      g8v5) MOETIER_MISS_VARIANT=5 bench proof48_g8v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g9v5) MOETIER_MISS_VARIANT=5 bench proof48_g9v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8v4) MOETIER_MISS_VARIANT=4 bench proof48_g8v4 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8rows) MOETIER_X8_BANK=0 bench proof48_g8rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9rows) MOETIER_X8_BANK=0 bench proof48_g9rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;

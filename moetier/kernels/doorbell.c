@@ -56,7 +56,8 @@ typedef struct {
     int32_t variant;                      /* 0; 1: the old per-row loops; 2: down over the experts' rows (layer_runs;
                                            * A/B in bench/bench_miss_server.py --variants); 3: variant 0's reads
                                            * without the math (y is not the product: a bandwidth ceiling only);
-                                           * 4: variant 0 with guided chunks (chunk_of) */
+                                           * 4: variant 0 with guided chunks (chunk_of); 5: variant 0, phase 3's
+                                           * down rows prefetched during phase 1 (down_cursor) */
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
 } serve_ctx;
@@ -384,6 +385,49 @@ static void chunk_of(int64_t n, int64_t g, int64_t ch, int nt, int guided, int64
  * threads, 4 barriers): fewer, longer streams for the hardware prefetcher, less call overhead. Measured with
  * bench/bench_miss_server.py (Qwen3-30B-A3B shapes, Q4_0, 5 misses of 8, 48 layers, 2 GiB pool) on the 2-core
  * dev box: 12.9 -> 22.6 GB/s with 2 threads (RAM read 26 GB/s), 7.3 -> 11.5 with 1 (RAM read 13.3). */
+/* Variant 5: while phase 1 runs, the thread prefetches its phase-3 home (down rows [lo, hi) of D of every missed
+ * expert), paced with its gate_up work so the last line is asked for when about two thirds of its gate_up home are
+ * done. The guessed-miss prefetch puts most of a layer's gate_up rows in L2 before the bell (6.3-6.4 MB of ~11.7 a
+ * layer at 8 GiB, H200 box), so phase 1 then computes from L2 and the RAM idles until phase 3 streams down; this
+ * keeps the RAM busy meanwhile. */
+typedef struct {
+    const serve_layer *ly;
+    int64_t lo, hi;                        /* rows of D */
+    int j;                                 /* expert (index into ly->e) and byte offset in its run */
+    int64_t off;
+    double per_byte, owed;                 /* down bytes to ask for per gate_up byte done; asked for, not yet issued */
+} down_cursor;
+
+static void down_cursor_init(down_cursor *dc, const serve_layer *ly, int64_t D, int64_t ud, int t, int nt,
+                             int64_t gu_bytes) {
+    dc->ly = ly;
+    home(D, ud, t, nt, &dc->lo, &dc->hi);
+    dc->j = 0;
+    dc->off = 0;
+    dc->owed = 0.0;
+    const int64_t dn_bytes = (int64_t)ly->m * (dc->hi - dc->lo) * ly->dn_rb;
+    dc->per_byte = gu_bytes > 0 ? 1.5 * (double)dn_bytes / (double)gu_bytes : 0.0;
+}
+
+/* after `done` bytes of gate_up rows: prefetch the next share of the down rows */
+static void down_cursor_step(down_cursor *dc, int64_t done) {
+    const serve_layer *ly = dc->ly;
+    const int64_t run = (dc->hi - dc->lo) * ly->dn_rb;
+    dc->owed += dc->per_byte * (double)done;
+    while (dc->owed >= 64.0 && dc->j < ly->m) {
+        const uint8_t *p = ly->dn[ly->e[dc->j]] + dc->lo * ly->dn_rb;
+        int64_t n = (int64_t)dc->owed & ~(int64_t)63;
+        if (n > run - dc->off) n = run - dc->off;
+        for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + dc->off + o, 0, 2);
+        dc->off += n;
+        dc->owed -= (double)n;
+        if (dc->off >= run) {
+            dc->j++;
+            dc->off = 0;
+        }
+    }
+}
+
 static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, claim_ctr *cl, int t,
                        int nt, int64_t *ph) {
     const int64_t I = c->I, D = c->D;
@@ -393,6 +437,12 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     const act_vec ax = {ly->x, s->xs, s->qxv, s->dx, s->sxv};
     int64_t lo, hi, home_lo, home_hi, ch;
     int v;
+    down_cursor dc;
+    const int pf_down = c->variant == 5;
+    if (pf_down) {
+        home((int64_t)m * I, ug, t, nt, &home_lo, &home_hi);
+        down_cursor_init(&dc, ly, D, ud, t, nt, (home_hi - home_lo) * 2 * ly->gu_rb);
+    }
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
         chunk_of((int64_t)m * I, ug, ch, nt, guided, &lo, &hi);
         home((int64_t)m * I, ug, v, nt, &home_lo, &home_hi);
@@ -409,6 +459,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
             ly_rows(ly, 0, g + (I + i0) * ly->gu_rb, n, ax, D, g + (I + pf) * ly->gu_rb, hp + I + i0);
             for (int64_t i = i0; i < i0 + n; i++)
                 hj[i] = act_one(c, hp[i] + (b ? b[i] : 0.f), hp[I + i] + (b ? b[I + i] : 0.f));
+            if (pf_down) down_cursor_step(&dc, n * 2 * ly->gu_rb);
             p += n;
         }
     }
