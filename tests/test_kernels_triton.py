@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
+import triton.language as tl
+
 from moetier.kernels import ops
 from moetier.kernels import triton_moe as tm
 
@@ -204,7 +206,7 @@ def test_decode_v3_default_tiles_and_h(fmt):
     assert rel_err(hs["v3"], hs["v2"]) <= 1e-4
 
 
-V5_SHAPES = {**V3_SHAPES, "Q6_K": (768, 256)}                           # Q6_K D = 768: 4 + 2 chunks
+V5_SHAPES = {**V3_SHAPES, "Q6_K": (768, 256), "MXFP4": (64, 96), "Q5_K": (768, 256), "IQ3_XXS": (768, 256)}
 
 
 @pytest.mark.parametrize("fmt", list(V5_SHAPES))
@@ -213,8 +215,8 @@ def test_decode_v5_matches_its_twin(fmt, gpt_oss):
     """v5 (triton_decode_q8: x and h as int8 per 32-block, dp4a; emulated under the interpreter): against the
     twin that quantizes the same way (ops.moe_native act_q8) to 1e-4; against the float twin within int8
     activation error. 3 tokens x k=3 of 6 slots (k padded to 4 in the down tile, a missing slot), K in two
-    pieces (Q8_0/Q4_0 I = 96: 2 + 1 blocks; Q4_K D = 768: 8 + 4 chunks, Q6_K 4 + 2), wide tiles (rows
-    masked), poisoned output; v5pdl likewise."""
+    pieces (Q8_0/Q4_0/MXFP4 I = 96: 2 + 1 blocks; D = 768: Q4_K/Q5_K 8 + 4 chunks, Q6_K 4 + 2, IQ3_XXS 16 + 8
+    blocks), wide tiles (rows masked), poisoned output; v5pdl likewise."""
     d, i = V5_SHAPES[fmt]
     gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
     act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
@@ -228,7 +230,8 @@ def test_decode_v5_matches_its_twin(fmt, gpt_oss):
         assert rel_err(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("fmt,gpt_oss", [("Q8_0", False), ("Q4_0", True), ("Q4_K", False), ("Q6_K", False)])
+@pytest.mark.parametrize("fmt,gpt_oss", [("Q8_0", False), ("Q4_0", True), ("Q4_K", False), ("Q6_K", False),
+                                         ("MXFP4", True), ("Q5_K", False), ("IQ3_XXS", False)])
 def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
     """v5q: h quantized by gate_up's last program of each 32-block instead of a launch of its own: the same bits as
     v5pdl (one quantizer definition, the same float32 h), twice in a row (the arrival counters reset themselves),
@@ -244,6 +247,31 @@ def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
         want = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5pdl", **cfg)
         got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5q", **cfg)
         assert torch.equal(got, want), (cfg, (got - want).abs().max().item())
+
+
+@triton.jit
+def _mxfp4_values_kernel(w_ptr, lo_ptr, hi_ptr, N: tl.constexpr, EMU: tl.constexpr):
+    i = tl.arange(0, N)
+    lo, hi = tm.v5._mxfp4_values(tl.load(w_ptr + i), EMU)
+    tl.store(lo_ptr + i, lo)
+    tl.store(hi_ptr + i, hi)
+
+
+def test_decode_v5_mxfp4_byte_permutes():
+    """v5's MXFP4 lookup (8 byte permutes a word; PTX prmt on CUDA, emulated as the PTX ISA defines it under the
+    interpreter): random words (every code in every nibble) against a numpy lookup of gguf-py's doubled E2M1
+    codebook, low and high nibbles."""
+    import numpy as np
+    from gguf import quants as gq
+    rng = np.random.default_rng(4)
+    w = rng.integers(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32)
+    w[:16] = np.arange(16, dtype=np.uint32) * 0x11111111                      # each code in all 8 nibbles
+    lo, hi = (torch.full((256,), 7, dtype=torch.int32, device=DEV) for _ in range(2))
+    _mxfp4_values_kernel[(1,)](torch.from_numpy(w.view(np.int32)).to(DEV), lo, hi, N=256, EMU=tm.v5._emulate())
+    codes = w.view(np.uint8).reshape(256, 4)
+    table = np.array(gq.MXFP4.kvalues, dtype=np.int8)
+    assert np.array_equal(lo.cpu().numpy().view(np.int8).reshape(256, 4), table[codes & 15])
+    assert np.array_equal(hi.cpu().numpy().view(np.int8).reshape(256, 4), table[codes >> 4])
 
 
 def test_decode_v5_quantize_matches_twin():

@@ -11,8 +11,9 @@ from moetier.kernels import ops
 from moetier.models.quant_linear import QuantLinear, gpu_blocks, install
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
-K_OF = {"Q8_0": 96, "Q4_0": 96, "Q4_K": 768, "Q6_K": 768}     # two pieces per row (Q4_K 8 + 4 chunks, Q6_K 4 + 2)
+QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS")
+# K in two pieces per row: 2 + 1 32-blocks (IQ3_XXS 16 + 8); Q4_K / Q5_K 8 + 4 64-chunks, Q6_K 4 + 2 128-chunks
+K_OF = {"Q8_0": 96, "Q4_0": 96, "MXFP4": 96, "Q4_K": 768, "Q5_K": 768, "Q6_K": 768, "IQ3_XXS": 768}
 
 
 def rel_err(a, b) -> float:
@@ -23,8 +24,8 @@ def layer(fmt: str, n: int, k: int, bias: bool, seed: int = 0) -> QuantLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) / k ** 0.5
     b = torch.randn(n, generator=g) if bias else None
-    if fmt.endswith("_K"):
-        pytest.importorskip("libgguf", reason="packing K-quants needs libgguf")
+    if fmt.endswith("_K") or fmt.startswith("IQ"):
+        pytest.importorskip("libgguf", reason="packing K- and i-quants needs libgguf")
     from moetier.quant.pack import quantize
     return QuantLinear.from_blocks(quantize(w, fmt), fmt, b, DEV)
 
@@ -49,7 +50,7 @@ def test_gemv_matches_its_twin(fmt, bias):
 def test_chunked_path_matches_twin(fmt, monkeypatch):
     """More rows than a GEMV takes: W dequantized in row chunks (4 chunks here), float activations, exact to
     float32 rounding; leading dims of x kept."""
-    k = 256 if fmt.endswith("_K") else 64
+    k = 256 if fmt.endswith("_K") or fmt.startswith("IQ") else 64
     monkeypatch.setattr(ops, "DENSE_CHUNK_BYTES", 20 * k * 4)     # 20 rows in float32
     lin = layer(fmt, 70, k, True)
     x = torch.randn(2, 9, k, generator=torch.Generator().manual_seed(2)).to(DEV)

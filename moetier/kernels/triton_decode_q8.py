@@ -1,5 +1,5 @@
 """Decode GEMV kernels, variant "v5": int8 activations and integer dot products (dp4a) for Q8_0 / Q4_0 / Q4_K /
-Q6_K.
+Q5_K / Q6_K / MXFP4 / IQ3_XXS.
 
 Why (H200, Qwen3-30B-A3B layer, T=1, session 8): v3 reads Q4_0 at 21% of HBM (gate_up 12.2 us, down 12.2 us
 for half of Q8_0's bytes) and Q8_0 at 49%: the float math is the limit, not the memory. v3 spends per 4-bit
@@ -19,13 +19,25 @@ float32, 8 experts per program) is the worst. As llama.cpp's MMVQ does, x is qua
   - Q6_K (v3 has no loader: `_q6_load`): per ql word pair a, b and qh word of a 128-chunk 16 weights, 4 parts
     of 4 (nibble of a or b | 2 qh bits: q 0..63), each its own x word, 32-block and 16-sub-block scale;
     q - 32 in the integer sum: r = dp4a(q, xw, dp4a(-32 bytes, xw, MAGIC)), v = d * sc * dx * r;
+  - Q5_K word: Q4_K's, with each nibble's 5th bit OR-ed in (q 0..31, still a non-negative int8): qh word
+    8 (c // 4) + e % 8 of the super-block holds it at bit 8b + 2 (c % 4) (low nibble of byte b), + 1 (high);
+    hb = qh >> 2 (c % 4), lo = w & 0x0F0F0F0F | (hb << 4) & 0x10101010, hi = (w >> 4) & 0x0F0F0F0F |
+    (hb << 3) & 0x10101010, then Q4_K's two dp4a and min term;
+  - MXFP4 word (Q4_0's layout; d the e8m0 exponent byte): each nibble -> its doubled E2M1 value as int8
+    (codebook {0, 1, 2, 3, 4, 6, 8, 12} and negated for bit 3) by byte permutes (`prmt`, 4 constant table
+    words; `_mxfp4_values`, llama.cpp's get_int_from_table_16), r = dp4a(hi, xh, dp4a(lo, xl, MAGIC)),
+    v = 2^(e - 128) * dx * r (the codebook's 2 folded into the scale: e8m0_half, subnormal for e < 2);
+  - IQ3_XXS word (4 grid indices, 16 weights: `_iq3_math`): byte b -> an int32 gather of grid row lut[b] (4
+    int8 values 4..62; the table rides in the dmin slot), signs from 4 bits of the block's sg word spread to
+    byte masks m (a multiply and prmt's sign copy), (row ^ m) + (m & 0x01010101), one dp4a per byte with
+    its x word; v = d * (0.5 + sc) * 0.5 * dx * r;
   - x per token (gate_up) and h per pair (down) are quantized by `quantize`, a separate small launch each
     (grid: rows), into int8 words, dx and xs. `pdl`: every launch after the first a programmatic dependent:
     gate_up and down issue their weight loads before waiting for the quantized activations.
 Loads and tiles are v3's (triton_decode._v3_load: every weight load of a program issued first, word axis
 first); the words' register layout carries the x-word gathers (4x fewer than v3's element gathers).
 Exactness: the integer dots are exact; the twin (ops.moe_native with act_q8) quantizes x and h the same way
-and computes in float32. Under TRITON_INTERPRET the dp4a is emulated with shifts (same integers).
+and computes in float32. Under TRITON_INTERPRET the dp4a and prmt are emulated with shifts (same integers).
 """
 from __future__ import annotations
 
@@ -38,10 +50,13 @@ import triton.language as tl
 from .triton_decode import STEP_BLOCK, Tile, _act, _v3_bload, _v3_load, v3_pieces
 from .triton_weights import BLOCK
 
-Q8_0, Q4_0, Q4_K, Q6_K = (tl.constexpr(c) for c in (1, 2, 3, 5))    # triton_weights.FMT_CODES
-FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS = (tl.constexpr(c) for c in range(1, 8))   # triton_weights.FMT_CODES
+FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS")
 MAGIC = tl.constexpr(0x4B400000)      # bits of 1.5 * 2^23: an int32 added to them is read as 12582912 + int
 MAGIC_F = tl.constexpr(12582912.0)
+# MXFP4's doubled E2M1 codebook as int8 bytes, 4 a word: codes 0..7 (0, 1, 2, 3 | 4, 6, 8, 12), 8..15 negated
+MX_POS0, MX_POS1 = tl.constexpr(0x03020100), tl.constexpr(0x0C080604)
+MX_NEG0, MX_NEG1 = tl.constexpr(0xFDFEFF00 - (1 << 32)), tl.constexpr(0xF4F8FAFC - (1 << 32))
 ROUND = {torch.bfloat16: 1, torch.float16: 2}      # h rounded to x's dtype (gate_up's ROUND)
 # With pdl, the x quantizer is itself a programmatic dependent of the kernel before it (the router, the previous
 # layer's down) and down lets its dependents be scheduled from its start: no launch of the pair waits for a whole
@@ -66,6 +81,42 @@ def _dp4a(a, b, c, EMU: tl.constexpr):
     else:
         return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
                                          dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _prmt(a, b, c, EMU: tl.constexpr):
+    """Byte permute (PTX prmt.b32, default mode): byte i of the result = byte (c >> 4i) & 7 of {b, a} (a bytes
+    0..3, b 4..7); with bit 3 of that selector set, the picked byte's sign copied over its 8 bits instead."""
+    if EMU:
+        r = c & 0
+        for i in tl.static_range(4):
+            s = (c >> (4 * i)) & 15
+            v = (tl.where((s & 4) != 0, b, a) >> (8 * (s & 3))) & 0xFF
+            r |= tl.where((s & 8) != 0, tl.where(v >= 128, 0xFF, 0), v) << (8 * i)
+        return r
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mxfp4_values(w, EMU: tl.constexpr):
+    """MXFP4 codes -> int8 values: the 8 nibbles of word w (byte b: low nibble element 4k + b of the 32-block,
+    high one + 16) -> (lo, hi), 4 int8 each, the doubled E2M1 values {0, 1, 2, 3, 4, 6, 8, 12} (code & 7),
+    negated where bit 3 of the code is set, in w's byte order. 8 byte permutes: per half of w, its 4 codes
+    look up the positive and the negative table (selector bit 3 cleared: no sign copy), a third picks by
+    the code's bit 3; then the halves' bytes [lo0, hi0, lo1, hi1], [lo2, hi2, lo3, hi3] are sorted."""
+    pos0, pos1 = tl.full(w.shape, MX_POS0, tl.int32), tl.full(w.shape, MX_POS1, tl.int32)
+    neg0, neg1 = tl.full(w.shape, MX_NEG0, tl.int32), tl.full(w.shape, MX_NEG1, tl.int32)
+    code = w & 0x77777777
+    pick = ((w >> 1) & 0x44444444) | 0x32103210                 # nibble i: byte i % 4 of pos (0..3) or neg (4..7)
+    t0 = _prmt(_prmt(pos0, pos1, code, EMU), _prmt(neg0, neg1, code, EMU), pick, EMU)
+    code = code >> 16
+    pick = pick >> 16
+    t1 = _prmt(_prmt(pos0, pos1, code, EMU), _prmt(neg0, neg1, code, EMU), pick, EMU)
+    lo = _prmt(t0, t1, tl.full(w.shape, 0x6420, tl.int32), EMU)     # bytes 0, 2 of t0, then of t1
+    hi = _prmt(t0, t1, tl.full(w.shape, 0x7531, tl.int32), EMU)
+    return lo, hi
 
 
 # ------------------------------------------------------------------ activations -> int8 per 32-block
@@ -133,47 +184,138 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
     """Row dot products [A, B] of _v3_load's words [NB*W, A, B] and block scales (same shape; Q4_K: d,
     dmin, sc / mn of the low and high sub-block, other formats d only) with the int8 activation words at
     xw_ptr + xwo [XA, XB] (broadcast over the rows), scales dx / xs at xd_ptr / xs_ptr + xdo. Word e of the
-    step: Q8_0 elements 4e..4e+3 (x word e); Q4_0 block e // 4, low nibbles elements 4 (e % 4)..+3 (x word
-    8 (e // 4) + e % 4), high ones + 16 (x word + 4); Q4_K chunk c = e // 8, low nibbles elements
-    64c + 4 (e % 8)..+3 (x word 16c + e % 8, 32-block 2c), high ones + 32 (x word + 8, block 2c + 1)."""
-    W: tl.constexpr = 4 if FMT == Q4_0 else 8
-    e = g0 * W + tl.arange(0, NB * W)
-    me = tl.broadcast_to((e < NBK * W)[:, None, None], words.shape)
+    step: Q8_0 elements 4e..4e+3 (x word e); Q4_0 / MXFP4 block e // 4, low nibbles elements 4 (e % 4)..+3
+    (x word 8 (e // 4) + e % 4), high ones + 16 (x word + 4); Q4_K: _k_math's."""
     if FMT == Q4_K:
-        blk = 2 * (e // 8)                                    # the low nibbles' 32-block; the high ones' + 1
-        xe = 16 * (e // 8) + e % 8
-    elif FMT == Q4_0:
-        blk = e // 4
-        xe = blk * 8 + (e % 4)
+        res = _k_math(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK,
+                      xw_ptr, xwo, xd_ptr, xs_ptr, xdo, NB, EMU)
     else:
-        blk = e // 8
-        xe = e
-    xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + xe[:, None, None], words.shape)
-    dp = tl.broadcast_to(xdo[None, :, :] + blk[:, None, None], words.shape)
-    dx = tl.load(xd_ptr + dp, mask=me, other=0.0)
-    if FMT == Q4_K:         # two sub-blocks (own sc, mn) per word: two dp4a, no shared accumulator
-        xl = tl.load(xp, mask=me, other=0)
-        xh = tl.load(xp + 8, mask=me, other=0)
-        v_lo = _dp4a(words & 0x0F0F0F0F, xl, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
-        v_hi = _dp4a((words >> 4) & 0x0F0F0F0F, xh, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
-        dx_hi = tl.load(xd_ptr + dp + 1, mask=me, other=0.0)
-        xs_lo = tl.load(xs_ptr + dp, mask=me, other=0.0)
-        xs_hi = tl.load(xs_ptr + dp + 1, mask=me, other=0.0)
-        r = (d.to(tl.float32) * (sc_lo.to(tl.float32) * (v_lo * dx) + sc_hi.to(tl.float32) * (v_hi * dx_hi))
-             - dm.to(tl.float32) * (0.125 * (mn_lo.to(tl.float32) * xs_lo + mn_hi.to(tl.float32) * xs_hi)))
-        res = tl.sum(r, axis=0)                           # the min term: 1/8 per word of its sub-blocks' 8
-    elif FMT == Q4_0:
-        xl = tl.load(xp, mask=me, other=0)
-        xh = tl.load(xp + 4, mask=me, other=0)
-        r = _dp4a((words >> 4) & 0x0F0F0F0F, xh, _dp4a(words & 0x0F0F0F0F, xl, MAGIC, EMU), EMU)
-        xs = tl.load(xs_ptr + dp, mask=me, other=0.0)
-        v = (r.to(tl.float32, bitcast=True) - MAGIC_F) * dx - 2.0 * xs       # 8 * xs over the block's 4 words
-        res = tl.sum(d.to(tl.float32) * v, axis=0)
-    else:
-        xw = tl.load(xp, mask=me, other=0)
-        v = (_dp4a(words, xw, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F) * dx
-        res = tl.sum(d.to(tl.float32) * v, axis=0)
+        W: tl.constexpr = 4 if FMT == Q4_0 or FMT == MXFP4 else 8
+        e = g0 * W + tl.arange(0, NB * W)
+        me = tl.broadcast_to((e < NBK * W)[:, None, None], words.shape)
+        blk = e // W
+        xe = blk * 8 + (e % 4) if W == 4 else e
+        xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + xe[:, None, None], words.shape)
+        dp = tl.broadcast_to(xdo[None, :, :] + blk[:, None, None], words.shape)
+        dx = tl.load(xd_ptr + dp, mask=me, other=0.0)
+        if FMT == Q4_0:
+            xl = tl.load(xp, mask=me, other=0)
+            xh = tl.load(xp + 4, mask=me, other=0)
+            r = _dp4a((words >> 4) & 0x0F0F0F0F, xh, _dp4a(words & 0x0F0F0F0F, xl, MAGIC, EMU), EMU)
+            xs = tl.load(xs_ptr + dp, mask=me, other=0.0)
+            v = (r.to(tl.float32, bitcast=True) - MAGIC_F) * dx - 2.0 * xs       # 8 * xs over the block's 4 words
+            res = tl.sum(d.to(tl.float32) * v, axis=0)
+        elif FMT == MXFP4:    # d: the e8m0 byte; the scale 2^(e - 128) halves the doubled codebook (e8m0_half)
+            xl = tl.load(xp, mask=me, other=0)
+            xh = tl.load(xp + 4, mask=me, other=0)
+            lo, hi = _mxfp4_values(words, EMU)
+            r = _dp4a(hi, xh, _dp4a(lo, xl, MAGIC, EMU), EMU)
+            e8 = d.to(tl.int32)
+            scale = tl.where(e8 < 2, 0x00200000 << e8, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+            res = tl.sum(scale * ((r.to(tl.float32, bitcast=True) - MAGIC_F) * dx), axis=0)
+        else:
+            xw = tl.load(xp, mask=me, other=0)
+            v = (_dp4a(words, xw, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F) * dx
+            res = tl.sum(d.to(tl.float32) * v, axis=0)
     return res                  # one return: compiled Triton refuses a return inside a branch (the interpreter not)
+
+
+@triton.jit
+def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
+            NB: tl.constexpr, EMU: tl.constexpr):
+    """Q4_K / Q5_K row dot products [A, B] (as _v5_math's) of the values q_lo, q_hi [NB*8, A, B] (4 non-negative
+    int8 each: a word's low / high nibbles, Q5_K with their 5th bits) of 64-chunk c = e // 8: q_lo elements
+    64c + 4 (e % 8)..+3 (x word 16c + e % 8, 32-block 2c), q_hi + 32 (x word + 8, block 2c + 1). The two
+    sub-blocks have their own sc, mn and x scales: two dp4a, no shared accumulator."""
+    e = g0 * 8 + tl.arange(0, NB * 8)
+    me = tl.broadcast_to((e < NBK * 8)[:, None, None], q_lo.shape)
+    xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + (16 * (e // 8) + e % 8)[:, None, None], q_lo.shape)
+    dp = tl.broadcast_to(xdo[None, :, :] + (2 * (e // 8))[:, None, None], q_lo.shape)
+    dx_lo = tl.load(xd_ptr + dp, mask=me, other=0.0)
+    xl = tl.load(xp, mask=me, other=0)
+    xh = tl.load(xp + 8, mask=me, other=0)
+    v_lo = _dp4a(q_lo, xl, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
+    v_hi = _dp4a(q_hi, xh, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
+    dx_hi = tl.load(xd_ptr + dp + 1, mask=me, other=0.0)
+    xs_lo = tl.load(xs_ptr + dp, mask=me, other=0.0)
+    xs_hi = tl.load(xs_ptr + dp + 1, mask=me, other=0.0)
+    r = (d.to(tl.float32) * (sc_lo.to(tl.float32) * (v_lo * dx_lo) + sc_hi.to(tl.float32) * (v_hi * dx_hi))
+         - dm.to(tl.float32) * (0.125 * (mn_lo.to(tl.float32) * xs_lo + mn_hi.to(tl.float32) * xs_hi)))
+    return tl.sum(r, axis=0)                          # the min term: 1/8 per word of its sub-blocks' 8
+
+
+@triton.jit
+def _iq3_math(words, d, sc, sg, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB: tl.constexpr, EMU: tl.constexpr):
+    """IQ3_XXS row dot products (as _v5_math's) of _v5_load's grid-index words: word e (32-block g = e // 2, half
+    k = e % 2), byte b -> grid row lut[byte] (4 int8 values 4..62 in a word) of elements 32g + 16k + 4b..+3 (x word
+    4e + b), their signs bits 16k + 4b..+3 of the block's sg word: a multiply puts bit j at bit 8j + 7, prmt's sign
+    copy makes byte masks m (0 / -1), values (row ^ m) + (m & 0x01010101) (a byte negation: no row byte is 0, no
+    carry). Scale d * (0.5 + sc) * 0.5."""
+    e = g0 * 2 + tl.arange(0, NB * 2)
+    me = tl.broadcast_to((e < NBK * 2)[:, None, None], words.shape)
+    xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + (4 * e)[:, None, None], words.shape)
+    dx = tl.load(xd_ptr + tl.broadcast_to(xdo[None, :, :] + (e // 2)[:, None, None], words.shape), mask=me,
+                 other=0.0)
+    signs = sg >> (16 * (e % 2))[:, None, None]
+    sign_copy = tl.full(words.shape, 0xBA98, tl.int32)                 # prmt: bytes 0..3, each its bit 7 copied
+    r = tl.full(words.shape, MAGIC, tl.int32)
+    for b in tl.static_range(4):
+        row = tl.load(lut_ptr + ((words >> (8 * b)) & 0xFF))
+        m = ((signs >> (4 * b)) & 15) * 0x10204080
+        m = _prmt(m, m, sign_copy, EMU)
+        r = _dp4a((row ^ m) + (m & 0x01010101), tl.load(xp + b, mask=me, other=0), r, EMU)
+    scale = d.to(tl.float32) * (0.5 + sc.to(tl.float32)) * 0.5
+    return tl.sum(scale * ((r.to(tl.float32, bitcast=True) - MAGIC_F) * dx), axis=0)
+
+
+@triton.jit
+def _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, g0, NBK,
+             FMT: tl.constexpr, NB: tl.constexpr):
+    """Weight loads of step blocks g0 .. g0+NB (of NBK) of rows [A, B], word axis first: _v3_load's words and
+    scales (MXFP4 as Q4_0: its e byte in d) and an 8th value, Q5_K the qh words of the 64-chunks' 5th bits
+    (word e: qh word 8 (e // 32) + e % 8 of the row), the words again for other formats. IQ3_XXS: its 2
+    grid-index words per 32-block, d (per 8 blocks), sc in all 5 scale places, the block's sg word 8th."""
+    if FMT == IQ3_XXS:
+        e = g0 * 2 + tl.arange(0, NB * 2)
+        m3 = (e < NBK * 2)[:, None, None] & mask[None, :, :]
+        words = tl.load(q_ptr + rq[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
+        d = _v3_bload(d_ptr, rd, g0 // 8, NB // 8, 16, 1, 0, NBK // 8)
+        sc_lo = _v3_bload(sc_ptr, rsc, g0, NB, 2, 1, 0, NBK)
+        dm, sc_hi, mn_lo, mn_hi = sc_lo, sc_lo, sc_lo, sc_lo
+        hw = _v3_bload(h_ptr, rh, g0, NB, 2, 1, 0, NBK)
+    elif FMT == Q5_K:
+        words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc,
+                                                            rmn, mask, g0, NBK, Q4_K, NB)
+        e = g0 * 8 + tl.arange(0, NB * 8)
+        m3 = (e < NBK * 8)[:, None, None] & mask[None, :, :]
+        hw = tl.load(h_ptr + rh[None, :, :] + (8 * (e // 32) + e % 8)[:, None, None], mask=m3, other=0,
+                     eviction_policy="evict_first")
+    else:
+        words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc,
+                                                            rmn, mask, g0, NBK, Q4_0 if FMT == MXFP4 else FMT, NB)
+        hw = words
+    return words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, hw
+
+
+@triton.jit
+def _v5_step(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, hw, g0, NBK, lut_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
+             FMT: tl.constexpr, NB: tl.constexpr, EMU: tl.constexpr):
+    """Row dot products of _v5_load's values: Q5_K's 5th bits (bits 8b + 2 (c % 4), + 1 of qh word hw, c the
+    word's 64-chunk) OR-ed into the nibbles of byte b, then _k_math; IQ3_XXS _iq3_math (lut: the grid words,
+    _planes); other formats _v5_math."""
+    if FMT == IQ3_XXS:
+        res = _iq3_math(words, d, sc_lo, hw, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB, EMU)
+    elif FMT == Q5_K:
+        c = g0 + tl.arange(0, NB * 8) // 8
+        hb = hw >> (2 * (c % 4))[:, None, None]
+        q_lo = (words & 0x0F0F0F0F) | ((hb << 4) & 0x10101010)
+        q_hi = ((words >> 4) & 0x0F0F0F0F) | ((hb << 3) & 0x10101010)
+        res = _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
+                      NB, EMU)
+    else:
+        res = _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT,
+                       NB, EMU)
+    return res
 
 
 @triton.jit
@@ -230,7 +372,8 @@ def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh
             xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
             PDL_WAIT: tl.constexpr, EMU: tl.constexpr):
     """[A, B] dot products of whole rows: the weight loads of both pieces, (PDL_WAIT: the wait for the
-    activations' grid), then the math. Planes beyond q, d: dmin, sc, mn (Q4_K), sc, h (Q6_K)."""
+    activations' grid), then the math. Planes beyond q, d: dmin, sc, mn (Q4_K; Q5_K + h), sc, h (Q6_K), the grid
+    in dmin's slot, sc, h (IQ3_XXS)."""
     if FMT == Q6_K:
         a0, a1, a2, a3, a4, a5, a6, a7 = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK,
                                                   NB1)
@@ -243,17 +386,18 @@ def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh
         if NB2 > 0:
             acc += _q6_math(b0, b1, b2, b3, b4, b5, b6, b7, NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2, EMU)
     else:
-        a0, a1, a2, a3, a4, a5, a6 = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
-                                              0, NBK, FMT, NB1)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn,
+                                                  rh, mask, 0, NBK, FMT, NB1)
         if NB2 > 0:
-            b0, b1, b2, b3, b4, b5, b6 = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn,
-                                                  mask, NB1, NBK, FMT, NB2)
+            b0, b1, b2, b3, b4, b5, b6, b7 = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc,
+                                                      rmn, rh, mask, NB1, NBK, FMT, NB2)
         if PDL_WAIT:
             tl.extra.cuda.gdc_wait()
-        acc = _v5_math(a0, a1, a2, a3, a4, a5, a6, 0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, EMU)
+        acc = _v5_step(a0, a1, a2, a3, a4, a5, a6, a7, 0, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1,
+                       EMU)
         if NB2 > 0:
-            acc += _v5_math(b0, b1, b2, b3, b4, b5, b6, NB1, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB2,
-                            EMU)
+            acc += _v5_step(b0, b1, b2, b3, b4, b5, b6, b7, NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT,
+                            NB2, EMU)
     return acc
 
 
@@ -350,16 +494,32 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
 # Session 9, Q6_K (pair at (2, 0, 1) / (8, 0, 4): v5 21.1 us, v5pdl 15.6): gate_up (16, 0, 4) 11.13 us vs (4, 0, 2)
 # 11.35, (8, 0, 4) 11.47, (16, 0, 8) 11.9; down (8, 0, 4) 8.61 vs (4, 0, 4) 8.63, (16, 0, 8) 8.95. Q4_K (pair at
 # (2, 0, 1) / (8, 0, 4): v5 17.3 us, v5pdl 13.35): gate_up (8, 0, 4) 10.71 vs (4, 0, 2) 10.73, (16, 0, 4) 11.37;
-# down (8, 0, 4) 7.40 vs (16, 0, 8) 7.62, (4, 0, 4) 7.81.
-GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(16, 0, 4)}
-DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 4)}
+# down (8, 0, 4) 7.40 vs (16, 0, 8) 7.62, (4, 0, 4) 7.81. Not timed yet: MXFP4, IQ3_XXS (Q4_0's tiles), Q5_K (Q4_K's).
+GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(16, 0, 4),
+            "MXFP4": Tile(4, 0, 2), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2)}
+DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 4),
+         "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4)}
 
 
 def _planes(w):
     """The 6 planes (q and h as int32 words) and their 12 slot / row strides in elements: v2_args without
-    the table (dmin, mn read by Q4_K only, sc by Q4_K / Q6_K, h by Q6_K)."""
+    the table (dmin, mn read by Q4_K / Q5_K, sc by those, Q6_K and IQ3_XXS, h by Q5_K / Q6_K / IQ3_XXS; MXFP4's e
+    in d). IQ3_XXS has no dmin: its slot carries the grid as int32 words (4 int8 values each, stride 0)."""
     a = w.v2_args()
-    return a[0:6] + a[7:19]
+    planes = a[0:6]
+    if w.fmt == "IQ3_XXS":
+        planes[2] = _iq3_grid_words(planes[0].device)
+    return planes + a[7:19]
+
+
+def _iq3_grid_words(device) -> torch.Tensor:
+    """IQ3_XXS grid as int32 [256] on `device` (cached): row i's 4 values (4..62) as the bytes of word i."""
+    from gguf import quants as gq
+
+    from moetier.quant.bits import table
+    from moetier.quant.iquants import _grid
+    return table("iq3xxs_words", device, lambda: _grid(gq.IQ3_XXS).to(torch.uint8).contiguous().view(torch.int32)
+                 .reshape(-1))
 
 
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
@@ -427,5 +587,5 @@ def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False, pre: tuple |
 
 
 def supports(w, k: int) -> bool:
-    """v5 reads FORMATS rows of whole blocks (32; Q4_K / Q6_K 256-super-blocks)."""
+    """v5 reads FORMATS rows of whole blocks (32; Q4_K / Q5_K / Q6_K / IQ3_XXS 256-super-blocks)."""
     return w.fmt in FORMATS and k % BLOCK[w.fmt] == 0
