@@ -11,8 +11,8 @@ calls (the engine's mode; per call) and triton.testing.do_bench (eager launches,
 
     python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 (vs v4) kernels and tiles, every
                                                                # format, Qwen3-30B-A3B T=1 (< 2 min)
-    python bench/bench_gpu_kernels.py --variants --only v5pdl,v6 --fmt Q4_0   # those variants only (v6: its tiles too)
-    python bench/bench_gpu_kernels.py --profile-pair --only v5pdl,v6 --fmt Q4_0  # where each pair's time goes
+    python bench/bench_gpu_kernels.py --variants --only v2,v5pdl --fmt MXFP4   # those variants only
+    python bench/bench_gpu_kernels.py --profile-pair --only v5pdl,v5q --fmt Q4_0  # where each pair's time goes
     python bench/bench_gpu_kernels.py [--out results.json] [--fmt dense,Q4_0] [--quick]
     python bench/bench_gpu_kernels.py --sweep [decode|grouped] [--fmt Q4_0]   # best tiles per kernel
     python bench/bench_gpu_kernels.py --interpret              # CPU smoke test of this script (tiny)
@@ -242,17 +242,16 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def pair_calls(c, gen, variant: str, tile=None):
-    """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q / v6, else decode_calls' gate_up
-    then down) and the mean distinct slots per call. tile (v6): (gate_up rows, down rows, warps)."""
-    if variant in ("v4", "v5q", "v6"):    # v4, v6: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
+def pair_calls(c, gen, variant: str):
+    """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
+    down) and the mean distinct slots per call."""
+    if variant in ("v4", "v5q"):          # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
         rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
-        cfg = {"cfg_gate_up": (tile[0], 0, tile[2]), "cfg_down": (tile[1], 0, tile[2])} if tile else {}
         uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
         return [lambda i=i, w=w: tm.moe_decode(x, i, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, out=out,
-                                               variant=variant, **cfg) for i, w in rs], uniq
+                                               variant=variant) for i, w in rs], uniq
     gu, dn, uniq = decode_calls(c, 1, gen, variant=variant)
     return [lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)], uniq
 
@@ -349,11 +348,6 @@ ALT_TILES_V3 = {"gate_up": [(2, 0, 2), (8, 0, 4), (8, 0, 8)],
                 "down": [(2, 0, 4), (8, 0, 4), (8, 0, 8)]}
 ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8), (2, 0, 1), (8, 0, 2)],
                 "down": [(4, 0, 4), (8, 0, 4), (16, 0, 4), (16, 0, 8), (8, 0, 2), (32, 0, 8)]}
-# v6 (one launch, triton_decode_v6.default_tile is the default): (gate_up rows, down rows, warps); then the default tile
-# with a nanosleep between the counter polls (ns: v6.POLL_NS)
-V6_POLL_NS = tm.v6.POLL_NS             # the shipped poll sleep (restored after each pair)
-ALT_TILES_V6 = [(4, 4, 4), (8, 8, 4), (4, 4, 2), (8, 4, 8), (16, 8, 4), (16, 16, 8)]
-POLL_NS_V6 = [200, 1000]
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -375,8 +369,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     kernels back to back at the shipped tiles, with the error against the twin, and v4 (Q8_0/Q4_0: the
     whole layer in one persistent launch); 2. v2pdl / v3pdl
     (down as a programmatic dependent launch) likewise; 3. each kernel alone, shipped tiles; 4. v3 at
-    ALT_TILES_V3; 5. v2 at ALT_TILES. Then per format and variant the best gate_up + best down. v5 / v5pdl / v5q / v6
-    (one launch: then at ALT_TILES_V6 and POLL_NS_V6) right after the baselines. only: these variants, nothing else."""
+    ALT_TILES_V3; 5. v2 at ALT_TILES. Then per format and variant the best gate_up + best down. v5 / v5pdl / v5q
+    right after the baselines. only: these variants, nothing else."""
     t_start, out = time.perf_counter(), []
     wanted = set(filter(None, only.split(",")))
     cases = {fmt: Case(model, fmt, cgen) for fmt in fmts}
@@ -388,32 +382,26 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             return True
         return False
 
-    def pair(c: Case, v: str, tile=None, poll_ns=None):
-        if (wanted and v not in wanted) or late(f"{c.fmt} {v} pair {tile or ''} {poll_ns or ''}"):
+    def pair(c: Case, v: str):
+        if (wanted and v not in wanted) or late(f"{c.fmt} {v} pair"):
             return
         try:
             x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
             ids, w = routings(1, c.k, c.slots, gen)[0]
-            if poll_ns is not None:
-                tm.v6.POLL_NS = poll_ns
-            cfg = {"cfg_gate_up": (tile[0], 0, tile[2]), "cfg_down": (tile[1], 0, tile[2])} if tile else {}
             want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
-            got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, variant=v, **cfg)
-            calls, uniq = pair_calls(c, gen, v, tile)
+            got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, variant=v)
+            calls, uniq = pair_calls(c, gen, v)
             us = graph_us(calls)
             gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
             r = {"us": round(us, 2), "GBps": round(gb, 1), "frac_of_copy": round(gb / copy_bw, 3),
                  "max_rel_err": round(rel_err(got, want), 5)}
-            if v.startswith(("v5", "v6")):      # int8 activations: also against the twin that quantizes alike
+            if v.startswith("v5"):              # int8 activations: also against the twin that quantizes alike
                 q8 = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt, act_q8=True)
                 r["max_rel_err_q8_twin"] = round(rel_err(got, q8), 6)
         except Exception as e:  # noqa: BLE001 (report, go on)
             r = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
-        finally:
-            tm.v6.POLL_NS = V6_POLL_NS
-        extra = {"tile": list(tile or tm.v6.default_tile(c.fmt, c.fmt)), "poll_ns": poll_ns or 0} if v == "v6" else {}
-        out.append({"fmt": c.fmt, "variant": v, "kernel": "pair" if tile or poll_ns else "pair_default", **extra, **r})
-        log(f"  {c.fmt} {v} gate_up + down, {extra or 'shipped tiles'}: {r}")
+        out.append({"fmt": c.fmt, "variant": v, "kernel": "pair_default", **r})
+        log(f"  {c.fmt} {v} gate_up + down, shipped tiles: {r}")
 
     def alone(c: Case, v: str, kind: str, cfg):
         if (wanted and v not in wanted) or late(f"{c.fmt} {v} {kind} {cfg or 'default'}"):
@@ -441,13 +429,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
-        for v in ("v5", "v5pdl", "v5q", "v6") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session
-            pair(c, v)                                                    # 10); v6: the pair in one launch
-    for c in cases.values():
-        for tile in ALT_TILES_V6 if v5(c.fmt) else ():
-            pair(c, "v6", tile)
-        for ns in POLL_NS_V6 if v5(c.fmt) else ():
-            pair(c, "v6", None, ns)
+        for v in ("v5", "v5pdl", "v5q") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session 10)
+            pair(c, v)
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):
@@ -478,12 +461,6 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
                 out.append({"fmt": fmt, "variant": v, "kernel": "total_best", "us": round(us, 2), "GBps": round(gb, 1),
                             "frac_of_copy": round(gb / copy_bw, 3), "tiles": [best["gate_up"]["tile"], best["down"]["tile"]]})
                 log(f"  {fmt} {v} best gate_up + best down: {us:.1f} us, {gb:.0f} GB/s = {gb / copy_bw:.0%} of copy")
-    for fmt in fmts:
-        best = min((o for o in out if o.get("fmt") == fmt and o.get("variant") == "v6" and "us" in o),
-                   key=lambda o: o["us"], default=None)
-        if best:
-            out.append({**best, "kernel": "v6_best"})
-            log(f"  {fmt} v6 best: {best['us']} us at tile {best['tile']} poll {best['poll_ns']} ns")
     log(f"variants: {time.perf_counter() - t_start:.0f} s")
     return out
 
@@ -772,7 +749,7 @@ def main():
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (Triton interpreter, tiny shapes)")
     ap.add_argument("--compile-sm90", action="store_true", help="no GPU needed: compile for sm_90, report registers")
-    ap.add_argument("--only", default="", help="--variants / --profile-pair: these variants (e.g. v5pdl,v6); "
+    ap.add_argument("--only", default="", help="--variants / --profile-pair: these variants (e.g. v2,v5pdl); "
                     "--compile-sm90: kernels whose names contain one of these "
                     "comma-separated strings (e.g. v2_,v3_)")
     a = ap.parse_args()

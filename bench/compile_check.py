@@ -4,9 +4,8 @@ so CUDA-only compile errors (the interpreter accepts more: a `return` inside a b
 constexpr) show up before a device call.
 
     python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
-                                     # v5 format), v6's one-launch pair (every v5 format), the embedding gather,
-                                     # the decode step's small kernels with PDL, the doorbell's ring, route+ring,
-                                     # hint and wait_add kernels; the PDL ones
+                                     # v5 format), the embedding gather, the decode step's small kernels with PDL,
+                                     # the doorbell's ring, route+ring, hint and wait_add kernels; the PDL ones
                                      # again for sm_80 with PDL off (Ampere / Ada have no griddepcontrol)
 """
 from __future__ import annotations
@@ -61,21 +60,6 @@ def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90)
     return None
 
 
-def v6_case(fmt: str, poll: int = 0) -> tuple:
-    """triton_decode_v6's one-launch pair at Qwen3-30B-A3B shapes (D 2048, I 768, k 8), its default tile's rows."""
-    from moetier.kernels import triton_decode_v6 as v6
-    d, i = 2048, 768
-    tile = v6.default_tile(fmt, fmt)
-    (g1, g2), (n1, n2) = v3_pieces(d, fmt), v3_pieces(i, fmt)
-    const = dict(D=d, I=i, KTOP=8, KP=8, GFMT=FMT_CODES[fmt], DFMT=FMT_CODES[fmt], ACT=0, GBIAS=False, DBIAS=False,
-                 GBS=STEP_BLOCK[fmt], DBS=STEP_BLOCK[fmt], GBN=tile.gate_up_bn, DBN=tile.down_bn, GNB1=g1, GNB2=g2,
-                 DNB1=n1, DNB2=n2, NBP=d // 32, QX=1, ROUND=1, SPIN=v6.SPIN_LIMIT, POLL=poll, EMU=False)
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "gb_ptr": "*bf16", "db_ptr": "*bf16", "out_ptr": "*bf16",
-             "xq_ptr": "*i8", "hq_ptr": "*i8", "hf_ptr": "*fp32", "T": "i32",        # other planes *u8 as above
-             **{n: "*i32" for n in ("gq_ptr", "dq_ptr", "gh_ptr", "dh_ptr", "cnt_ptr")}}
-    return v6._moe_v6_kernel, const, types
-
-
 def main() -> int:
     bad = 0
     ampere = []     # (name, kernel, constexprs, types) compiled again for sm_80 without PDL
@@ -102,10 +86,6 @@ def main() -> int:
             # without PDL for Ampere / Ada (pdl.supported keeps it off there)
             off = dict(const, PDL=False, **({"TRIGGER": False} if "TRIGGER" in const else {}))
             ampere.append((f"{fmt} {kind}", fn, off, types))
-    for fmt, poll in [(f, 0) for f in q8.FORMATS] + [(q8.FORMATS[0], 200)]:   # v6: no PDL (and its nanosleep once)
-        err = compile_for_sm90(*v6_case(fmt, poll))
-        bad += err is not None
-        print(f"{fmt:5} {'v6+poll' if poll else 'v6':8} {'ok' if err is None else err}")
     from moetier.kernels import triton_embed
     err = compile_for_sm90(triton_embed._gather_rows_kernel, dict(D=2048, BLOCK=triton_embed.BLOCK),
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})
