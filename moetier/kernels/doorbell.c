@@ -46,7 +46,7 @@ typedef struct {
     const float *w;                       /* [L, k] */
     float *y;                             /* [L, D] */
     float *scratch;                       /* >= k * 2I + k * I + (D + k * I) / 32 + 64 floats */
-    double *timing;                       /* out [11]: [0] compute s, [1] bell wait s, [2] misses, ... [10] s to the first bell */
+    double *timing;                       /* out [11]: [0] compute s, [1] bell wait s, [2] misses ... [10] first bell */
     int32_t q8_act;                       /* Q4_0 / Q8_0 / MXFP4 / IQ3_XXS: int8 activations, integer dots */
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
     const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
