@@ -153,18 +153,23 @@ def time_type(args, qtype, act, variants, gen, ref, ram_c, ram_t):
     rounds = []
     for _ in range(args.rounds):
         rc, rt = ram_gbps(ref, nt)
-        best = {}
+        best, phases = {}, {}
         for kind, v in times:                               # interleaved: the box is noisy
             srv = servers[kind]
             srv.ctx.variant = v
             step(srv)                                       # warm-up (threads, page tables)
-            ts = [step(srv) for _ in range(args.steps)]
+            ts, ph = [], [0.0] * 5
+            for _ in range(args.steps):
+                ts.append(step(srv))
+                ph = [a + b for a, b in zip(ph, srv.phases)]
             times[kind, v] += ts
             best[f"{kind}/{v}"] = round(L * M * ebytes / min(ts) / 1e9, 2)
+            # us a layer and thread: gate_up's work, its barrier wait, h + barrier, down's work, finish -> last
+            phases[f"{kind}/{v}"] = [round(x / (args.steps * L * nt) * 1e6, 2) for x in ph]
         rc2, rt2 = ram_gbps(ref, nt)                        # the RAM read on both sides of the round
         ram_c += [rc, rc2]
         ram_t += [rt, rt2]
-        rounds.append({"ram_c_gbps": [round(rc, 1), round(rc2, 1)], "gbps_best": best})
+        rounds.append({"ram_c_gbps": [round(rc, 1), round(rc2, 1)], "gbps_best": best, "phase_us": phases})
     return times, ebytes, n_pool, rounds
 
 

@@ -406,6 +406,7 @@ def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads, variant)
         if hints:
             assert srv.guesses == (3, 2, 2)      # 3 valid guesses in layer 1, 2 right, 2 misses there
             assert srv.prefetched > 0           # layer 1's guessed rows, in the 20 ms before its bell
+            assert min(srv.phases) >= 0 and srv.phases[0] > 0 and srv.phases[3] > 0    # gate_up, down timed
         else:
             assert srv.guesses == (0, 0, 0) and srv.prefetched == 0
     assert torch.equal(ys[0], ys[1])
@@ -493,7 +494,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     seen, during = [], []
 
     class FakeServer:
-        detail, guesses, prefetched, first_bell = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0
+        detail, guesses, prefetched, first_bell, phases = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0, (0.0,) * 5
 
         def serve(self, seq, timeout_s=None):
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here

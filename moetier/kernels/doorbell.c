@@ -46,7 +46,7 @@ typedef struct {
     const float *w;                       /* [L, k] */
     float *y;                             /* [L, D] */
     float *scratch;                       /* >= k * 2I + k * I + (D + k * I) / 32 + 64 floats */
-    double *timing;                       /* out [11]: [0] compute s, [1] bell wait s, [2] misses ... [10] first bell */
+    double *timing;                       /* out [16]: [0] compute s, [1] bell wait s, [2] misses ... [11..15] phases */
     int32_t q8_act;                       /* Q4_0 / Q8_0 / MXFP4 / IQ3_XXS: int8 activations, integer dots */
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
     const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
@@ -428,8 +428,11 @@ static void down_cursor_step(down_cursor *dc, int64_t done) {
     }
 }
 
+/* pt (NULL: not timed) accumulates this thread's seconds of a layer's phases: [0] phase 1's work, [1] its wait at the
+ * barrier after, [2] phase 2 with its barrier, [3] phase 3's work (serve_step adds [4]: its finish to the layer's) */
 static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, claim_ctr *cl, int t,
-                       int nt, int64_t *ph) {
+                       int nt, int64_t *ph, double *pt) {
+    double t0 = pt ? now_s() : 0.0, t1 = 0.0;
     const int64_t I = c->I, D = c->D;
     const int guided = c->variant == 4;
     const int m = ly->m;
@@ -464,7 +467,15 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         }
     }
     ++*ph;
+    if (pt) {
+        t1 = now_s();
+        pt[0] += t1 - t0;
+    }
     #pragma omp barrier
+    if (pt) {
+        t0 = now_s();
+        pt[1] += t0 - t1;
+    }
     if (is_quant(ly->dq)) {                 /* I % 32 == 0 (checked): blocks of all experts, one index */
         while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
             chunk_of((int64_t)m * (I / 32), 1, ch, nt, guided, &lo, &hi);
@@ -477,6 +488,10 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         }
         ++*ph;
         #pragma omp barrier
+    }
+    if (pt) {
+        t1 = now_s();
+        pt[2] += t1 - t0;
     }
     float r[DOWN_RUN];
     if (c->variant == 2) {
@@ -510,6 +525,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
             for (int j = 1; j < m; j++) acc = acc + s->part[j * D + d];
             ly->y[d] = acc;
         }
+        if (pt) pt[3] += now_s() - t1;
         return;
     }
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
@@ -529,6 +545,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         }
     }
     ++*ph;
+    if (pt) pt[3] += now_s() - t1;
 }
 
 /* Touch [p, p + n) toward this core's L2 (software prefetch per 64-byte line), at most *budget bytes (lowered by what
@@ -679,10 +696,14 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     }
     claim_ctr cl[c->nthreads > 0 ? c->nthreads : 1];
     for (int t = 0; t < c->nthreads; t++) cl[t].n = 0;
+    double phase_sum[5] = {0.0, 0.0, 0.0, 0.0, 0.0};    /* layer_runs' pt, summed over threads and layers */
     #pragma omp parallel num_threads(c->nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t ph = 0;                                 /* phases done (layer_runs' chunk counters) */
+        double ptv[5] = {0.0, 0.0, 0.0, 0.0, 0.0}, mine[Ln];      /* mine: when this thread finished layer li */
+        double *pt = c->timing ? ptv : NULL;
+        for (int li = 0; li < L; li++) mine[li] = 0.0;
         for (int li = 0; li < L; li++) {
             const int gq = layer_type(c, li, 0), dq = layer_type(c, li, 1);    /* per projection */
             const int q8g = c->q8_act && q8_ok(gq), q8d = c->q8_act && q8_ok(dq);
@@ -732,6 +753,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             }
             #pragma omp barrier
             if (status) break;
+            if (pt && li > 0 && mine[li - 1] > 0.0 && t_end[li - 1] > 0.0) pt[4] += t_end[li - 1] - mine[li - 1];
             const int m = n_miss[li];
             if (m == 0) {
                 if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);
@@ -753,13 +775,18 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             } else {
                 /* the last thread to finish its rows of y raises done: no barrier before the next bell (the
                  * next layer's phases start after its bell barrier, which every thread reaches after this) */
-                layer_runs(c, &ly, &s, cl, tid, nt, &ph);
+                layer_runs(c, &ly, &s, cl, tid, nt, &ph, pt);
+                mine[li] = now_s();
                 if (__atomic_add_fetch(&finished[li], 1, __ATOMIC_ACQ_REL) == nt) {
-                    t_end[li] = now_s();
+                    t_end[li] = mine[li];
                     __atomic_store_n(c->done + (int64_t)li * BELL_STRIDE, seq, __ATOMIC_RELEASE);
                 }
             }
             if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);   /* after its answer is in */
+        }
+        for (int i = 0; i < 5; i++) {
+            #pragma omp atomic
+            phase_sum[i] += ptv[i];
         }
     }
     double t_busy = 0.0;
@@ -776,12 +803,13 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         }
     for (int li = 0; li < L; li++)
         if (t_seen[li] > 0.0 && t_begin[li] > 0.0) t_prep += t_begin[li] - t_seen[li];
-    if (c->timing) {            /* [11] */
+    if (c->timing) {            /* [16] */
         c->timing[6] = (double)guessed;
         c->timing[7] = (double)guessed_right;
         c->timing[8] = (double)guessed_misses;
         c->timing[9] = (double)prefetched;
         c->timing[10] = t_seen[0] > 0.0 ? t_seen[0] - t0 : 0.0;
+        for (int i = 0; i < 5; i++) c->timing[11 + i] = phase_sum[i];
         c->timing[0] = t_busy;
         c->timing[1] = t_wait;
         c->timing[2] = total;

@@ -359,7 +359,7 @@ class MissServer:
         # (variant 2: the missed experts' down rows [k, D] too)
         self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + k * dim + 272,
                                    dtype=torch.float32)
-        self.timing = torch.zeros(11, dtype=torch.float64)   # doorbell.c moetier_serve_step
+        self.timing = torch.zeros(16, dtype=torch.float64)   # doorbell.c moetier_serve_step
         self.detail = (0.0, 0, 0.0)
         self.guesses = (0, 0, 0)
         self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, gu_id, 0 if act.kind == "swiglu" else 1, threads,
@@ -393,6 +393,9 @@ class MissServer:
         self.guesses = (int(t[6]), int(t[7]), int(t[8]))
         self.prefetched = t[9]          # bytes of guessed rows whose prefetches were issued before their bells
         self.first_bell = t[10]         # s from the call to layer 0's bell (the step's start on the GPU)
+        # s summed over threads and layers: phase 1's work, its barrier wait, phase 2 with its barrier, phase 3's
+        # work, a thread's finish to the layer's last (layer_runs)
+        self.phases = tuple(t[11:16])
         return t[0], t[1], int(t[2])
 
 

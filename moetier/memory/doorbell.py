@@ -131,10 +131,11 @@ def interleave_bank(tiers, variant: str) -> dict[tuple[str, str], int]:
     return x8
 
 
+PHASES = ("gate_up_s", "gate_up_wait_s", "h_s", "down_s", "tail_s")     # doorbell.c layer_runs, per thread
 # GraphTiers.timing's sums over the graphed steps (report() turns them into per-step figures)
 STEP_TIMING = ("steps", "serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "admitted", "round_s", "round_pairs",
                "prep_s", "guessed", "guessed_right", "guessed_misses", "prefetched", "first_bell_s", "outside_s",
-               "outside_n")
+               "outside_n", *PHASES)
 
 
 class GraphTiers:
@@ -329,6 +330,8 @@ class GraphTiers:
             tm["prep_s"] += prep
             tm["prefetched"] += self.server.prefetched
             tm["first_bell_s"] += self.server.first_bell
+            for key, v in zip(PHASES, self.server.phases):
+                tm[key] += v
             if self._t_served:
                 tm["outside_s"] += t0 - self._t_served
                 tm["outside_n"] += 1
@@ -386,7 +389,11 @@ class GraphTiers:
                 "guess_recall": round(tm["guessed_right"] / tm["guessed_misses"], 4) if tm["guessed_misses"] else None,
                 "guess_precision": round(tm["guessed_right"] / tm["guessed"], 4) if tm["guessed"] else None,
                 # MB of guessed rows the CPU prefetched per layer during the GPU's part (issued before the bell)
-                "prefetch_mb_per_layer": round(tm["prefetched"] / n / max(1, self.L) / 2**20, 3)}
+                "prefetch_mb_per_layer": round(tm["prefetched"] / n / max(1, self.L) / 2**20, 3),
+                # a layer's phases in us, per thread: gate_up's work, the wait at its barrier, h with its barrier,
+                # down's work, the wait from the thread's finish to the layer's last (imbalance)
+                "phase_us": {k.removesuffix("_s"): round(tm[k] / n / max(1, self.L) / max(1, self.threads) * 1e6, 2)
+                             for k in PHASES}}
 
     def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
         t = self.tiers
