@@ -33,6 +33,7 @@
 #   missbench   the C miss server alone against the RAM read bandwidth (bench/bench_miss_server.py; MVARIANTS, MPF
 #               prefetch distances, MMISSES, MTHREADS, MGIB)
 #   layout      GGUF rows vs rows interleaved by 8 in the C int8 matvec, in cache and from RAM (LTHREADS, LTYPES)
+#   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
@@ -292,6 +293,15 @@ PY
     timeout ${LSECS:-200} python3 bench/bench_cpu_layout.py --threads ${LTHREADS:-1,15} --gib ${LGIB:-2} \
       --types ${LTYPES:-Q4_0,Q8_0} --rounds ${LROUNDS:-3} > "$OUT/layout.json" 2> "$OUT/layout.err"
     tail -3 "$OUT/layout.err"; grep -v '^{"machine' "$OUT/layout.json" ;;
+  v5new)
+    # the v5 kernels no GPU had run (session 15: MXFP4, Q5_K, IQ3_XXS; Q4_K's math moved): their GPU tests, then
+    # their pairs against v2 (the log goes to $OUT as it runs: the first compiles of ~40 kernels take minutes)
+    timeout ${V5TSECS:-300} python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_kernels_triton.py \
+      tests/test_quant_linear.py -k "v5 or MXFP4 or Q5_K or IQ3" --tb=short > "$OUT/v5new_tests.txt" 2>&1
+    grep -E "^E |passed|failed|FAILED" "$OUT/v5new_tests.txt" | tail -14
+    timeout ${V5BSECS:-300} python3 bench/bench_gpu_kernels.py --variants --only v2,v5pdl \
+      --fmt ${V5FMT:-MXFP4,Q5_K,IQ3_XXS,Q4_K} --budget ${V5BUDGET:-270} --out "$OUT/v5new.json" 2> "$OUT/v5new.err"
+    grep -E "pair" "$OUT/v5new.err" | cut -c1-220 | tail -12 ;;
   pairprof)
     # where the T=1 decode pair's time goes: each kernel's device time, the gaps, one launch's read ceiling
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
