@@ -27,6 +27,9 @@ from moetier.kernels import triton_moe as tm
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The interpreter computes masked-off lanes too: numpy's overflow / invalid-value warnings there meant a kernel read
+# past a buffer (the down kernels' expert lanes past k read beyond h, found in session 15), so they fail a test
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 # interpreter-friendly tiles (few programs); the defaults are exercised by test_default_tiles
 SMALL_DECODE = {"cfg_gate_up": (512, 256, 4), "cfg_down": (512, 256, 4)}   # rows masked, K tail masked
 SMALL_GROUPED = {"cfg": (64, 256, 4, 1)}

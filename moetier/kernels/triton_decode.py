@@ -602,7 +602,7 @@ def _down_kernel_v3(hx_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
     mask = (jm & (s >= 0))[:, None] & nm[None, :]                                       # [KP, BN]
     s = tl.maximum(s, 0)[:, None]
     r = tl.minimum(n, D - 1).to(tl.int64)[None, :]                                      # (in bounds)
-    xo = ((t * KTOP + j).to(tl.int64) * I)[:, None]                                     # h[t*k + j]
+    xo = ((t * KTOP + tl.minimum(j, KTOP - 1)).to(tl.int64) * I)[:, None]   # h[t*k + j] (lanes past k: a real one)
     acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
                   s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, mask, I // BS,
                   hx_ptr, xo, one, FMT, NB1, NB2, PDL)                                  # [KP, BN]
