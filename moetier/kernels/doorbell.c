@@ -602,16 +602,6 @@ static int guess_of(const serve_ctx *c, int li, int32_t *e) {
  * t loads the rows it will compute in layer li if the guess is right: layer_runs' home ranges for the guessed set
  * (phase 1 splits in expert-id order, phase 3 by rows of D: the set decides both, not the routing order). The CPU's
  * RAM stream then overlaps the GPU's part instead of following it. Stops when layer li's bell rings. */
-static void prefetch_rows(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start, int64_t *budget);
-
-/* prefetch_rows, counting the bytes whose prefetches were issued before the bell into *issued */
-static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start, int64_t *issued) {
-    const int64_t full = prefetch_budget();
-    int64_t budget = full;
-    prefetch_rows(c, li, seq, t, nt, t_start, &budget);
-    __atomic_add_fetch(issued, full - (budget > 0 ? budget : 0), __ATOMIC_RELAXED);
-}
-
 static void prefetch_rows(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start, int64_t *budget) {
     if (!c->hint || !c->hint_flag) return;
     volatile int64_t *bell = c->bell + (int64_t)li * BELL_STRIDE;
@@ -654,6 +644,15 @@ static void prefetch_rows(const serve_ctx *c, int li, int64_t seq, int t, int nt
     home(D, ud, t, nt, &lo, &hi);
     for (int j = 0; j < m; j++)
         if (touch(c->down[li * (int64_t)c->E + e[j]] + lo * dn_rb, (hi - lo) * dn_rb, bell, seq, budget)) return;
+}
+
+/* prefetch_rows within this core's budget (prefetch_budget), adding the bytes whose prefetches were issued before the
+ * bell to *issued */
+static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int nt, double t_start, int64_t *issued) {
+    const int64_t full = prefetch_budget();
+    int64_t budget = full;
+    prefetch_rows(c, li, seq, t, nt, t_start, &budget);
+    __atomic_add_fetch(issued, full - (budget > 0 ? budget : 0), __ATOMIC_RELAXED);
 }
 
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang

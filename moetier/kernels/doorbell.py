@@ -362,6 +362,7 @@ class MissServer:
         self.timing = torch.zeros(16, dtype=torch.float64)   # doorbell.c moetier_serve_step
         self.detail = (0.0, 0, 0.0)
         self.guesses = (0, 0, 0)
+        self.prefetched, self.first_bell, self.phases = 0.0, 0.0, (0.0,) * 5     # serve's, below
         self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, gu_id, 0 if act.kind == "swiglu" else 1, threads,
                         act.alpha, act.limit, some.stride(0) * some.element_size(),
                         some_dn.stride(0) * some_dn.element_size(), int(timeout_s * 1e9),

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .triton_tiles import e8m0_half
+
 Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS = (tl.constexpr(c) for c in (1, 2, 3, 4, 5, 6, 7))
 STEP_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 128, "MXFP4": 32, "IQ3_XXS": 32}
 ONE_BITS = 0x3F800000                  # bits of 1.0f: the kernels' `one` argument (module doc)
@@ -123,7 +125,7 @@ def _dot_q4_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB: tl.conste
             sx_hi += x_hi
     if MX:                                             # d = 2^(e - 128) (e8m0_half) * 2^15
         e = tl.load(d_ptr + rd[:, None] + g[None, :], mask=m2, other=0).to(tl.int32)
-        d = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True) * 32768.0
+        d = e8m0_half(e) * 32768.0
         return d * tl.sum(p_lo + p_hi, axis=2)
     else:
         d = tl.load(d_ptr + rd[:, None] + g[None, :], mask=m2, other=0.0).to(tl.float32)

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from .triton_decode import STEP_BLOCK, Tile, _act, _v3_bload, _v3_load, v3_pieces
+from .triton_tiles import e8m0_half
 from .triton_weights import BLOCK
 
 Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS = (tl.constexpr(c) for c in range(1, 8))   # triton_weights.FMT_CODES
@@ -210,9 +211,7 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
             xh = tl.load(xp + 4, mask=me, other=0)
             lo, hi = _mxfp4_values(words, EMU)
             r = _dp4a(hi, xh, _dp4a(lo, xl, MAGIC, EMU), EMU)
-            e8 = d.to(tl.int32)
-            scale = tl.where(e8 < 2, 0x00200000 << e8, (e8 - 1) << 23).to(tl.float32, bitcast=True)
-            res = tl.sum(scale * ((r.to(tl.float32, bitcast=True) - MAGIC_F) * dx), axis=0)
+            res = tl.sum(e8m0_half(d.to(tl.int32)) * ((r.to(tl.float32, bitcast=True) - MAGIC_F) * dx), axis=0)
         else:
             xw = tl.load(xp, mask=me, other=0)
             v = (_dp4a(words, xw, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F) * dx

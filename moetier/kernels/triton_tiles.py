@@ -12,6 +12,13 @@ Q5_K, Q6_K, MXFP4, IQ3_XXS = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6), 
 
 
 @triton.jit
+def e8m0_half(e):
+    """MXFP4's scale byte e (int32) -> 2^(e - 128) as float32, exactly (the reference's e8m0_half: half the e8m0
+    scale, which the doubled E2M1 codebook takes back; subnormal bit patterns for e < 2)."""
+    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _ld(ptr, rows, idx, m):
     return tl.load(ptr + rows[:, None] + idx, mask=m, other=0)
 
@@ -47,8 +54,7 @@ def deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rs
         hb = ((n & 7) << 9) | ((n & 8) << 12)                       # doubled E2M1 * 2^-15 as fp16
         v = hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         x = _ld(d_ptr, rd, e // 32, m).to(tl.int32)
-        dh = tl.where(x < 2, 0x00200000 << x, (x - 1) << 23).to(tl.float32, bitcast=True)
-        return dh * (v * 32768.0)
+        return e8m0_half(x) * (v * 32768.0)
     else:                      # IQ3_XXS: grid byte e // 4, value e % 4, sign bit e % 32 of sg[e // 32]
         idx = _ld(q_ptr, rq, e // 4, m).to(tl.int32)
         gv = tl.load(lut_ptr + idx * 4 + e % 4)
