@@ -34,6 +34,7 @@
 #               prefetch distances, MMISSES, MTHREADS, MGIB)
 #   layout      GGUF rows vs rows interleaved by 8 in the C int8 matvec, in cache and from RAM (LTHREADS, LTYPES)
 #   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
+#   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
@@ -149,7 +150,8 @@ for step in $STEPS; do
                                             # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1;
                                             # g8rows / g9rows: the bank's GGML rows, MOETIER_X8_BANK=0; cpumoe;
                                             # g8pf0: 8 GiB without the guessed-miss prefetch; g8v5 / g9v5: the
-                                            # miss server's variant 5)
+                                            # miss server's variant 5; g8c8 / g8c16: its chunks per
+                                            # thread and phase 8 / 16, MOETIER_MISS_CHUNKS)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -159,6 +161,8 @@ for step in $STEPS; do
       g8pf0) bench proof48_g8pf0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --prefetch off ;;
       g8v5) MOETIER_MISS_VARIANT=5 bench proof48_g8v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9v5) MOETIER_MISS_VARIANT=5 bench proof48_g9v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
+      g8c8) MOETIER_MISS_CHUNKS=8 bench proof48_g8c8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8c16) MOETIER_MISS_CHUNKS=16 bench proof48_g8c16 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v4) MOETIER_MISS_VARIANT=4 bench proof48_g8v4 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8rows) MOETIER_X8_BANK=0 bench proof48_g8rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9rows) MOETIER_X8_BANK=0 bench proof48_g9rows ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
@@ -297,11 +301,21 @@ PY
     # the v5 kernels no GPU had run (session 15: MXFP4, Q5_K, IQ3_XXS; Q4_K's math moved): their GPU tests, then
     # their pairs against v2 (the log goes to $OUT as it runs: the first compiles of ~40 kernels take minutes)
     timeout ${V5TSECS:-300} python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_kernels_triton.py \
-      tests/test_quant_linear.py -k "v5 or MXFP4 or Q5_K or IQ3" --tb=short > "$OUT/v5new_tests.txt" 2>&1
+      tests/test_quant_linear.py -k "${V5K:-v5 or MXFP4 or Q5_K or IQ3}" --tb=short > "$OUT/v5new_tests.txt" 2>&1
     grep -E "^E |passed|failed|FAILED" "$OUT/v5new_tests.txt" | tail -14
     timeout ${V5BSECS:-300} python3 bench/bench_gpu_kernels.py --variants --only v2,v5pdl \
       --fmt ${V5FMT:-MXFP4,Q5_K,IQ3_XXS,Q4_K} --budget ${V5BUDGET:-270} --out "$OUT/v5new.json" 2> "$OUT/v5new.err"
     grep -E "pair" "$OUT/v5new.err" | cut -c1-220 | tail -12 ;;
+  v5ab)
+    # the decode pairs of this tree against a snapshot in .run (e.g. HEAD: `git archive HEAD | tar -x -C .run`,
+    # carried), interleaved new / old / new in one call: ABFMT formats, ABONLY variants
+    for R in new old new; do
+      D=.; [ $R = old ] && D=.run
+      [ -d $D ] || continue
+      (cd $D && PYTHONPATH=$PWD:/tmp/site timeout ${ABSECS:-150} python3 bench/bench_gpu_kernels.py --variants --only ${ABONLY:-v5pdl} \
+        --fmt ${ABFMT:-Q4_0,Q8_0,MXFP4} --budget 120 2> "$OUT/v5ab_$R.err" > /dev/null)
+      grep "shipped tiles" "$OUT/v5ab_$R.err" | sed "s/^/$R /" | cut -c1-200
+    done ;;
   pairprof)
     # where the T=1 decode pair's time goes: each kernel's device time, the gaps, one launch's read ceiling
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \

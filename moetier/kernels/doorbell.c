@@ -327,7 +327,10 @@ static void layer_rows(const serve_ctx *c, const serve_layer *ly, const serve_sc
  * exactly CHUNKS past its start (compare-and-swap, never overshooting), so phase `ph` owns counts
  * [ph CHUNKS, (ph + 1) CHUNKS) and nothing is reset between phases. */
 #ifndef CHUNKS                          /* MOETIER_MISS_CHUNKS=N at build time (kernels.cpu.build_library): A/B only */
-#define CHUNKS 4
+#define CHUNKS 8                        /* H200 box, 8 GiB, one process each (session 16): CHUNKS 4 waited 27 and 44 us
+                                         * a layer at the barriers (gate_up's + the tail) with CPU busy 6.29 / 7.72 ms a
+                                         * token; 8 waited 21 and 13 us, busy 6.10 / 5.85; 16 waited 17, busy 6.37 (its
+                                         * shorter streams read slower) */
 #endif
 typedef struct { int64_t n; char pad[56]; } __attribute__((aligned(64))) claim_ctr;
 

@@ -190,7 +190,7 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
     if FMT == Q4_K:
         res = _k_math(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK,
                       xw_ptr, xwo, xd_ptr, xs_ptr, xdo, NB, EMU)
-    else:
+    else:                   # integer sums per 32-block first: one scale step a block, not one a word
         W: tl.constexpr = 4 if FMT == Q4_0 or FMT == MXFP4 else 8
         e = g0 * W + tl.arange(0, NB * W)
         me = tl.broadcast_to((e < NBK * W)[:, None, None], words.shape)
@@ -198,25 +198,38 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
         xe = blk * 8 + (e % 4) if W == 4 else e
         xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + xe[:, None, None], words.shape)
         dp = tl.broadcast_to(xdo[None, :, :] + blk[:, None, None], words.shape)
-        dx = tl.load(xd_ptr + dp, mask=me, other=0.0)
-        if FMT == Q4_0:
+        if W == 4:
             xl = tl.load(xp, mask=me, other=0)
             xh = tl.load(xp + 4, mask=me, other=0)
-            r = _dp4a((words >> 4) & 0x0F0F0F0F, xh, _dp4a(words & 0x0F0F0F0F, xl, MAGIC, EMU), EMU)
-            xs = tl.load(xs_ptr + dp, mask=me, other=0.0)
-            v = (r.to(tl.float32, bitcast=True) - MAGIC_F) * dx - 2.0 * xs       # 8 * xs over the block's 4 words
-            res = tl.sum(d.to(tl.float32) * v, axis=0)
-        elif FMT == MXFP4:    # d: the e8m0 byte; the scale 2^(e - 128) halves the doubled codebook (e8m0_half)
-            xl = tl.load(xp, mask=me, other=0)
-            xh = tl.load(xp + 4, mask=me, other=0)
-            lo, hi = _mxfp4_values(words, EMU)
-            r = _dp4a(hi, xh, _dp4a(lo, xl, MAGIC, EMU), EMU)
-            res = tl.sum(e8m0_half(d.to(tl.int32)) * ((r.to(tl.float32, bitcast=True) - MAGIC_F) * dx), axis=0)
+            if FMT == Q4_0:
+                lo, hi = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
+            else:
+                lo, hi = _mxfp4_values(words, EMU)
+            r = _dp4a(hi, xh, _dp4a(lo, xl, 0, EMU), EMU)
         else:
-            xw = tl.load(xp, mask=me, other=0)
-            v = (_dp4a(words, xw, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F) * dx
+            r = _dp4a(words, tl.load(xp, mask=me, other=0), 0, EMU)
+        dx = _per_block(tl.load(xd_ptr + dp, mask=me, other=0.0), NB, W, False)
+        v = ((_per_block(r, NB, W, True) + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F) * dx   # |sum| < 2^22
+        if FMT == Q4_0:                                          # the zero point 8: 8 * xs a block
+            v -= 8.0 * _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), NB, W, False)
+        d = _per_block(d, NB, W, False)
+        if FMT == MXFP4:    # d: the e8m0 byte; the scale 2^(e - 128) halves the doubled codebook (e8m0_half)
+            res = tl.sum(e8m0_half(d.to(tl.int32)) * v, axis=0)
+        else:
             res = tl.sum(d.to(tl.float32) * v, axis=0)
     return res                  # one return: compiled Triton refuses a return inside a branch (the interpreter not)
+
+
+@triton.jit
+def _per_block(t, NB: tl.constexpr, W: tl.constexpr, SUM: tl.constexpr):
+    """[NB*W, A, B] per word -> [NB, A, B] per 32-block of W words: the sum (SUM) or the value the words share
+    (a max: they hold one value). A block's words sit in one thread (one 16-byte load each 4): no shuffles."""
+    t4 = tl.reshape(t, [NB, W, t.shape[1], t.shape[2]])
+    if SUM:
+        res = tl.sum(t4, axis=1)
+    else:
+        res = tl.max(t4, axis=1)
+    return res
 
 
 @triton.jit
@@ -493,7 +506,8 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
 # Session 9, Q6_K (pair at (2, 0, 1) / (8, 0, 4): v5 21.1 us, v5pdl 15.6): gate_up (16, 0, 4) 11.13 us vs (4, 0, 2)
 # 11.35, (8, 0, 4) 11.47, (16, 0, 8) 11.9; down (8, 0, 4) 8.61 vs (4, 0, 4) 8.63, (16, 0, 8) 8.95. Q4_K (pair at
 # (2, 0, 1) / (8, 0, 4): v5 17.3 us, v5pdl 13.35): gate_up (8, 0, 4) 10.71 vs (4, 0, 2) 10.73, (16, 0, 4) 11.37;
-# down (8, 0, 4) 7.40 vs (16, 0, 8) 7.62, (4, 0, 4) 7.81. Not timed yet: MXFP4, IQ3_XXS (Q4_0's tiles), Q5_K (Q4_K's).
+# down (8, 0, 4) 7.40 vs (16, 0, 8) 7.62, (4, 0, 4) 7.81. MXFP4, IQ3_XXS (Q4_0's tiles), Q5_K (Q4_K's): pairs timed
+# (session 16: 12.29, 25.88, 15.09 us), their tiles not swept yet.
 GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(16, 0, 4),
             "MXFP4": Tile(4, 0, 2), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2)}
 DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 4),

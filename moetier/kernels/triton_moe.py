@@ -435,8 +435,10 @@ def _bias(b, like: torch.Tensor):
 # T=1, graph replays): session 7 Q4_0 v3 24.0 us per gate_up + down vs v2 28.0, Q8_0 19.6 vs 28.6; session 8
 # v5pdl (int8 activations, dp4a) Q4_0 11.65 us, Q8_0 16.67 (v5 14.77 / 19.43); all on the GPU, 48 layers
 # Q4_0: v5 335.0 tok/s vs v3 296.5; session 9 Q6_K v5pdl 15.56 us vs v2 47.2 (v5 21.1), Q4_K v5pdl 13.35 us vs
-# v2 28.8, v3 29.4 (v5 17.3)
-DEFAULT_VARIANT = {"Q4_0": "v5pdl", "Q8_0": "v5pdl", "Q4_K": "v5pdl", "Q6_K": "v5pdl"}
+# v2 28.8, v3 29.4 (v5 17.3); session 16 (their first GPU run, tests passed there) MXFP4 v5pdl 12.29 us vs v2 29.05,
+# Q5_K 15.09 vs 36.61, IQ3_XXS 25.88 vs 62.53
+DEFAULT_VARIANT = {"Q4_0": "v5pdl", "Q8_0": "v5pdl", "Q4_K": "v5pdl", "Q6_K": "v5pdl", "MXFP4": "v5pdl",
+                   "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
 VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q")
 
 
