@@ -12,7 +12,6 @@ calls (the engine's mode; per call) and triton.testing.do_bench (eager launches,
     python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 (vs v4) kernels and tiles, every
                                                                # format, Qwen3-30B-A3B T=1 (< 2 min)
     python bench/bench_gpu_kernels.py --variants --only v2,v5pdl --fmt MXFP4   # those variants only
-    python bench/bench_gpu_kernels.py --variants --only v5pdl,v7 --fmt Q4_0    # v7 at its tile and ALT_TILES_V7
     python bench/bench_gpu_kernels.py --profile-pair --only v5pdl,v5q --fmt Q4_0  # where each pair's time goes
     python bench/bench_gpu_kernels.py [--out results.json] [--fmt dense,Q4_0] [--quick]
     python bench/bench_gpu_kernels.py --sweep [decode|grouped] [--fmt Q4_0]   # best tiles per kernel
@@ -243,16 +242,16 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def pair_calls(c, gen, variant: str, cfg=None):
-    """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q / v7, else decode_calls' gate_up
-    then down) and the mean distinct slots per call. cfg: v7's tile (None: its default)."""
-    if variant in ("v4", "v5q", "v7"):    # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down; v7: x
-        rs = routings(1, c.k, c.slots, gen)                                           # quantizer, the pair
+def pair_calls(c, gen, variant: str):
+    """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
+    down) and the mean distinct slots per call."""
+    if variant in ("v4", "v5q"):          # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
+        rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
         uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
         return [lambda i=i, w=w: tm.moe_decode(x, i, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, out=out,
-                                               cfg_gate_up=cfg, variant=variant) for i, w in rs], uniq
+                                               variant=variant) for i, w in rs], uniq
     gu, dn, uniq = decode_calls(c, 1, gen, variant=variant)
     return [lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)], uniq
 
@@ -349,14 +348,6 @@ ALT_TILES_V3 = {"gate_up": [(2, 0, 2), (8, 0, 4), (8, 0, 8)],
                 "down": [(2, 0, 4), (8, 0, 4), (8, 0, 8)]}
 ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8), (2, 0, 1), (8, 0, 2)],
                 "down": [(4, 0, 4), (8, 0, 4), (16, 0, 4), (16, 0, 8), (8, 0, 2), (32, 0, 8)]}
-# v7 (triton_decode_v7.V7Tile: ch, nb, bd, warps, ahead, maxnreg, early) besides its TILES, with their sm_90 registers
-# (Qwen3-30B-A3B, bench/compile_check.py's way): 2 programs an SM at <= 128 (8 warps) / <= 255 (4 warps),
-# ch 2 (96 programs at T=1) 1 an SM. Q4_0: 96, 108, 188 (4 warps), ch 2: 206, 160; Q8_0: 204 (4 warps), 146 (1 an SM:
-# 2 waves), 128 with 16 B spilled (the only spill); MXFP4: 80, 168 (4 warps), ch 2: 239
-ALT_TILES_V7 = {"Q4_0": [(1, 8, 1024, 8, 2, 0, False), (1, 16, 1024, 8, 2, 0, False), (1, 8, 2048, 4, 2, 0, True),
-                         (2, 8, 2048, 8, 2, 0, True), (2, 8, 1024, 8, 2, 0, False)],
-                "Q8_0": [(1, 4, 512, 4, 2, 0, False), (1, 4, 2048, 8, 2, 0, True), (1, 8, 256, 8, 2, 128, False)],
-                "MXFP4": [(1, 8, 1024, 8, 2, 0, False), (1, 4, 2048, 4, 2, 0, True), (2, 8, 2048, 8, 2, 0, True)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -391,28 +382,26 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             return True
         return False
 
-    def pair(c: Case, v: str, cfg=None):
-        if (wanted and v not in wanted) or late(f"{c.fmt} {v} pair {cfg or ''}"):
+    def pair(c: Case, v: str):
+        if (wanted and v not in wanted) or late(f"{c.fmt} {v} pair"):
             return
         try:
             x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
             ids, w = routings(1, c.k, c.slots, gen)[0]
             want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
-            got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, cfg_gate_up=cfg,
-                                variant=v)
-            calls, uniq = pair_calls(c, gen, v, cfg)
+            got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, variant=v)
+            calls, uniq = pair_calls(c, gen, v)
             us = graph_us(calls)
             gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
             r = {"us": round(us, 2), "GBps": round(gb, 1), "frac_of_copy": round(gb / copy_bw, 3),
                  "max_rel_err": round(rel_err(got, want), 5)}
-            if v.startswith("v5") or v == "v7":     # int8 activations: also against the twin that quantizes alike
+            if v.startswith("v5"):              # int8 activations: also against the twin that quantizes alike
                 q8 = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt, act_q8=True)
                 r["max_rel_err_q8_twin"] = round(rel_err(got, q8), 6)
         except Exception as e:  # noqa: BLE001 (report, go on)
             r = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
-        out.append({"fmt": c.fmt, "variant": v, "kernel": "pair_default" if cfg is None else "pair", **r,
-                    **({"tile": repr(cfg)} if cfg is not None else {})})
-        log(f"  {c.fmt} {v} gate_up + down, {'shipped tiles' if cfg is None else cfg}: {r}")
+        out.append({"fmt": c.fmt, "variant": v, "kernel": "pair_default", **r})
+        log(f"  {c.fmt} {v} gate_up + down, shipped tiles: {r}")
 
     def alone(c: Case, v: str, kind: str, cfg):
         if (wanted and v not in wanted) or late(f"{c.fmt} {v} {kind} {cfg or 'default'}"):
@@ -442,11 +431,6 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
         for v in ("v5", "v5pdl", "v5q") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session 10)
             pair(c, v)
-    for c in cases.values():                      # v7: the pair in one launch after x's quantizer, no waits
-        if c.fmt in tm.v7.FORMATS:
-            pair(c, "v7")
-            for cfg in ALT_TILES_V7.get(c.fmt, []) if "v7" in wanted else ():     # its other tiles: --only v7
-                pair(c, "v7", cfg)
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):
@@ -611,18 +595,6 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
                        sync, v2.ONE_BITS),
                       dict(P=p, I=i, D=d, KTOP=k, FMT=gu.code, BS=bsz, BI=v4.ITEM_ROWS[fmt], G1=g1, G2=g2, KC=kc, BR=br,
                            N1=n1, N2=n2, PHASES=3, SPIN=v4.SPIN_LIMIT, HCG=v4.H_CG, num_warps=v4.WARPS), 0)]
-        if fmt in tm.v7.FORMATS:                          # v7: the pair in one launch, its shipped tile
-            t7, q8 = tm.v7.TILES[fmt], tm.v5
-            gp, dp = q8._planes(gu), q8._planes(dn)
-            xq, xf, acc = torch.empty(1, d // 4, dtype=torch.int32), torch.empty(1, d // 32), torch.zeros(d)
-            jobs += [("v7_decode_pair", tm.v7._v7_kernel,
-                      (xq, xf, xf, ids, w, gp[0], gp[1], gp[6], gp[8], dp[0], dp[1], dp[6], dp[8], x, 0, x, 0, acc,
-                       torch.zeros(16, dtype=torch.int32), x, d, 1.0, 7.0),
-                      dict(sgq_n=gp[7], sgd_n=gp[9], sq_n=dp[7], sd_n=dp[9], D=d, I=i, KTOP=k, FMT=gu.code,
-                           DFMT=dn.code, ACT=0, HAS_GB=False, HAS_DB=False, CH=t7.ch, NB=min(t7.nb, d // 32),
-                           BD=min(t7.bd, d), AHEAD=t7.ahead, EARLY=t7.early and t7.bd >= d, PDL=True, TRIGGER=True,
-                           EMU=False, ROUND=1, num_warps=t7.warps, **({"maxnreg": t7.maxnreg} if t7.maxnreg else {})),
-                      0)]
         jobs += [("grouped_gate_up", tm._grouped_gate_up_kernel,
                   (x, d, sp, bs, *gu.args(), *gu.extra_args(), x, 0, hh, 1000, 1.0, 7.0),
                   dict(I=i, D=d, KTOP=k, FMT=gu.code, ACT=0, HAS_BIAS=False, **grp), 0),

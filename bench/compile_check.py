@@ -4,17 +4,13 @@ so CUDA-only compile errors (the interpreter accepts more: a `return` inside a b
 constexpr) show up before a device call.
 
     python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
-                                     # v5 format), v7's one-launch pair at its shipped tiles (registers and spill
-                                     # bytes printed), the embedding gather, the decode step's small kernels with PDL,
+                                     # v5 format), the embedding gather, the decode step's small kernels with PDL,
                                      # the doorbell's ring, route+ring, hint and wait_add kernels; the PDL ones
                                      # again for sm_80 with PDL off (Ampere / Ada have no griddepcontrol)
 """
 from __future__ import annotations
 
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import triton
@@ -31,13 +27,9 @@ INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr"}
 FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
 
 
-def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90, options: dict | None = None,
-                     div16=(), usage: dict | None = None) -> str | None:
+def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90) -> str | None:
     """None when it compiles to the end the local toolchain reaches, else the innermost error. types: argument
-    types that the naming rule below would get wrong. arch: another compute capability (80: Ampere). options:
-    Triton's (num_warps, maxnreg); div16: arguments declared multiples of 16, as a launch specializes aligned
-    pointers and strides (without it loads are not vectorized: registers differ from the GPU's); usage: filled with
-    ptxas's registers and spill bytes where a cubin was made."""
+    types that the naming rule below would get wrong. arch: another compute capability (80: Ampere)."""
     names = fn.arg_names
     sig = {}
     for n in names:
@@ -51,10 +43,9 @@ def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90,
             sig[n] = "fp32"
         else:
             sig[n] = "i64"
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        triton.compile(src, target=GPUTarget("cuda", arch, 32))
     except Exception as e:  # noqa: BLE001 (report the innermost cause)
         chain = [e]
         while (chain[-1].__cause__ or chain[-1].__context__) is not None:
@@ -66,43 +57,7 @@ def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90,
         if "ptxas" in msg or "PTX" in msg or "cuda" in msg.lower() and "not found" in msg.lower():
             return None        # past the frontend: no CUDA toolchain here
         return msg[-600:]
-    if usage is not None and kernel.asm.get("cubin"):
-        usage.update(resource_usage(kernel.asm["cubin"]))
     return None
-
-
-def resource_usage(cubin: bytes) -> dict:
-    """ptxas's registers and stack (spill) bytes of a cubin, from Triton's bundled cuobjdump ({} without it)."""
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    if not tool.exists():
-        return {}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    return {"regs": int(m.group(1)), "stack": int(m.group(2))} if m else {}
-
-
-def v7_cases(d: int = 2048, i: int = 768, k: int = 8) -> list:
-    """(name, kernel, constexprs, types, options, div16) of v7's one-launch pair at its shipped tiles (Qwen3-30B-A3B
-    shapes, T = 1, bf16 activations and router weights, PDL on)."""
-    from moetier.kernels import triton_decode_v7 as v7
-    cases = []
-    for fmt in v7.FORMATS:
-        tile = v7.TILES[fmt]
-        wpr = 4 if fmt == "Q8_0" else 8                              # elements a word: q words per row = K / wpr
-        nb, bd = min(tile.nb, triton.next_power_of_2(d // 32)), min(tile.bd, triton.next_power_of_2(d))
-        const = dict(sgq_n=d // wpr, sgd_n=d // 32, sq_n=i // wpr, sd_n=i // 32, D=d, I=i, KTOP=k, FMT=FMT_CODES[fmt],
-                     DFMT=FMT_CODES[fmt], ACT=0, HAS_GB=False, HAS_DB=False, CH=tile.ch, NB=nb, BD=bd,
-                     AHEAD=tile.ahead, EARLY=tile.early and bd >= d, PDL=True, TRIGGER=True, EMU=False, ROUND=1)
-        scale = "*u8" if fmt == "MXFP4" else "*fp16"
-        types = {"gq_ptr": "*i32", "gd_ptr": scale, "d_ptr": scale, "w_ptr": "*bf16", "gb_ptr": "*bf16",
-                 "b_ptr": "*bf16", "acc_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16"}
-        options = {"num_warps": tile.warps, **({"maxnreg": tile.maxnreg} if tile.maxnreg else {})}
-        div16 = [n for n in v7._v7_kernel.arg_names if n not in const and n not in ("alpha", "limit")]
-        cases.append((f"{fmt:5} v7 {tuple(tile)}", v7._v7_kernel, const, types, options, div16))
-    return cases
 
 
 def main() -> int:
@@ -131,13 +86,6 @@ def main() -> int:
             # without PDL for Ampere / Ada (pdl.supported keeps it off there)
             off = dict(const, PDL=False, **({"TRIGGER": False} if "TRIGGER" in const else {}))
             ampere.append((f"{fmt} {kind}", fn, off, types))
-    for name, fn, const, types, options, div16 in v7_cases():
-        usage = {}
-        err = compile_for_sm90(fn, const, types, options=options, div16=div16, usage=usage)
-        bad += err is not None
-        spills = f", {usage['regs']} registers, {usage['stack']} B spilled" if usage else ""
-        print(f"{name} {'ok' + spills if err is None else err}")
-        ampere.append((name, fn, dict(const, PDL=False, TRIGGER=False), types))
     from moetier.kernels import triton_embed
     err = compile_for_sm90(triton_embed._gather_rows_kernel, dict(D=2048, BLOCK=triton_embed.BLOCK),
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})

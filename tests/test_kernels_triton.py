@@ -252,75 +252,6 @@ def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
         assert torch.equal(got, want), (cfg, (got - want).abs().max().item())
 
 
-V7_SHAPE = (256, 96)                       # (D, I): I/32 = 3 programs a pair
-V7_STREAM = tm.v7.V7Tile(1, 2, 64, 4, 2)   # gate/up in 4 pieces, down in 4 pieces of 64 rows, 2 pieces ahead
-
-
-def v7_state_is_zero() -> bool:
-    """v7's float32 accumulator and its arrival counters are all zero (as every launch must leave them)."""
-    dev = torch.device(DEV)
-    return not tm.v7.accumulator(dev, 1).any() and not tm.v5.arrival_counters(dev, 1, "v7").any()
-
-
-@pytest.mark.parametrize("fmt", list(tm.v7.FORMATS))
-@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
-def test_decode_v7_matches_q8_twin(fmt, gpt_oss):
-    """v7 (triton_decode_v7: the pair in one launch of (pair, 32 rows of h) programs, down's share of each added by
-    float32 atomics, the token's last program writes out): against the twin that quantizes x and h alike
-    (ops.moe_native act_q8) to 1e-5 of the output's max (only the float sums' order differs), at its shipped tile
-    (Q4_0 / MXFP4: down loaded with gate/up's first piece; Q8_0: after gate/up's 2 pieces) and a streaming one (4 +
-    4 pieces; not MXFP4, whose emulated byte permutes are slow here); 3 tokens x k=4 of 6 slots with a skipped
-    pair (-1), poisoned output fully written. Twice in a row: the accumulator and the counters are left zero (the
-    second result equals the first)."""
-    d, i = V7_SHAPE
-    gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
-    act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
-    ids, w = routing(3, 4, 6)
-    x = torch.randn(3, d, device=DEV) * (3.0 if gpt_oss else 1.0)
-    want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt, act_q8=True)
-    first = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v7")
-    assert rel_err(first, want) <= 1e-5 and v7_state_is_zero()
-    again = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v7")
-    assert (torch.equal(again, first) if DEV == "cpu" else rel_err(again, first) <= 1e-6) and v7_state_is_zero()
-    if fmt != "MXFP4":               # the pieces are format-blind; MXFP4's emulated byte permutes are slow here
-        got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v7", cfg_gate_up=V7_STREAM)
-        assert rel_err(got, want) <= 1e-5 and v7_state_is_zero()
-
-
-@pytest.mark.parametrize("cfg", [(2, 2, 64, 4, 1), (2, 4, 256, 4, 2, 0, True), (1, 2, 256, 4, 1, 0, True)],
-                         ids=["ch2-stream", "ch2-early", "ch1-early-ahead1"])
-def test_decode_v7_tiles_and_mixed_formats(cfg):
-    """v7's other tiles at D = 160 (5 blocks: a last gate/up piece half masked, down rows clamped past D), I = 128:
-    2 blocks of h a program (ch 2) or 1, down in pieces or loaded first, 1 or 2 pieces ahead; gate_up Q4_0 with
-    down Q8_0 (each projection its own format), gpt-oss's activation and biases (down's bias added by chunk 0)."""
-    d, i = 160, 128
-    gu, _, biases = make_experts("Q4_0", 5, d, i, bias=True)
-    _, dn, _ = make_experts("Q8_0", 5, d, i, bias=False, seed=1)
-    act = ops.Act("clamped_swiglu", 1.702, 7.0)
-    ids, w = routing(2, 3, 5)
-    x = torch.randn(2, d, generator=torch.Generator().manual_seed(5)).to(DEV) * 3.0
-    want = ops.moe_native(x, ids, w, gu, dn, act, biases, ("Q4_0", "Q8_0"), act_q8=True)
-    xk, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, "Q4_0", act, biases, "Q8_0")
-    assert tm.v7.supports(gw, dw, 3)
-    got = tm.moe_decode(xk, ids, w, gw, dw, code, alpha, limit, b, out=torch.full_like(x, float("nan")),
-                        cfg_gate_up=tm.v7.V7Tile(*cfg), variant="v7")
-    assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5 and v7_state_is_zero()
-
-
-def test_decode_v7_falls_back_to_v5pdl():
-    """Formats v7 does not read (Q4_K here) run v5pdl under variant v7: the same bits; decode_gate_up alone too."""
-    gu, dn, _ = make_experts("Q4_K", 4, 256, 256, bias=False)
-    ids, w = routing(1, 2, 4, miss=False)
-    x = torch.randn(1, 256, device=DEV)
-    xk, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, "Q4_K", ops.Act(), None)
-    assert not tm.v7.supports(gw, dw, 2)
-    got = {v: run_kernel("decode", x, ids, w, gu, dn, "Q4_K", "swiglu", None, variant=v) for v in ("v5pdl", "v7")}
-    assert torch.equal(got["v7"], got["v5pdl"])
-    h = {v: tm.decode_gate_up(xk, ids.reshape(-1).contiguous(), gw, code, alpha, limit, None,
-                              torch.empty(2, 256, device=DEV), variant=v) for v in ("v5pdl", "v7")}
-    assert torch.equal(h["v7"], h["v5pdl"])
-
-
 @triton.jit
 def _mxfp4_values_kernel(w_ptr, lo_ptr, hi_ptr, N: tl.constexpr, EMU: tl.constexpr):
     i = tl.arange(0, N)
@@ -367,11 +298,10 @@ def test_decode_variant_errors_say_what_reads_what():
     with pytest.raises(ValueError, match="v2 every quantized"):
         tm.variant_of("dense", "v2")
     assert tm.variant_of("dense", None) == "v1"
-    assert {tm.variant_of(f, None) for f in QUANT} == {"v5pdl"}        # timed faster (H200; e7660ca: all of them)
+    assert {tm.variant_of(f, None) for f in QUANT} == {"v5pdl"}        # timed faster on the H200 (sessions 8-16)
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
     assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels
     assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v5 kernels too (triton_decode_q8)
-    assert tm.variant_of("Q4_0", "v7") == "v7" and tm.variant_of("Q6_K", "v7") == "v7"   # Q6_K: v5pdl under v7
     with pytest.raises(ValueError):
         tm.variant_of("dense", "v3")
 
@@ -531,38 +461,6 @@ def test_gpu_qwen3_shapes_v3(fmt, variant):
         x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
         want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt)
         assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant=variant), want) <= 2e-2
-
-
-@gpu
-@cuda
-@pytest.mark.parametrize("fmt", list(tm.v7.FORMATS))
-def test_gpu_qwen3_shapes_v7(fmt):
-    """v7 at Qwen3-30B-A3B shapes (its shipped tiles, PDL on sm_90), bf16, T=1 and 4, against the twin that
-    quantizes x and h alike: within a bf16 step of the output (the atomics' order is the GPU's), twice in a row
-    (the accumulator and counters left zero); then captured in a CUDA graph and replayed with new inputs."""
-    d, i, s = 2048, 768, 8
-    gu, dn, _ = make_experts(fmt, s, d, i, bias=False, dtype=torch.bfloat16)
-    for t in (1, 4):
-        ids, w = routing(t, 8, s, dtype=torch.bfloat16)
-        x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16)
-        want = ops.moe_native(x, ids, w, gu, dn, "swiglu", None, fmt, act_q8=True)
-        first = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v7")
-        again = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v7")
-        assert rel_err(first, want) <= 5e-3 and rel_err(again, first) <= 5e-3 and v7_state_is_zero(), (fmt, t)
-    ids, w = routing(1, 8, s, dtype=torch.bfloat16)
-    x = torch.randn(1, d, device=DEV, dtype=torch.bfloat16)
-    xk, gw, dw, code, alpha, limit, b = ops._kernel_args(x, gu, dn, fmt, ops.Act(), None)
-    out = torch.empty_like(x)
-    tm.moe_decode(xk, ids, w, gw, dw, code, alpha, limit, b, out=out, variant="v7")          # compile before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tm.moe_decode(xk, ids, w, gw, dw, code, alpha, limit, b, out=out, variant="v7")
-    for seed in range(3):
-        new_ids, new_w = routing(1, 8, s, seed=seed + 5, dtype=torch.bfloat16)
-        ids.copy_(new_ids), w.copy_(new_w), xk.copy_(torch.randn_like(xk))
-        graph.replay()
-        want = ops.moe_native(xk, ids, w, gu, dn, "swiglu", None, fmt, act_q8=True)
-        assert rel_err(out, want) <= 5e-3 and v7_state_is_zero(), (fmt, seed)
 
 
 @gpu
