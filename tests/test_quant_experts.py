@@ -194,13 +194,16 @@ def test_matvec_and_dequantize_paths_agree(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"])
 @pytest.mark.parametrize("t", [1, 5, 8, 37])
 def test_cuda_module_matches_dequantized(qtype, t):
+    """Every format with GPU kernels, through the module at its default variant (decode: int8 activations; prefill
+    rows: dequantized grouped GEMMs) against bf16 experts of the dequantized weights; decode captured in a graph."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    if qtype == "Q4_K":
-        pytest.importorskip("libgguf", reason="packing Q4_K needs libgguf")
+    from moetier.quant.pack import packer
+    if packer(qtype) == "libgguf":
+        pytest.importorskip("libgguf", reason=f"packing {qtype} needs libgguf")
     d = i = 256
     g = torch.Generator().manual_seed(t)
     raw = [pack(torch.randn(8, r, c, generator=g) * 0.1, qtype) for r, c in ((i, d), (i, d), (d, i))]
@@ -212,7 +215,8 @@ def test_cuda_module_matches_dequantized(qtype, t):
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)]).cuda()
     w = (torch.rand(t, 2, generator=g) + 0.1).to("cuda", torch.bfloat16)
     got, want = ex(x, ids, w).float(), ref(x, ids, w).float()
-    assert max_rel_err(got, want) <= 2e-2          # bf16 activations, different summation order
+    tol = 3e-2 if t <= 8 else 2e-2      # decode: x and h as int8 per 32-block (v5); else bf16, another sum order
+    assert max_rel_err(got, want) <= tol
     if t <= 8:                                       # decode: capturable (no host sync)
         out = torch.empty_like(x)
         graph = torch.cuda.CUDAGraph()
@@ -221,4 +225,4 @@ def test_cuda_module_matches_dequantized(qtype, t):
             out.copy_(ex(x, ids, w))
         graph.replay()
         torch.cuda.synchronize()
-        assert max_rel_err(out.float(), want) <= 2e-2
+        assert max_rel_err(out.float(), want) <= tol
