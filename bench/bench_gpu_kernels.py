@@ -242,9 +242,9 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def pair_calls(c, gen, variant: str):
+def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
     """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
-    down) and the mean distinct slots per call."""
+    down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
     if variant in ("v4", "v5q"):          # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
         rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
@@ -252,7 +252,7 @@ def pair_calls(c, gen, variant: str):
         uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
         return [lambda i=i, w=w: tm.moe_decode(x, i, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, out=out,
                                                variant=variant) for i, w in rs], uniq
-    gu, dn, uniq = decode_calls(c, 1, gen, variant=variant)
+    gu, dn, uniq = decode_calls(c, 1, gen, cfg_gu, cfg_dn, variant=variant)
     return [lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)], uniq
 
 
@@ -348,6 +348,11 @@ ALT_TILES_V3 = {"gate_up": [(2, 0, 2), (8, 0, 4), (8, 0, 8)],
                 "down": [(2, 0, 4), (8, 0, 4), (8, 0, 8)]}
 ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8), (2, 0, 1), (8, 0, 2)],
                 "down": [(4, 0, 4), (8, 0, 4), (16, 0, 4), (16, 0, 8), (8, 0, 2), (32, 0, 8)]}
+# The v5pdl pair at combinations of tiles (--only v5tiles): with PDL the two kernels overlap, so a tile's time alone
+# does not give the pair's. One warp per few rows: fewer SASS instructions a weight word (Q4_0 sm_90, session 16:
+# gate_up (4, 0, 2) 19.0 a word, (2, 0, 1) 14.8, (4, 0, 1) 13.0 (96 registers); down (4, 0, 4) 23.0, (4, 0, 2)
+# 18.2, (8, 0, 2) 16.0 (168 registers)): the math after the loads is shorter, if the occupancy holds.
+PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [None, (4, 0, 2), (2, 0, 2), (8, 0, 2)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -382,15 +387,18 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             return True
         return False
 
-    def pair(c: Case, v: str):
-        if (wanted and v not in wanted) or late(f"{c.fmt} {v} pair"):
+    def pair(c: Case, v: str, tiles=(None, None)):
+        tag = "shipped tiles" if tiles == (None, None) else f"tiles {tiles}"
+        if (wanted and v not in wanted and not (tiles != (None, None) and "v5tiles" in wanted)) or \
+                late(f"{c.fmt} {v} pair {tag}"):
             return
         try:
             x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
             ids, w = routings(1, c.k, c.slots, gen)[0]
             want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
-            got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, variant=v)
-            calls, uniq = pair_calls(c, gen, v)
+            got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, cfg_gate_up=tiles[0],
+                                cfg_down=tiles[1], variant=v)
+            calls, uniq = pair_calls(c, gen, v, *tiles)
             us = graph_us(calls)
             gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
             r = {"us": round(us, 2), "GBps": round(gb, 1), "frac_of_copy": round(gb / copy_bw, 3),
@@ -400,8 +408,9 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
                 r["max_rel_err_q8_twin"] = round(rel_err(got, q8), 6)
         except Exception as e:  # noqa: BLE001 (report, go on)
             r = {"error": f"{type(e).__name__}: {str(e)[:100]}"}
-        out.append({"fmt": c.fmt, "variant": v, "kernel": "pair_default", **r})
-        log(f"  {c.fmt} {v} gate_up + down, shipped tiles: {r}")
+        out.append({"fmt": c.fmt, "variant": v, "kernel": "pair_default" if tiles == (None, None) else "pair_tiles",
+                    **({} if tiles == (None, None) else {"tiles": repr(tiles)}), **r})
+        log(f"  {c.fmt} {v} gate_up + down, {tag}: {r}")
 
     def alone(c: Case, v: str, kind: str, cfg):
         if (wanted and v not in wanted) or late(f"{c.fmt} {v} {kind} {cfg or 'default'}"):
@@ -431,6 +440,11 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
         for v in ("v5", "v5pdl", "v5q") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session 10)
             pair(c, v)
+    for c in cases.values():                      # --only v5tiles: the v5pdl pair at combinations of tiles
+        for gt in PAIR_TILES_V5["gate_up"] if "v5tiles" in wanted and v5(c.fmt) else ():
+            for dt in PAIR_TILES_V5["down"]:
+                if (gt, dt) != (None, None):
+                    pair(c, "v5pdl", (gt, dt))
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):

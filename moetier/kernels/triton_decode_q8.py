@@ -214,22 +214,27 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
             v -= 8.0 * _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), NB, W, False)
         d = _per_block(d, NB, W, False)
         if FMT == MXFP4:    # d: the e8m0 byte; the scale 2^(e - 128) halves the doubled codebook (e8m0_half)
-            res = tl.sum(e8m0_half(d.to(tl.int32)) * v, axis=0)
-        else:
-            res = tl.sum(d.to(tl.float32) * v, axis=0)
+            d = e8m0_half(d.to(tl.int32))
+        res = tl.sum(d.to(tl.float32) * v, axis=0)
     return res                  # one return: compiled Triton refuses a return inside a branch (the interpreter not)
 
 
 @triton.jit
 def _per_block(t, NB: tl.constexpr, W: tl.constexpr, SUM: tl.constexpr):
-    """[NB*W, A, B] per word -> [NB, A, B] per 32-block of W words: the sum (SUM) or the value the words share
-    (a max: they hold one value). A block's words sit in one thread (one 16-byte load each 4): no shuffles."""
+    """[NB*W, A, B] per word -> [NB, A, B] per 32-block of W words: the sum (SUM) or the value the words share.
+    A block's words sit in one thread (one 16-byte load each 4): no shuffles."""
     t4 = tl.reshape(t, [NB, W, t.shape[1], t.shape[2]])
     if SUM:
         res = tl.sum(t4, axis=1)
     else:
-        res = tl.max(t4, axis=1)
+        res = tl.reduce(t4, 1, _first)
     return res
+
+
+@triton.jit
+def _first(a, b):
+    """A reduction that keeps its first operand: the words' shared value, no instruction (a max cost one a word)."""
+    return a
 
 
 @triton.jit
