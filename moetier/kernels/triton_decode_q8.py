@@ -11,7 +11,7 @@ float32, 8 experts per program) is the worst. As llama.cpp's MMVQ does, x is qua
     the int32 sum lands in the mantissa: no I2F); acc += d * (v * dx);
   - Q4_0 word (8 weights: the low nibbles are elements 4w..4w+3 of the block, the high ones + 16): lo = w &
     0x0F0F0F0F, hi = (w >> 4) & 0x0F0F0F0F, r = dp4a(hi, xh, dp4a(lo, xl, MAGIC)); the zero point 8 comes off
-    per block with the block's sum of q (xs = dx * sum(q), a quarter per word);
+    per block with the block's sum of q (xs = dx * sum(q): 8 xs a block);
   - Q4_K word (8 weights of a 64-chunk c: low nibbles elements 64c + 4w..+3, sub-block 2c, the high ones
     + 32, sub-block 2c + 1): the sub-blocks have their own sc, mn and x scales, so two dp4a into two
     sums, v = d * (sc_lo * dx_lo * v_lo + sc_hi * dx_hi * v_hi) - dmin * (mn_lo * xs_lo + mn_hi * xs_hi) / 8
@@ -31,6 +31,8 @@ float32, 8 experts per program) is the worst. As llama.cpp's MMVQ does, x is qua
     int8 values 4..62; the table rides in the dmin slot), signs from 4 bits of the block's sg word spread to
     byte masks m (a multiply and prmt's sign copy), (row ^ m) + (m & 0x01010101), one dp4a per byte with
     its x word; v = d * (0.5 + sc) * 0.5 * dx * r;
+  - Q8_0 / Q4_0 / MXFP4 sum a 32-block's dp4a results as int32 first (a thread holds the block's words of each of
+    its rows: `_per_block`), then take the float step above once a block (|sum| < 2^22, exact in the mantissa);
   - x per token (gate_up) and h per pair (down) are quantized by `quantize`, a separate small launch each
     (grid: rows), into int8 words, dx and xs. `pdl`: every launch after the first a programmatic dependent:
     gate_up and down issue their weight loads before waiting for the quantized activations.
