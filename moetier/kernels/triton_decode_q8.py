@@ -243,22 +243,27 @@ def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo,
     """Q4_K / Q5_K row dot products [A, B] (as _v5_math's) of the values q_lo, q_hi [NB*8, A, B] (4 non-negative
     int8 each: a word's low / high nibbles, Q5_K with their 5th bits) of 64-chunk c = e // 8: q_lo elements
     64c + 4 (e % 8)..+3 (x word 16c + e % 8, 32-block 2c), q_hi + 32 (x word + 8, block 2c + 1). The two
-    sub-blocks have their own sc, mn and x scales: two dp4a, no shared accumulator."""
+    sub-blocks have their own sc, mn and x scales: two dp4a, no shared accumulator; each summed as integers over
+    the 4 words of a 16-byte load (half a chunk, one thread's) before the scale step, the min term half a
+    sub-block's there."""
     e = g0 * 8 + tl.arange(0, NB * 8)
     me = tl.broadcast_to((e < NBK * 8)[:, None, None], q_lo.shape)
     xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + (16 * (e // 8) + e % 8)[:, None, None], q_lo.shape)
     dp = tl.broadcast_to(xdo[None, :, :] + (2 * (e // 8))[:, None, None], q_lo.shape)
-    dx_lo = tl.load(xd_ptr + dp, mask=me, other=0.0)
-    xl = tl.load(xp, mask=me, other=0)
-    xh = tl.load(xp + 8, mask=me, other=0)
-    v_lo = _dp4a(q_lo, xl, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
-    v_hi = _dp4a(q_hi, xh, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
-    dx_hi = tl.load(xd_ptr + dp + 1, mask=me, other=0.0)
-    xs_lo = tl.load(xs_ptr + dp, mask=me, other=0.0)
-    xs_hi = tl.load(xs_ptr + dp + 1, mask=me, other=0.0)
-    r = (d.to(tl.float32) * (sc_lo.to(tl.float32) * (v_lo * dx_lo) + sc_hi.to(tl.float32) * (v_hi * dx_hi))
-         - dm.to(tl.float32) * (0.125 * (mn_lo.to(tl.float32) * xs_lo + mn_hi.to(tl.float32) * xs_hi)))
-    return tl.sum(r, axis=0)                          # the min term: 1/8 per word of its sub-blocks' 8
+    H: tl.constexpr = NB * 2
+    r_lo = _per_block(_dp4a(q_lo, tl.load(xp, mask=me, other=0), 0, EMU), H, 4, True)
+    r_hi = _per_block(_dp4a(q_hi, tl.load(xp + 8, mask=me, other=0), 0, EMU), H, 4, True)
+    v_lo = (r_lo + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
+    v_hi = (r_hi + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
+    dx_lo = _per_block(tl.load(xd_ptr + dp, mask=me, other=0.0), H, 4, False)
+    dx_hi = _per_block(tl.load(xd_ptr + dp + 1, mask=me, other=0.0), H, 4, False)
+    xs_lo = _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), H, 4, False)
+    xs_hi = _per_block(tl.load(xs_ptr + dp + 1, mask=me, other=0.0), H, 4, False)
+    d, dm = _per_block(d, H, 4, False).to(tl.float32), _per_block(dm, H, 4, False).to(tl.float32)
+    sc_lo, sc_hi = _per_block(sc_lo, H, 4, False).to(tl.float32), _per_block(sc_hi, H, 4, False).to(tl.float32)
+    mn_lo, mn_hi = _per_block(mn_lo, H, 4, False).to(tl.float32), _per_block(mn_hi, H, 4, False).to(tl.float32)
+    r = d * (sc_lo * (v_lo * dx_lo) + sc_hi * (v_hi * dx_hi)) - dm * (0.5 * (mn_lo * xs_lo + mn_hi * xs_hi))
+    return tl.sum(r, axis=0)
 
 
 @triton.jit
