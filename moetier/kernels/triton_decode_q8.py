@@ -245,22 +245,27 @@ def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo,
     """Q4_K / Q5_K row dot products [A, B] (as _v5_math's) of the values q_lo, q_hi [NB*8, A, B] (4 non-negative
     int8 each: a word's low / high nibbles, Q5_K with their 5th bits) of 64-chunk c = e // 8: q_lo elements
     64c + 4 (e % 8)..+3 (x word 16c + e % 8, 32-block 2c), q_hi + 32 (x word + 8, block 2c + 1). The two
-    sub-blocks have their own sc, mn and x scales: two dp4a, no shared accumulator."""
+    sub-blocks have their own sc, mn and x scales: two dp4a, no shared accumulator; each summed as integers over
+    the 4 words of a 16-byte load (half a chunk, one thread's) before the scale step, the min term half a
+    sub-block's there."""
     e = g0 * 8 + tl.arange(0, NB * 8)
     me = tl.broadcast_to((e < NBK * 8)[:, None, None], q_lo.shape)
     xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + (16 * (e // 8) + e % 8)[:, None, None], q_lo.shape)
     dp = tl.broadcast_to(xdo[None, :, :] + (2 * (e // 8))[:, None, None], q_lo.shape)
-    dx_lo = tl.load(xd_ptr + dp, mask=me, other=0.0)
-    xl = tl.load(xp, mask=me, other=0)
-    xh = tl.load(xp + 8, mask=me, other=0)
-    v_lo = _dp4a(q_lo, xl, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
-    v_hi = _dp4a(q_hi, xh, MAGIC, EMU).to(tl.float32, bitcast=True) - MAGIC_F
-    dx_hi = tl.load(xd_ptr + dp + 1, mask=me, other=0.0)
-    xs_lo = tl.load(xs_ptr + dp, mask=me, other=0.0)
-    xs_hi = tl.load(xs_ptr + dp + 1, mask=me, other=0.0)
-    r = (d.to(tl.float32) * (sc_lo.to(tl.float32) * (v_lo * dx_lo) + sc_hi.to(tl.float32) * (v_hi * dx_hi))
-         - dm.to(tl.float32) * (0.125 * (mn_lo.to(tl.float32) * xs_lo + mn_hi.to(tl.float32) * xs_hi)))
-    return tl.sum(r, axis=0)                          # the min term: 1/8 per word of its sub-blocks' 8
+    H: tl.constexpr = NB * 2
+    r_lo = _per_block(_dp4a(q_lo, tl.load(xp, mask=me, other=0), 0, EMU), H, 4, True)
+    r_hi = _per_block(_dp4a(q_hi, tl.load(xp + 8, mask=me, other=0), 0, EMU), H, 4, True)
+    v_lo = (r_lo + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
+    v_hi = (r_hi + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
+    dx_lo = _per_block(tl.load(xd_ptr + dp, mask=me, other=0.0), H, 4, False)
+    dx_hi = _per_block(tl.load(xd_ptr + dp + 1, mask=me, other=0.0), H, 4, False)
+    xs_lo = _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), H, 4, False)
+    xs_hi = _per_block(tl.load(xs_ptr + dp + 1, mask=me, other=0.0), H, 4, False)
+    d, dm = _per_block(d, H, 4, False).to(tl.float32), _per_block(dm, H, 4, False).to(tl.float32)
+    sc_lo, sc_hi = _per_block(sc_lo, H, 4, False).to(tl.float32), _per_block(sc_hi, H, 4, False).to(tl.float32)
+    mn_lo, mn_hi = _per_block(mn_lo, H, 4, False).to(tl.float32), _per_block(mn_hi, H, 4, False).to(tl.float32)
+    r = d * (sc_lo * (v_lo * dx_lo) + sc_hi * (v_hi * dx_hi)) - dm * (0.5 * (mn_lo * xs_lo + mn_hi * xs_hi))
+    return tl.sum(r, axis=0)
 
 
 @triton.jit
@@ -354,9 +359,9 @@ def _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, NB: tl
 
 
 @triton.jit
-def _q6_part(src, wh, sc, me, c, w, xw_ptr, xwo, xd_ptr, xdo, M: tl.constexpr, EMU: tl.constexpr):
-    """sc * dx * sum (q - 32) x of part M of the words (elements 128c + 4w + 32M .. + 3: a nibble of ql word
-    a (M even) or b (odd), low for M < 2, and bits 2M, 2M + 1 of each qh byte on top; x word 32c + 8M + w,
+def _q6_part(src, wh, me, c, w, xw_ptr, xwo, xd_ptr, xdo, M: tl.constexpr, EMU: tl.constexpr):
+    """(sum (q - 32) x as int32, dx) per word of part M of the words (elements 128c + 4w + 32M .. + 3: a nibble of
+    ql word a (M even) or b (odd), low for M < 2, and bits 2M, 2M + 1 of each qh byte on top; x word 32c + 8M + w,
     32-block 4c + M). q - 32 by a second dp4a with -32 in every byte (q alone is unsigned 6-bit)."""
     if M < 2:
         q = src & 0x0F0F0F0F
@@ -367,23 +372,27 @@ def _q6_part(src, wh, sc, me, c, w, xw_ptr, xwo, xd_ptr, xdo, M: tl.constexpr, E
                  mask=me, other=0)
     dx = tl.load(xd_ptr + tl.broadcast_to(xdo[None, :, :] + (4 * c + M)[:, None, None], q.shape), mask=me,
                  other=0.0)
-    r = _dp4a(q, xw, _dp4a(tl.full(q.shape, -522133280, tl.int32), xw, MAGIC, EMU), EMU)   # 0xE0E0E0E0
-    return sc.to(tl.float32) * ((r.to(tl.float32, bitcast=True) - MAGIC_F) * dx)
+    return _dp4a(q, xw, _dp4a(tl.full(q.shape, -522133280, tl.int32), xw, 0, EMU), EMU), dx   # 0xE0E0E0E0
 
 
 @triton.jit
 def _q6_math(wa, wb, wh, d, s0, s1, s2, s3, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB: tl.constexpr,
              EMU: tl.constexpr):
-    """Row dot products [A, B] of _q6_load's words with the int8 activations (as _v5_math's)."""
+    """Row dot products [A, B] of _q6_load's words with the int8 activations (as _v5_math's). A part's sums are
+    added as integers over the 4 words of a 16-byte load (one 16-element sub-block, one scale) before its scale
+    step."""
     e = g0 * 8 + tl.arange(0, NB * 8)
     me = tl.broadcast_to((e < NBK * 8)[:, None, None], wa.shape)
     c = e // 8
     w = e % 8
-    v = _q6_part(wa, wh, s0, me, c, w, xw_ptr, xwo, xd_ptr, xdo, 0, EMU)
-    v += _q6_part(wb, wh, s1, me, c, w, xw_ptr, xwo, xd_ptr, xdo, 1, EMU)
-    v += _q6_part(wa, wh, s2, me, c, w, xw_ptr, xwo, xd_ptr, xdo, 2, EMU)
-    v += _q6_part(wb, wh, s3, me, c, w, xw_ptr, xwo, xd_ptr, xdo, 3, EMU)
-    return tl.sum(d.to(tl.float32) * v, axis=0)
+    H: tl.constexpr = NB * 2
+    v = tl.zeros([H, wa.shape[1], wa.shape[2]], dtype=tl.float32)
+    for M in tl.static_range(4):
+        r, dx = _q6_part(wa if M % 2 == 0 else wb, wh, me, c, w, xw_ptr, xwo, xd_ptr, xdo, M, EMU)
+        sc = s0 if M == 0 else s1 if M == 1 else s2 if M == 2 else s3
+        r = (_per_block(r, H, 4, True) + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
+        v += _per_block(sc, H, 4, False).to(tl.float32) * (r * _per_block(dx, H, 4, False))
+    return tl.sum(_per_block(d, H, 4, False).to(tl.float32) * v, axis=0)
 
 
 @triton.jit
