@@ -522,11 +522,14 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
 # Session 9, Q6_K (pair at (2, 0, 1) / (8, 0, 4): v5 21.1 us, v5pdl 15.6): gate_up (16, 0, 4) 11.13 us vs (4, 0, 2)
 # 11.35, (8, 0, 4) 11.47, (16, 0, 8) 11.9; down (8, 0, 4) 8.61 vs (4, 0, 4) 8.63, (16, 0, 8) 8.95. Q4_K (pair at
 # (2, 0, 1) / (8, 0, 4): v5 17.3 us, v5pdl 13.35): gate_up (8, 0, 4) 10.71 vs (4, 0, 2) 10.73, (16, 0, 4) 11.37;
-# down (8, 0, 4) 7.40 vs (16, 0, 8) 7.62, (4, 0, 4) 7.81. MXFP4, IQ3_XXS (Q4_0's tiles), Q5_K (Q4_K's): pairs timed
-# (session 16: 12.29, 25.88, 15.09 us), their tiles not swept yet.
-GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(16, 0, 4),
-            "MXFP4": Tile(4, 0, 2), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2)}
-DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 4),
+# down (8, 0, 4) 7.40 vs (16, 0, 8) 7.62, (4, 0, 4) 7.81. IQ3_XXS (Q4_0's tiles), Q5_K (Q4_K's): pairs timed
+# (session 16: 25.88, 15.09 us), their tiles not swept yet. Session 17, the v5pdl pair at 15 tile combinations
+# (bench --only v5pdl,v5tiles): MXFP4 gate_up (4, 0, 1) 11.56-11.97 us vs (4, 0, 2) 12.03-12.44 at each down tile;
+# Q6_K gate_up (4, 0, 1) with down (8, 0, 2) 14.36 vs (16, 0, 4) / (8, 0, 4) 15.05; Q4_0 and Q4_K: no combination
+# beat their tiles (10.87, 13.0) by more than the run-to-run spread.
+GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(4, 0, 1),
+            "MXFP4": Tile(4, 0, 1), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2)}
+DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 2),
          "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4)}
 
 
