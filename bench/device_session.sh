@@ -35,6 +35,7 @@
 #   layout      GGUF rows vs rows interleaved by 8 in the C int8 matvec, in cache and from RAM (LTHREADS, LTYPES)
 #   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
+#   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
@@ -150,7 +151,8 @@ for step in $STEPS; do
                                             # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1;
                                             # g8rows / g9rows: the bank's GGML rows, MOETIER_X8_BANK=0; cpumoe;
                                             # g8pf0: 8 GiB without the guessed-miss prefetch; g8v5 / g9v5: the
-                                            # miss server's variant 5; g8c8 / g8c16: its chunks per
+                                            # miss server's variant 5 (g8v6, g8v6b: 6; g8b: g8 again);
+                                            # g8c8 / g8c16: its chunks per
                                             # thread and phase 8 / 16, MOETIER_MISS_CHUNKS)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
@@ -159,6 +161,9 @@ for step in $STEPS; do
       all) bench proof48_all ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8nopdl) MOETIER_PDL=0 bench proof48_g8nopdl ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8pf0) bench proof48_g8pf0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --prefetch off ;;
+      g8v6) MOETIER_MISS_VARIANT=6 bench proof48_g8v6 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8v6b) MOETIER_MISS_VARIANT=6 bench proof48_g8v6b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v5) MOETIER_MISS_VARIANT=5 bench proof48_g8v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9v5) MOETIER_MISS_VARIANT=5 bench proof48_g9v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8c8) MOETIER_MISS_CHUNKS=8 bench proof48_g8c8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -280,13 +285,13 @@ PY
     grep -E "qlinear" "$OUT/qlinear.err" | tail -40 ;;
   missbench)
     # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read taken around each round.
-    # MVARIANTS (default 0,1): 1 the old loops, 2 down over the experts' rows, 3 variant 0's reads without the math;
+    # MVARIANTS (default 6,0): 0 the phases with barriers, 1 the old loops, 2 down over the experts' rows, 3 variant 0's reads without the math;
     # MPF="4096 8192": one process per software-prefetch distance (MOETIER_PREFETCH_AHEAD); MMISSES misses a layer;
     # MPOOLS=plain,x8: the pool's GGML rows and the same rows interleaved by 8
     for PF in ${MPF:-default}; do
       [ "$PF" = default ] && unset MOETIER_PREFETCH_AHEAD || export MOETIER_PREFETCH_AHEAD=$PF
       timeout ${MSECS:-150} python3 bench/bench_miss_server.py --threads ${MTHREADS:-16} --gib ${MGIB:-12} \
-        --types ${MTYPES:-Q4_0,Q8_0,Q4_K} --variants ${MVARIANTS:-0,1} --rounds ${MROUNDS:-3} --misses ${MMISSES:-5} --pools ${MPOOLS:-plain} \
+        --types ${MTYPES:-Q4_0,Q8_0,Q4_K} --variants ${MVARIANTS:-6,0} --rounds ${MROUNDS:-3} --misses ${MMISSES:-5} --pools ${MPOOLS:-plain} \
         > "$OUT/missbench_$PF.json" 2> "$OUT/missbench_$PF.err"
       tail -3 "$OUT/missbench_$PF.err"
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('pf', sys.argv[2], d['rounds'], [(r['qtype'], r['variant'], r['gbps_best']) for r in d['results']])" "$OUT/missbench_$PF.json" $PF
@@ -316,6 +321,11 @@ PY
         --fmt ${ABFMT:-Q4_0,Q8_0,MXFP4} --budget 120 2> "$OUT/v5ab_$R.err" > /dev/null)
       grep "shipped tiles" "$OUT/v5ab_$R.err" | sed "s/^/$R /" | cut -c1-200
     done ;;
+  v5tiles)
+    # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
+    timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \
+      --budget ${TLBUDGET:-250} --out "$OUT/v5tiles.json" 2> "$OUT/v5tiles.err" > /dev/null
+    grep "gate_up + down" "$OUT/v5tiles.err" | grep -oE "^ *[A-Z0-9_]+ v5pdl gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
   pairprof)
     # where the T=1 decode pair's time goes: each kernel's device time, the gaps, one launch's read ceiling
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \

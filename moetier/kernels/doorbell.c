@@ -57,7 +57,8 @@ typedef struct {
                                            * A/B in bench/bench_miss_server.py --variants); 3: variant 0's reads
                                            * without the math (y is not the product: a bandwidth ceiling only);
                                            * 4: variant 0 with guided chunks (chunk_of); 5: variant 0, phase 3's
-                                           * down rows prefetched during phase 1 (down_cursor) */
+                                           * down rows prefetched during phase 1 (down_cursor); 6: variant 0
+                                           * without barriers (layer_flow) */
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
 } serve_ctx;
@@ -431,6 +432,25 @@ static void down_cursor_step(down_cursor *dc, int64_t done) {
     }
 }
 
+/* Phase 1's run of rows [i0, i0 + n) of the r-th missed expert in expert-id order (its gate and up rows, then the
+ * activation into h), the software prefetch bounded by the chunk owner's home (flattened row home_hi). -> the
+ * expert's index j (routing order: h, weights). */
+static int64_t gate_up_run(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, act_vec ax, int64_t r,
+                           int64_t i0, int64_t n, int64_t home_hi) {
+    const int64_t I = c->I, D = c->D;
+    const int64_t pf = flat_bound(home_hi, r, I);     /* prefetch bound (row) */
+    const int64_t j = ly->ord[r];
+    const int e = ly->e[j];
+    const uint8_t *g = ly->gu[e];
+    const float *b = ly->gub ? ly->gub[e] : NULL;
+    float *hp = s->hpre + j * 2 * I, *hj = s->h + j * I;
+    ly_rows(ly, 0, g + i0 * ly->gu_rb, n, ax, D, g + pf * ly->gu_rb, hp + i0);
+    ly_rows(ly, 0, g + (I + i0) * ly->gu_rb, n, ax, D, g + (I + pf) * ly->gu_rb, hp + I + i0);
+    for (int64_t i = i0; i < i0 + n; i++)
+        hj[i] = act_one(c, hp[i] + (b ? b[i] : 0.f), hp[I + i] + (b ? b[I + i] : 0.f));
+    return j;
+}
+
 /* pt (NULL: not timed) accumulates this thread's seconds of a layer's phases: [0] phase 1's work, [1] its wait at the
  * barrier after, [2] phase 2 with its barrier, [3] phase 3's work (serve_step adds [4]: its finish to the layer's) */
 static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, claim_ctr *cl, int t,
@@ -455,16 +475,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         for (int64_t p = lo; p < hi;) {
             int64_t r, i0, n;
             flat_run(p, hi, I, &r, &i0, &n);
-            const int64_t pf = flat_bound(home_hi, r, I);     /* prefetch bound (row) */
-            const int64_t j = ly->ord[r];
-            const int e = ly->e[j];
-            const uint8_t *g = ly->gu[e];
-            const float *b = ly->gub ? ly->gub[e] : NULL;
-            float *hp = s->hpre + j * 2 * I, *hj = s->h + j * I;
-            ly_rows(ly, 0, g + i0 * ly->gu_rb, n, ax, D, g + pf * ly->gu_rb, hp + i0);
-            ly_rows(ly, 0, g + (I + i0) * ly->gu_rb, n, ax, D, g + (I + pf) * ly->gu_rb, hp + I + i0);
-            for (int64_t i = i0; i < i0 + n; i++)
-                hj[i] = act_one(c, hp[i] + (b ? b[i] : 0.f), hp[I + i] + (b ? b[I + i] : 0.f));
+            gate_up_run(c, ly, s, ax, r, i0, n, home_hi);
             if (pf_down) down_cursor_step(&dc, n * 2 * ly->gu_rb);
             p += n;
         }
@@ -549,6 +560,142 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     }
     ++*ph;
     if (pt) pt[3] += now_s() - t1;
+}
+
+/* Variant 6 (dataflow): variant 0's chunks without its two barriers. Phase 1 as variant 0, and each run adds its
+ * rows to its expert's count; the thread that completes an expert's I rows makes that expert's h copy (phase 2's
+ * work, per expert) and marks it ready (release). A thread out of phase-1 chunks goes straight to phase 3, over
+ * variant 0's chunks of D: in a chunk it computes the ready experts' weighted rows into part[j, d] (phase 1's expert
+ * order, the first ready), sets the chunk aside while an expert is still in flight and claims the next one (two
+ * aside at most: then it finishes them first, waiting for their experts); y[d] is then summed over j in routing
+ * order (variant 0's additions: bit-identical). Barrier waits become work on whatever is ready: at 8 GiB on the
+ * H200 box a layer waited ~17 us at phase 1's barrier, ~7 in phase 2 and ~15 at the end, of ~140 (session 16). */
+typedef struct { int64_t rows[MAX_K]; int32_t ready[MAX_K]; } flow_ctr;      /* one layer's; zero before it */
+#define FLOW_ASIDE 2
+typedef struct { int64_t lo, hi, home_hi; uint64_t done; } flow_chunk;       /* a phase-3 chunk set aside */
+
+/* n more rows of missed expert j's h written: the expert's h copy and its ready flag by the thread that ends it */
+static void flow_rows_done(const serve_layer *ly, const serve_scratch *s, flow_ctr *f, int64_t I, int64_t j,
+                           int64_t n) {
+    if (__atomic_add_fetch(&f->rows[j], n, __ATOMIC_ACQ_REL) != I) return;
+    if (is_quant(ly->dq))
+        for (int64_t bk = j * (I / 32); bk < (j + 1) * (I / 32); bk++) {
+#ifdef MOE_Q8
+            if (ly->q8d) {
+                moe_quantize_q8(s->h + 32 * bk, 32, s->qhv + 32 * bk, s->dh + bk, s->shv + bk);
+                continue;
+            }
+#endif
+            block_sums(s->h + 32 * bk, 32, s->hs + bk);
+        }
+    __atomic_store_n(&f->ready[j], 1, __ATOMIC_RELEASE);
+}
+
+/* Phase-3 chunk q: the ready experts not yet in q->done (all of them, waiting, when `wait`) into part, then, once
+ * all m are in, y over the chunk. -> 1 when the chunk is finished. */
+static int flow_down(const serve_layer *ly, const serve_scratch *s, flow_ctr *f, int64_t D, int64_t I,
+                     flow_chunk *q, int wait) {
+    const int m = ly->m;
+    float r[DOWN_RUN];
+    for (int o = 0; o < m; o++) {
+        const int j = ly->ord[o];
+        if (q->done >> j & 1) continue;
+        if (!__atomic_load_n(&f->ready[j], __ATOMIC_ACQUIRE)) {
+            if (!wait) continue;
+            while (!__atomic_load_n(&f->ready[j], __ATOMIC_ACQUIRE)) {
+#if defined(__x86_64__)
+                __builtin_ia32_pause();
+#endif
+            }
+        }
+        const int e = ly->e[j];
+        const float wj = ly->wt[j], *b = ly->dnb ? ly->dnb[e] : NULL;
+        const act_vec ah = h_of(s, j, I);
+        const uint8_t *dn = ly->dn[e];
+        for (int64_t d = q->lo; d < q->hi; d += DOWN_RUN) {
+            const int64_t n = q->hi - d < DOWN_RUN ? q->hi - d : DOWN_RUN;
+            ly_rows(ly, 1, dn + d * ly->dn_rb, n, ah, I, dn + q->home_hi * ly->dn_rb, r);
+            for (int64_t i = 0; i < n; i++) s->part[j * D + d + i] = wj * (r[i] + (b ? b[d + i] : 0.f));
+        }
+        q->done |= (uint64_t)1 << j;
+    }
+    if (q->done != ((m == 64 ? 0 : (uint64_t)1 << m) - 1)) return 0;
+    for (int64_t d = q->lo; d < q->hi; d++) {
+        float acc = 0.f + s->part[d];
+        for (int j = 1; j < m; j++) acc = acc + s->part[j * D + d];
+        ly->y[d] = acc;
+    }
+    return 1;
+}
+
+/* Thread t of nt's share of a layer in variant 6 (pt as layer_runs': [1] the time spent waiting for experts) */
+static void layer_flow(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, claim_ctr *cl,
+                       flow_ctr *f, int t, int nt, int64_t *ph, double *pt) {
+    double t0 = pt ? now_s() : 0.0, t1;
+    const int64_t I = c->I, D = c->D;
+    const int m = ly->m;
+    const int64_t ug = unit_of(ly->gq), ud = unit_of(ly->dq);
+    const act_vec ax = {ly->x, s->xs, s->qxv, s->dx, s->sxv};
+    int64_t lo, hi, home_lo, home_hi, ch;
+    int v;
+    while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
+        chunk_of((int64_t)m * I, ug, ch, nt, 0, &lo, &hi);
+        home((int64_t)m * I, ug, v, nt, &home_lo, &home_hi);
+        for (int64_t p = lo; p < hi;) {
+            int64_t r, i0, n;
+            flat_run(p, hi, I, &r, &i0, &n);
+            flow_rows_done(ly, s, f, I, gate_up_run(c, ly, s, ax, r, i0, n, home_hi), n);
+            p += n;
+        }
+    }
+    ++*ph;
+    if (pt) {
+        t1 = now_s();
+        pt[0] += t1 - t0;
+        t0 = t1;
+    }
+    /* at most FLOW_ASIDE chunks set aside: a thread that claimed every chunk while the last experts were in flight
+     * (the first version) then computed them all while the others, out of chunks, waited ~60 us a layer */
+    flow_chunk aside[FLOW_ASIDE];
+    int n_aside = 0, more = 1;
+    double waited = 0.0;
+    while (more || n_aside) {
+        if (more && n_aside < FLOW_ASIDE) {
+            if ((ch = claim(cl, nt, t, *ph, &v)) < 0) {
+                more = 0;
+                ++*ph;
+                continue;
+            }
+            flow_chunk q = {0, 0, 0, 0};
+            chunk_of(D, ud, ch, nt, 0, &q.lo, &q.hi);
+            home(D, ud, v, nt, &home_lo, &q.home_hi);
+            if (q.lo < q.hi && !flow_down(ly, s, f, D, I, &q, 0)) aside[n_aside++] = q;
+            continue;
+        }
+        int progressed = 0;                 /* the chunks aside: whatever became ready, else wait for the oldest */
+        for (int i = 0; i < n_aside;) {
+            const uint64_t before = aside[i].done;
+            if (flow_down(ly, s, f, D, I, &aside[i], 0)) {
+                for (int u = i + 1; u < n_aside; u++) aside[u - 1] = aside[u];
+                n_aside--;
+                progressed = 1;
+                continue;
+            }
+            progressed |= aside[i].done != before;
+            i++;
+        }
+        if (!progressed && n_aside) {
+            const double w0 = pt ? now_s() : 0.0;
+            flow_down(ly, s, f, D, I, &aside[0], 1);
+            for (int u = 1; u < n_aside; u++) aside[u - 1] = aside[u];
+            n_aside--;
+            if (pt) waited += now_s() - w0;
+        }
+    }
+    if (pt) {
+        pt[1] += waited;
+        pt[3] += now_s() - t0 - waited;
+    }
 }
 
 /* Touch [p, p + n) toward this core's L2 (software prefetch per 64-byte line), at most *budget bytes (lowered by what
@@ -698,6 +845,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     }
     claim_ctr cl[c->nthreads > 0 ? c->nthreads : 1];
     for (int t = 0; t < c->nthreads; t++) cl[t].n = 0;
+    flow_ctr flow[c->variant == 6 ? Ln : 1];        /* variant 6's per-layer expert counts and ready flags */
+    memset(flow, 0, sizeof flow);
     double phase_sum[5] = {0.0, 0.0, 0.0, 0.0, 0.0};    /* layer_runs' pt, summed over threads and layers */
     #pragma omp parallel num_threads(c->nthreads)
     {
@@ -777,7 +926,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             } else {
                 /* the last thread to finish its rows of y raises done: no barrier before the next bell (the
                  * next layer's phases start after its bell barrier, which every thread reaches after this) */
-                layer_runs(c, &ly, &s, cl, tid, nt, &ph, pt);
+                if (c->variant == 6) layer_flow(c, &ly, &s, cl, &flow[li], tid, nt, &ph, pt);
+                else layer_runs(c, &ly, &s, cl, tid, nt, &ph, pt);
                 mine[li] = now_s();
                 if (__atomic_add_fetch(&finished[li], 1, __ATOMIC_ACQ_REL) == nt) {
                     t_end[li] = mine[li];

@@ -163,13 +163,14 @@ class GraphTiers:
         # the evicted entries' value, made once: torch.tensor(-1, device=...) per step was a pageable copy that
         # waited for the step being served (the bookkeeping thread then finished after it: account_ms)
         self._minus1 = torch.full((), -1, dtype=tiers.cache.table.dtype, device=dev)
-        # MOETIER_MISS_VARIANT (A/B; all bit-identical): 1 the old per-row loops, 2 the down phase over the experts'
-        # rows (session 13, H200: no gain), 4 guided chunks (session 14, H200: undecided), 5 phase 3's down rows
-        # prefetched during phase 1 (session 15); 3 only reads (bench only)
-        variant = os.environ.get("MOETIER_MISS_VARIANT", "0")
-        if variant not in ("0", "1", "2", "4", "5"):
-            raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 0 (default), 1, 2, 4, 5 "
-                            "(3 reads the experts without computing them: bench/bench_miss_server.py only)")
+        # MOETIER_MISS_VARIANT (A/B; all bit-identical): 6 the default (no barriers: kernels.doorbell.VARIANT), 0 the
+        # phases with barriers (the default until session 17), 1 the old per-row loops, 2 the down phase over the
+        # experts' rows (session 13, H200: no gain), 4 guided chunks (session 14, H200: undecided), 5 phase 3's down
+        # rows prefetched during phase 1 (session 15); 3 only reads (bench only)
+        variant = os.environ.get("MOETIER_MISS_VARIANT", str(doorbell.VARIANT))
+        if variant not in ("0", "1", "2", "4", "5", "6"):
+            raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 6 (default), 0, 1, 2, "
+                            "4, 5 (3 reads the experts without computing them: bench/bench_miss_server.py only)")
         qtypes = _qtype_id(lay, interleave_bank(tiers, variant))
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
         # (gpt-oss's biases as float32: views of the bank when stored so, else copies kept here)
