@@ -210,11 +210,11 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
             r = _dp4a(hi, xh, _dp4a(lo, xl, 0, EMU), EMU)
         else:
             r = _dp4a(words, tl.load(xp, mask=me, other=0), 0, EMU)
-        dx = _per_block(tl.load(xd_ptr + dp, mask=me, other=0.0), NB, W, False)
-        v = ((_per_block(r, NB, W, True) + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F) * dx   # |sum| < 2^22
+        dx = _per_block(tl.load(xd_ptr + dp, mask=me, other=0.0), NB, W, False, EMU)
+        v = ((_per_block(r, NB, W, True, EMU) + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F) * dx   # |sum| < 2^22
         if FMT == Q4_0:                                          # the zero point 8: 8 * xs a block
-            v -= 8.0 * _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), NB, W, False)
-        d = _per_block(d, NB, W, False)
+            v -= 8.0 * _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), NB, W, False, EMU)
+        d = _per_block(d, NB, W, False, EMU)
         if FMT == MXFP4:    # d: the e8m0 byte; the scale 2^(e - 128) halves the doubled codebook (e8m0_half)
             d = e8m0_half(d.to(tl.int32))
         res = tl.sum(d.to(tl.float32) * v, axis=0)
@@ -222,12 +222,16 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
 
 
 @triton.jit
-def _per_block(t, NB: tl.constexpr, W: tl.constexpr, SUM: tl.constexpr):
+def _per_block(t, NB: tl.constexpr, W: tl.constexpr, SUM: tl.constexpr, EMU: tl.constexpr):
     """[NB*W, A, B] per word -> [NB, A, B] per 32-block of W words: the sum (SUM) or the value the words share.
-    A block's words sit in one thread (one 16-byte load each 4): no shuffles."""
+    A block's words sit in one thread (one 16-byte load each 4): no shuffles. Under the interpreter (EMU) the shared
+    value is their max (the same value: numpy's reduction, where the keep-first combine runs a Python loop per
+    element and made the K formats' v5 tests minutes long)."""
     t4 = tl.reshape(t, [NB, W, t.shape[1], t.shape[2]])
     if SUM:
         res = tl.sum(t4, axis=1)
+    elif EMU:
+        res = tl.max(t4, axis=1)
     else:
         res = tl.reduce(t4, 1, _first)
     return res
@@ -253,17 +257,19 @@ def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo,
     xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + (16 * (e // 8) + e % 8)[:, None, None], q_lo.shape)
     dp = tl.broadcast_to(xdo[None, :, :] + (2 * (e // 8))[:, None, None], q_lo.shape)
     H: tl.constexpr = NB * 2
-    r_lo = _per_block(_dp4a(q_lo, tl.load(xp, mask=me, other=0), 0, EMU), H, 4, True)
-    r_hi = _per_block(_dp4a(q_hi, tl.load(xp + 8, mask=me, other=0), 0, EMU), H, 4, True)
+    r_lo = _per_block(_dp4a(q_lo, tl.load(xp, mask=me, other=0), 0, EMU), H, 4, True, EMU)
+    r_hi = _per_block(_dp4a(q_hi, tl.load(xp + 8, mask=me, other=0), 0, EMU), H, 4, True, EMU)
     v_lo = (r_lo + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
     v_hi = (r_hi + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
-    dx_lo = _per_block(tl.load(xd_ptr + dp, mask=me, other=0.0), H, 4, False)
-    dx_hi = _per_block(tl.load(xd_ptr + dp + 1, mask=me, other=0.0), H, 4, False)
-    xs_lo = _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), H, 4, False)
-    xs_hi = _per_block(tl.load(xs_ptr + dp + 1, mask=me, other=0.0), H, 4, False)
-    d, dm = _per_block(d, H, 4, False).to(tl.float32), _per_block(dm, H, 4, False).to(tl.float32)
-    sc_lo, sc_hi = _per_block(sc_lo, H, 4, False).to(tl.float32), _per_block(sc_hi, H, 4, False).to(tl.float32)
-    mn_lo, mn_hi = _per_block(mn_lo, H, 4, False).to(tl.float32), _per_block(mn_hi, H, 4, False).to(tl.float32)
+    dx_lo = _per_block(tl.load(xd_ptr + dp, mask=me, other=0.0), H, 4, False, EMU)
+    dx_hi = _per_block(tl.load(xd_ptr + dp + 1, mask=me, other=0.0), H, 4, False, EMU)
+    xs_lo = _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), H, 4, False, EMU)
+    xs_hi = _per_block(tl.load(xs_ptr + dp + 1, mask=me, other=0.0), H, 4, False, EMU)
+    d, dm = _per_block(d, H, 4, False, EMU).to(tl.float32), _per_block(dm, H, 4, False, EMU).to(tl.float32)
+    sc_lo = _per_block(sc_lo, H, 4, False, EMU).to(tl.float32)
+    sc_hi = _per_block(sc_hi, H, 4, False, EMU).to(tl.float32)
+    mn_lo = _per_block(mn_lo, H, 4, False, EMU).to(tl.float32)
+    mn_hi = _per_block(mn_hi, H, 4, False, EMU).to(tl.float32)
     r = d * (sc_lo * (v_lo * dx_lo) + sc_hi * (v_hi * dx_hi)) - dm * (0.5 * (mn_lo * xs_lo + mn_hi * xs_hi))
     return tl.sum(r, axis=0)
 
@@ -390,9 +396,9 @@ def _q6_math(wa, wb, wh, d, s0, s1, s2, s3, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, N
     for M in tl.static_range(4):
         r, dx = _q6_part(wa if M % 2 == 0 else wb, wh, me, c, w, xw_ptr, xwo, xd_ptr, xdo, M, EMU)
         sc = s0 if M == 0 else s1 if M == 1 else s2 if M == 2 else s3
-        r = (_per_block(r, H, 4, True) + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
-        v += _per_block(sc, H, 4, False).to(tl.float32) * (r * _per_block(dx, H, 4, False))
-    return tl.sum(_per_block(d, H, 4, False).to(tl.float32) * v, axis=0)
+        r = (_per_block(r, H, 4, True, EMU) + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F
+        v += _per_block(sc, H, 4, False, EMU).to(tl.float32) * (r * _per_block(dx, H, 4, False, EMU))
+    return tl.sum(_per_block(d, H, 4, False, EMU).to(tl.float32) * v, axis=0)
 
 
 @triton.jit
