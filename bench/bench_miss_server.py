@@ -14,7 +14,7 @@ of every missed expert, wall clock of serve), the RAM read yardstick (C streamin
 float32 tensor with the same thread count, and torch.sum; best of the rounds) and the fraction.
 --variants 6,0: A/B of doorbell.c's serve_ctx.variant (6 = the default, no barriers; 0 = the phases with barriers,
 1 = the old per-row loops, 2 = down over the experts' rows, 3 = variant 0's reads without the math: what the access
-pattern alone allows, 4 = guided chunks),
+pattern alone allows, 4 = guided chunks, 5 = phase 3's rows prefetched in phase 1),
 rounds interleaved (the dev box is shared and noisy: compare bests); each round's best GB/s sits beside the RAM read
 taken just before and after it ("rounds"), since a box's RAM rate can move by a third within minutes.
 
@@ -189,7 +189,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="6", help="serve_ctx.variant values to compare (6 the default: no "
                     "barriers, 0 the phases with barriers, 1 old loops, 2 down over the experts' rows, 3 variant 0's "
-                    "reads without the math: the access pattern's ceiling, 4 guided chunks, 5 down prefetched in phase 1)")
+                    "reads without the math: the access pattern's ceiling, 4 guided chunks, 5 down prefetched in "
+                    "phase 1)")
     ap.add_argument("--float-act", action="store_true", help="float32 activations (q8_act=False)")
     ap.add_argument("--act", default="swiglu", choices=["swiglu", "clamped"])
     ap.add_argument("--pools", default="plain", help="pool kinds to compare: plain (4 KiB pages), thp (huge pages), "

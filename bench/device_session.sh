@@ -285,7 +285,8 @@ PY
     grep -E "qlinear" "$OUT/qlinear.err" | tail -40 ;;
   missbench)
     # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read taken around each round.
-    # MVARIANTS (default 6,0): 0 the phases with barriers, 1 the old loops, 2 down over the experts' rows, 3 variant 0's reads without the math;
+    # MVARIANTS (default 6,0): 0 the phases with barriers, 1 the old loops, 2 down over the experts' rows, 3 variant
+    # 0's reads without the math;
     # MPF="4096 8192": one process per software-prefetch distance (MOETIER_PREFETCH_AHEAD); MMISSES misses a layer;
     # MPOOLS=plain,x8: the pool's GGML rows and the same rows interleaved by 8
     for PF in ${MPF:-default}; do

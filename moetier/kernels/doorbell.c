@@ -7,8 +7,9 @@
  *
  * moetier_serve_step answers all layers of one step: one OpenMP team for the whole step;
  * thread 0 polls the bell, all threads compute the layer's misses (rows of gate_up, the gated
- * activation, rows of down, summed over the missed experts with their routing weights; layer_runs:
- * contiguous per-thread chunks, 4 rows per kernel call), and the last thread to finish raises done.
+ * activation, rows of down, summed over the missed experts with their routing weights; layer_flow (the default,
+ * variant 6) and layer_runs: contiguous per-thread chunks, 4 rows per kernel call), and the last thread to finish
+ * raises done.
  * No Python, no GIL (ctypes releases it) between the replay and the logits.
  * Expert weights are read where they live in the RAM bank: pointer tables [L * E]. gate_up is of
  * type `qtype`, down of `dn_qtype` (they differ in llama.cpp's Q4_K_M: Q4_K and Q6_K), or per layer
@@ -58,7 +59,7 @@ typedef struct {
                                            * without the math (y is not the product: a bandwidth ceiling only);
                                            * 4: variant 0 with guided chunks (chunk_of); 5: variant 0, phase 3's
                                            * down rows prefetched during phase 1 (down_cursor); 6: variant 0
-                                           * without barriers (layer_flow) */
+                                           * without barriers (layer_flow; kernels/doorbell.py's default) */
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
 } serve_ctx;

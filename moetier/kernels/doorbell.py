@@ -287,7 +287,8 @@ class _Ctx(ctypes.Structure):
         ("y", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("timing", ctypes.c_void_p), ("q8_act", ctypes.c_int32),
         ("dn_qtype", ctypes.c_int32), ("layer_types", ctypes.c_void_p), ("layer_row_bytes", ctypes.c_void_p),
         ("gu_bias", ctypes.c_void_p), ("dn_bias", ctypes.c_void_p),
-        ("variant", ctypes.c_int32),       # VARIANT; 0 the barrier version; 1: the old per-row loops; 2: down over the experts' rows (A/B);
+        ("variant", ctypes.c_int32),       # VARIANT; 0: the phases with barriers; 1: the old per-row loops; 2: down
+                                           # over the experts' rows (A/B);
                                            # 3: variant 0's reads without the math (a ceiling: y is not the product);
                                            # 4: variant 0 with guided chunks (halving parts of each home);
                                            # 5: phase 3's rows prefetched in phase 1; 6: no barriers (dataflow)
