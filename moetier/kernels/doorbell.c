@@ -18,6 +18,7 @@
 #include "cpu_kernels.c"
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -603,10 +604,12 @@ static int flow_down(const serve_layer *ly, const serve_scratch *s, flow_ctr *f,
         if (q->done >> j & 1) continue;
         if (!__atomic_load_n(&f->ready[j], __ATOMIC_ACQUIRE)) {
             if (!wait) continue;
-            while (!__atomic_load_n(&f->ready[j], __ATOMIC_ACQUIRE)) {
+            for (unsigned n = 1; !__atomic_load_n(&f->ready[j], __ATOMIC_ACQUIRE); n++) {
 #if defined(__x86_64__)
                 __builtin_ia32_pause();
 #endif
+                if (!(n & 4095)) sched_yield();     /* the expert's writer may share this core (more threads than
+                                                     * free cores): let it run */
             }
         }
         const int e = ly->e[j];
