@@ -434,6 +434,30 @@ static void down_cursor_step(down_cursor *dc, int64_t done) {
     }
 }
 
+/* h's copies for the down rows of 32-value blocks [lo, hi) (all missed experts' blocks, one index): int8 values,
+ * scales and sums with int8 activations, else the per-32 sums */
+static void h_blocks(const serve_layer *ly, const serve_scratch *s, int64_t lo, int64_t hi) {
+    for (int64_t bk = lo; bk < hi; bk++) {
+#ifdef MOE_Q8
+        if (ly->q8d) {
+            moe_quantize_q8(s->h + 32 * bk, 32, s->qhv + 32 * bk, s->dh + bk, s->shv + bk);
+            continue;
+        }
+#endif
+        block_sums(s->h + 32 * bk, 32, s->hs + bk);
+    }
+}
+
+/* y[d], d in [lo, hi): the m experts' weighted down rows part[j, d] summed in routing order (the additions of
+ * layer_runs' loop over experts: bit-identical) */
+static void y_from_parts(const serve_layer *ly, const serve_scratch *s, int64_t D, int64_t lo, int64_t hi) {
+    for (int64_t d = lo; d < hi; d++) {
+        float acc = 0.f + s->part[d];
+        for (int j = 1; j < ly->m; j++) acc = acc + s->part[j * D + d];
+        ly->y[d] = acc;
+    }
+}
+
 /* Phase 1's run of rows [i0, i0 + n) of the r-th missed expert in expert-id order (its gate and up rows, then the
  * activation into h), the software prefetch bounded by the chunk owner's home (flattened row home_hi). -> the
  * expert's index j (routing order: h, weights). */
@@ -495,12 +519,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     if (is_quant(ly->dq)) {                 /* I % 32 == 0 (checked): blocks of all experts, one index */
         while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
             chunk_of((int64_t)m * (I / 32), 1, ch, nt, guided, &lo, &hi);
-            for (int64_t bk = lo; bk < hi; bk++) {
-#ifdef MOE_Q8
-                if (ly->q8d) { moe_quantize_q8(s->h + 32 * bk, 32, s->qhv + 32 * bk, s->dh + bk, s->shv + bk); continue; }
-#endif
-                block_sums(s->h + 32 * bk, 32, s->hs + bk);
-            }
+            h_blocks(ly, s, lo, hi);
         }
         ++*ph;
         #pragma omp barrier
@@ -536,11 +555,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         ++*ph;
         #pragma omp barrier
         split(D, ud, t, nt, &lo, &hi);
-        for (int64_t d = lo; d < hi; d++) {
-            float acc = 0.f + s->part[d];
-            for (int j = 1; j < m; j++) acc = acc + s->part[j * D + d];
-            ly->y[d] = acc;
-        }
+        y_from_parts(ly, s, D, lo, hi);
         if (pt) pt[3] += now_s() - t1;
         return;
     }
@@ -580,16 +595,7 @@ typedef struct { int64_t lo, hi, home_hi; uint64_t done; } flow_chunk;       /* 
 static void flow_rows_done(const serve_layer *ly, const serve_scratch *s, flow_ctr *f, int64_t I, int64_t j,
                            int64_t n) {
     if (__atomic_add_fetch(&f->rows[j], n, __ATOMIC_ACQ_REL) != I) return;
-    if (is_quant(ly->dq))
-        for (int64_t bk = j * (I / 32); bk < (j + 1) * (I / 32); bk++) {
-#ifdef MOE_Q8
-            if (ly->q8d) {
-                moe_quantize_q8(s->h + 32 * bk, 32, s->qhv + 32 * bk, s->dh + bk, s->shv + bk);
-                continue;
-            }
-#endif
-            block_sums(s->h + 32 * bk, 32, s->hs + bk);
-        }
+    if (is_quant(ly->dq)) h_blocks(ly, s, j * (I / 32), (j + 1) * (I / 32));
     __atomic_store_n(&f->ready[j], 1, __ATOMIC_RELEASE);
 }
 
@@ -624,12 +630,14 @@ static int flow_down(const serve_layer *ly, const serve_scratch *s, flow_ctr *f,
         q->done |= (uint64_t)1 << j;
     }
     if (q->done != ((m == 64 ? 0 : (uint64_t)1 << m) - 1)) return 0;
-    for (int64_t d = q->lo; d < q->hi; d++) {
-        float acc = 0.f + s->part[d];
-        for (int j = 1; j < m; j++) acc = acc + s->part[j * D + d];
-        ly->y[d] = acc;
-    }
+    y_from_parts(ly, s, D, q->lo, q->hi);
     return 1;
+}
+
+/* chunk i out of the n set aside, the order of the others kept */
+static void aside_drop(flow_chunk *a, int *n, int i) {
+    for (int u = i + 1; u < *n; u++) a[u - 1] = a[u];
+    --*n;
 }
 
 /* Thread t of nt's share of a layer in variant 6 (pt as layer_runs': [1] the time spent waiting for experts) */
@@ -676,23 +684,18 @@ static void layer_flow(const serve_ctx *c, const serve_layer *ly, const serve_sc
             if (q.lo < q.hi && !flow_down(ly, s, f, D, I, &q, 0)) aside[n_aside++] = q;
             continue;
         }
-        int progressed = 0;                 /* the chunks aside: whatever became ready, else wait for the oldest */
-        for (int i = 0; i < n_aside;) {
+        int progressed = 0, i = 0;          /* the chunks aside: whatever became ready, else wait for the oldest */
+        while (i < n_aside) {
             const uint64_t before = aside[i].done;
-            if (flow_down(ly, s, f, D, I, &aside[i], 0)) {
-                for (int u = i + 1; u < n_aside; u++) aside[u - 1] = aside[u];
-                n_aside--;
-                progressed = 1;
-                continue;
-            }
-            progressed |= aside[i].done != before;
-            i++;
+            const int finished = flow_down(ly, s, f, D, I, &aside[i], 0);
+            progressed |= finished || aside[i].done != before;
+            if (finished) aside_drop(aside, &n_aside, i);
+            else i++;
         }
         if (!progressed && n_aside) {
             const double w0 = pt ? now_s() : 0.0;
             flow_down(ly, s, f, D, I, &aside[0], 1);
-            for (int u = 1; u < n_aside; u++) aside[u - 1] = aside[u];
-            n_aside--;
+            aside_drop(aside, &n_aside, 0);
             if (pt) waited += now_s() - w0;
         }
     }
