@@ -251,7 +251,8 @@ def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
         out = torch.empty_like(x)
         uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
         return [lambda i=i, w=w: tm.moe_decode(x, i, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, out=out,
-                                               variant=variant) for i, w in rs], uniq
+                                               cfg_gate_up=cfg_gu, cfg_down=cfg_dn, variant=variant)
+                for i, w in rs], uniq
     gu, dn, uniq = decode_calls(c, 1, gen, cfg_gu, cfg_dn, variant=variant)
     return [lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)], uniq
 
@@ -353,6 +354,13 @@ ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8), (2, 0,
 # gate_up (4, 0, 2) 19.0 a word, (2, 0, 1) 14.8, (4, 0, 1) 13.0 (96 registers); down (4, 0, 4) 23.0, (4, 0, 2)
 # 18.2, (8, 0, 2) 16.0 (168 registers)): the math after the loads is shorter, if the occupancy holds.
 PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [None, (4, 0, 2), (2, 0, 2), (8, 0, 2)]}
+# v5q at wider gate_up tiles (--only v5qtiles): from 32 rows each program quantizes its own 32-blocks of h in registers
+# (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
+PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8, 0, 4)]
+# --only l2: gate_up's programs ask L2 for down's bytes of their slot before (pf1) / after (pf2) their dot, so down
+# (a dependent launch) reads L2; v5pdl first and last (the box's drift), v5q at its tile of 32 rows
+L2_PAIRS = [("v5pdl", None), ("v5pf1", None), ("v5pf2", None), ("v5q", (32, 0, 8)), ("v5qpf1", (32, 0, 8)),
+            ("v5qpf2", (32, 0, 8)), ("v5q", None), ("v5qpf1", None), ("v5qpf2", None), ("v5pdl", None)]
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -387,10 +395,10 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             return True
         return False
 
-    def pair(c: Case, v: str, tiles=(None, None)):
+    def pair(c: Case, v: str, tiles=(None, None), sweep: str = ""):
         tag = "shipped tiles" if tiles == (None, None) else f"tiles {tiles}"
-        if (wanted and v not in wanted and not (tiles != (None, None) and "v5tiles" in wanted)) or \
-                late(f"{c.fmt} {v} pair {tag}"):
+        swept = sweep in wanted
+        if (wanted and v not in wanted and not swept) or late(f"{c.fmt} {v} pair {tag}"):
             return
         try:
             x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
@@ -444,7 +452,13 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
         for gt in PAIR_TILES_V5["gate_up"] if "v5tiles" in wanted and v5(c.fmt) else ():
             for dt in PAIR_TILES_V5["down"]:
                 if (gt, dt) != (None, None):
-                    pair(c, "v5pdl", (gt, dt))
+                    pair(c, "v5pdl", (gt, dt), "v5tiles")
+    for c in cases.values():                      # --only v5qtiles: v5q at wider gate_up tiles (h in registers)
+        for gt in PAIR_TILES_V5Q if "v5qtiles" in wanted and v5(c.fmt) else ():
+            pair(c, "v5q", (gt, None), "v5qtiles")
+    for c in cases.values():                      # --only l2: down's bytes asked of L2 by gate_up (session 18)
+        for v, gt in L2_PAIRS if "l2" in wanted and v5(c.fmt) else ():
+            pair(c, v, (gt, None), "l2")
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):

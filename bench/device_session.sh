@@ -35,6 +35,8 @@
 #   layout      GGUF rows vs rows interleaved by 8 in the C int8 matvec, in cache and from RAM (LTHREADS, LTYPES)
 #   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
+#   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
+#   l2          gate_up asking L2 for down's bytes (bench_gpu_kernels.L2_PAIRS) (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
@@ -153,7 +155,8 @@ for step in $STEPS; do
                                             # g8pf0: 8 GiB without the guessed-miss prefetch; g8v5 / g9v5: the
                                             # miss server's variant 5 (g8v6, g8v6b: 6; g8b: g8 again);
                                             # g8c8 / g8c16: its chunks per
-                                            # thread and phase 8 / 16, MOETIER_MISS_CHUNKS)
+                                            # thread and phase 8 / 16, MOETIER_MISS_CHUNKS;
+                                            # g8t14: 8 GiB on 14 miss threads)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -163,6 +166,7 @@ for step in $STEPS; do
       g8pf0) bench proof48_g8pf0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --prefetch off ;;
       g8v6) MOETIER_MISS_VARIANT=6 bench proof48_g8v6 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v6b) MOETIER_MISS_VARIANT=6 bench proof48_g8v6b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
       g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v5) MOETIER_MISS_VARIANT=5 bench proof48_g8v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9v5) MOETIER_MISS_VARIANT=5 bench proof48_g9v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
@@ -322,6 +326,17 @@ PY
         --fmt ${ABFMT:-Q4_0,Q8_0,MXFP4} --budget 120 2> "$OUT/v5ab_$R.err" > /dev/null)
       grep "shipped tiles" "$OUT/v5ab_$R.err" | sed "s/^/$R /" | cut -c1-200
     done ;;
+  v5qtiles)
+    # v5pdl and v5q at the shipped tiles, then v5q at bench_gpu_kernels.PAIR_TILES_V5Q (from 32 gate_up rows, h
+    # quantized in registers) (TFMT formats)
+    timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5q,v5qtiles \
+      --fmt ${TFMT:-Q4_0,MXFP4} --budget ${TLBUDGET:-250} --out "$OUT/v5qtiles.json" 2> "$OUT/v5qtiles.err" > /dev/null
+    grep "gate_up + down" "$OUT/v5qtiles.err" | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
+  l2)
+    # bench_gpu_kernels.L2_PAIRS: gate_up asking L2 for down's bytes (v5pf1 / v5pf2, v5qpf1 / v5qpf2) (TFMT formats)
+    timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only l2 --fmt ${TFMT:-Q4_0,MXFP4} \
+      --budget ${TLBUDGET:-250} --out "$OUT/l2.json" 2> "$OUT/l2.err" > /dev/null
+    grep "gate_up + down" "$OUT/l2.err" | grep -oE "^ *[A-Z0-9_]+ v5[a-z0-9]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

@@ -238,18 +238,37 @@ def test_decode_v5_matches_its_twin(fmt, gpt_oss):
 def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
     """v5q: h quantized by gate_up's last program of each 32-block instead of a launch of its own: the same bits as
     v5pdl (one quantizer definition, the same float32 h), twice in a row (the arrival counters reset themselves),
-    at a gate_up tile of 16 rows (2 programs a block: the interpreter is slow at the shipped 4-16); a tile wider
-    than 32 rows falls back to the quantizer launch, same bits."""
+    at a gate_up tile of 16 rows (2 programs a block: the interpreter is slow at the shipped 4-16); at tiles of 32
+    and 64 rows (rows past I masked) each program quantizes its own blocks in registers, same bits."""
     d, i = V5_SHAPES[fmt]
     gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
     act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
     ids, w = routing(1, 3, 6)                                          # one token: the decode step
-    x = torch.randn(1, d, device=DEV) * (3.0 if gpt_oss else 1.0)
     tiles = {"cfg_gate_up": (16, 0, 4), "cfg_down": V3_WIDE["cfg_down"]}
-    for cfg in (tiles, tiles, V3_WIDE):     # v5pdl at the same tiles (on the GPU a tile's sum order is its own)
+    # v5pdl at the same tiles (on the GPU a tile's sum order is its own); a new x each time, so an int8 h block left
+    # unwritten cannot pass with the bits of the run before
+    for cfg in (tiles, tiles, {**tiles, "cfg_gate_up": (32, 0, 4)}, V3_WIDE):
+        x = torch.randn(1, d, device=DEV) * (3.0 if gpt_oss else 1.0)
         want = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5pdl", **cfg)
         got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5q", **cfg)
         assert torch.equal(got, want), (cfg, (got - want).abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K"])
+def test_decode_l2_prefetch_changes_nothing(fmt):
+    """v5pf* / v5qpf*: gate_up's programs ask L2 for down's bytes of their slot (a hint without values; skipped under
+    the interpreter, where the table of down's planes is still built): the same bits as v5pdl / v5q."""
+    d, i = V5_SHAPES[fmt]
+    gu, dn, biases = make_experts(fmt, 6, d, i, bias=False)
+    ids, w = routing(1, 3, 6)
+    table, spans = tm.v5.l2_table(tm.Weights(dn, fmt))
+    assert table.shape == (len(spans), 3) and len(spans) == {"Q4_0": 2, "Q4_K": 5}[fmt]
+    assert spans[0] == i * d // 2                      # the nibbles of one slot's d rows
+    for base, pf in (("v5pdl", "v5pf1"), ("v5pdl", "v5pf2"), ("v5q", "v5qpf1"), ("v5q", "v5qpf2")):
+        x = torch.randn(1, d, device=DEV)
+        want = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", biases, variant=base, **V3_WIDE)
+        got = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", biases, variant=pf, **V3_WIDE)
+        assert torch.equal(got, want), (pf, (got - want).abs().max().item())
 
 
 @triton.jit
