@@ -357,10 +357,6 @@ PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [No
 # v5q at wider gate_up tiles (--only v5qtiles): from 32 rows each program quantizes its own 32-blocks of h in registers
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
 PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8, 0, 4)]
-# --only l2: gate_up's programs ask L2 for down's bytes of their slot before (pf1) / after (pf2) their dot, so down
-# (a dependent launch) reads L2; v5pdl first and last (the box's drift), v5q at its tile of 32 rows
-L2_PAIRS = [("v5pdl", None), ("v5pf1", None), ("v5pf2", None), ("v5q", (32, 0, 8)), ("v5qpf1", (32, 0, 8)),
-            ("v5qpf2", (32, 0, 8)), ("v5q", None), ("v5qpf1", None), ("v5qpf2", None), ("v5pdl", None)]
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -456,9 +452,6 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qtiles: v5q at wider gate_up tiles (h in registers)
         for gt in PAIR_TILES_V5Q if "v5qtiles" in wanted and v5(c.fmt) else ():
             pair(c, "v5q", (gt, None), "v5qtiles")
-    for c in cases.values():                      # --only l2: down's bytes asked of L2 by gate_up (session 18)
-        for v, gt in L2_PAIRS if "l2" in wanted and v5(c.fmt) else ():
-            pair(c, v, (gt, None), "l2")
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):

@@ -76,17 +76,13 @@ def main() -> int:
             "gate_up+qh2": (q8._gate_up_kernel, dict(common, I=i, D=d, KTOP=8, ACT=0, BN=32,
                                                      NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
                                                      QH=2)),
-            "gate_up+l2": (q8._gate_up_kernel, dict(common, I=i, D=d, KTOP=8, ACT=0, BN=32,
-                                                    NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
-                                                    QH=2, PF=1, PFN=2, PFL=4)),
             "down": (q8._down_kernel, dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True,
                                            NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1])),
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
                                                        NB2=v3_pieces(d, fmt)[1])),
         }
         for kind, (fn, const) in cases.items():
-            types = {"hq_ptr": "*i8", "cnt_ptr": "*i32", "pf_ptr": "*i64",
-                     **({"m_ptr": "*i32"} if fmt == "IQ3_XXS" else {})}
+            types = {"hq_ptr": "*i8", "cnt_ptr": "*i32", **({"m_ptr": "*i32"} if fmt == "IQ3_XXS" else {})}
             err = compile_for_sm90(fn, const, types)
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")

@@ -36,7 +36,6 @@
 #   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
-#   l2          gate_up asking L2 for down's bytes (bench_gpu_kernels.L2_PAIRS) (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
@@ -332,11 +331,6 @@ PY
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5q,v5qtiles \
       --fmt ${TFMT:-Q4_0,MXFP4} --budget ${TLBUDGET:-250} --out "$OUT/v5qtiles.json" 2> "$OUT/v5qtiles.err" > /dev/null
     grep "gate_up + down" "$OUT/v5qtiles.err" | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
-  l2)
-    # bench_gpu_kernels.L2_PAIRS: gate_up asking L2 for down's bytes (v5pf1 / v5pf2, v5qpf1 / v5qpf2) (TFMT formats)
-    timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only l2 --fmt ${TFMT:-Q4_0,MXFP4} \
-      --budget ${TLBUDGET:-250} --out "$OUT/l2.json" 2> "$OUT/l2.err" > /dev/null
-    grep "gate_up + down" "$OUT/l2.err" | grep -oE "^ *[A-Z0-9_]+ v5[a-z0-9]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

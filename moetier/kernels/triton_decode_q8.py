@@ -122,23 +122,6 @@ def _mxfp4_values(w, EMU: tl.constexpr):
     return lo, hi
 
 
-@triton.jit
-def _l2_prefetch(pf_ptr, s, part, NPARTS: tl.constexpr, NPL: tl.constexpr, LINES: tl.constexpr, EMU: tl.constexpr):
-    """Ask L2 for this program's share (part of NPARTS) of slot s's bytes in NPL planes: pf_ptr int64 [NPL, 3] rows
-    (address, slot stride, bytes a slot), a 128-byte line a lane, LINES lanes (a share's lines, a power of 2). No
-    registers wait for the lines (PTX prefetch.global.L2); nothing under EMU (a hint, no values)."""
-    if not EMU:
-        for i in tl.static_range(NPL):
-            base = tl.load(pf_ptr + 3 * i)
-            span = tl.load(pf_ptr + 3 * i + 2)
-            share = (span + NPARTS * 128 - 1) // (NPARTS * 128) * 128
-            off = tl.arange(0, LINES).to(tl.int64) * 128
-            off = part * share + tl.minimum(off, share - 128)
-            a = base + s * tl.load(pf_ptr + 3 * i + 1) + tl.minimum(off, span - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [a], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
 # ------------------------------------------------------------------ activations -> int8 per 32-block
 @triton.jit
 def _quantize_kernel(x_ptr, stride_x, q_ptr, d_ptr, s_ptr, K: tl.constexpr, NBP: tl.constexpr,
@@ -455,18 +438,15 @@ def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh
 @triton.jit
 def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr,
                     sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
-                    b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr, pf_ptr,
+                    b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr,
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
-                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr,
-                    PF: tl.constexpr = 0, PFN: tl.constexpr = 0, PFL: tl.constexpr = 1):
+                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
     tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH: h also quantized for down
     (`quantize`'s q, dx, xs, bit-equal), so down needs no quantizer launch. QH 1 (BN divides 32): the last of a
     32-block's 32 / BN programs to finish (an acq_rel counter per block, reset by that program for the next launch)
-    quantizes the block; QH 2 (32 divides BN): each program owns whole blocks and quantizes them in registers.
-    PF 1 / 2 (before / after the dot): the program asks L2 for its share of down's bytes for the pair's slot
-    (_l2_prefetch over pf_ptr's PFN planes, PFL lines), so down, a dependent launch, reads them from L2."""
+    quantizes the block; QH 2 (32 divides BN): each program owns whole blocks and quantizes them in registers."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
@@ -476,8 +456,6 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
     r = tl.minimum(n, I - 1).to(tl.int64)[:, None] + gu * I
     m2 = (n < I)[:, None] & (gu >= 0)
     acc = tl.zeros([BN, 2], dtype=tl.float32)
-    if PF == 1 and s >= 0:
-        _l2_prefetch(pf_ptr, s, tl.program_id(1), (I + BN - 1) // BN, PFN, PFL, EMU)
     if s >= 0:
         t = (p // KTOP).to(tl.int64)
         xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 4)
@@ -487,8 +465,6 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                       r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
     elif PDL:
         tl.extra.cuda.gdc_wait()
-    if PF == 2 and s >= 0:
-        _l2_prefetch(pf_ptr, s, tl.program_id(1), (I + BN - 1) // BN, PFN, PFL, EMU)
     m2 = m2 & (s >= 0)
     s = tl.maximum(s, 0)
     if HAS_BIAS:
@@ -566,6 +542,10 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
 # beat their tiles (10.87, 13.0) by more than the run-to-run spread.
 GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(4, 0, 1),
             "MXFP4": Tile(4, 0, 1), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2)}
+# v5q's gate_up (h quantized by its programs; session 18, pairs with v5pdl's down tile, two calls on two boxes):
+# Q4_0 (32, 0, 8) 10.65 / 10.49 us vs v5pdl 10.97 / 10.89; Q6_K (32, 0, 8) 13.97 / 14.21 vs 14.31 / 14.29; Q4_K at
+# GATE_UP5's (8, 0, 4) 12.58 / 12.65 vs 13.02 / 12.98. (32, 0, 2): 17-234 us (spills); 64 rows slower.
+GATE_UP5Q = {"Q4_0": Tile(32, 0, 8), "Q6_K": Tile(32, 0, 8)}
 DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 2),
          "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4)}
 
@@ -591,28 +571,15 @@ def _iq3_grid_words(device) -> torch.Tensor:
                  .reshape(-1))
 
 
-def l2_table(w) -> tuple[torch.Tensor, list[int]]:
-    """Down's planes for _l2_prefetch (cached on w): int64 [planes, 3] rows (address, slot stride, bytes a slot),
-    in bytes, and each plane's bytes a slot. Planes the format lacks (stride 0) are left out."""
-    t = getattr(w, "_l2_table", None)
-    if t is None:
-        a = _planes(w)
-        rows = [(p.data_ptr(), ss * p.element_size(), w.n * sr * p.element_size())
-                for p, ss, sr in zip(a[:6], a[6::2], a[7::2]) if ss]
-        t = w._l2_table = (torch.tensor(rows, dtype=torch.int64, device=a[0].device), [r[2] for r in rows])
-    return t
-
-
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
-               quantize_h: bool = False, prefetch: tuple | None = None):
+               quantize_h: bool = False):
     """As triton_decode.gate_up (h float32 [T*k, I], values rounded to x's dtype), x quantized to int8 per
     32-block first (one more launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8
     copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last
-    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them. prefetch: (down's
-    Weights, 1 or 2): its bytes for the routed slots asked of L2 before / after each program's dot (PF)."""
+    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them."""
     t, d = x.shape
     k, i = ids.numel() // t, w.n // 2
-    tile = Tile(*(cfg or GATE_UP5[w.fmt])[:4])
+    tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
     qh = 0 if not quantize_h else 2 if tile.bn % 32 == 0 else 1 if 32 % tile.bn == 0 else 0
     chain = pdl and PDL_CHAIN
     xq, xd, xs = quantize(x, wait=chain, trigger=2 if chain else pdl)
@@ -624,17 +591,10 @@ def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=Non
         cnt = arrival_counters(x.device, t * k * (i // 32), "gate_up_h") if qh == 1 else xd
     else:
         hq, hd, hs, cnt = h, h, h, xd
-    pf = {}
-    if prefetch is not None:
-        table, spans = l2_table(prefetch[0])
-        parts = triton.cdiv(i, tile.bn)
-        pf = dict(PF=prefetch[1], PFN=len(spans),
-                  PFL=triton.next_power_of_2(max(triton.cdiv(sp, parts * 128) for sp in spans)))
     _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
         xq.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, hq, hd, hs, cnt,
-        table if pf else xd,
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
-        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=ROUND.get(x.dtype, 0), QH=qh, **pf,
+        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=ROUND.get(x.dtype, 0), QH=qh,
         num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
     if quantize_h:
         return h, ((hq, hd, hs) if qh else None)

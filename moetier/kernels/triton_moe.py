@@ -437,10 +437,9 @@ def _bias(b, like: torch.Tensor):
 # Q4_0: v5 335.0 tok/s vs v3 296.5; session 9 Q6_K v5pdl 15.56 us vs v2 47.2 (v5 21.1), Q4_K v5pdl 13.35 us vs
 # v2 28.8, v3 29.4 (v5 17.3); session 16 (their first GPU run, tests passed there) MXFP4 v5pdl 12.29 us vs v2 29.05,
 # Q5_K 15.09 vs 36.61, IQ3_XXS 25.88 vs 62.53
-DEFAULT_VARIANT = {"Q4_0": "v5pdl", "Q8_0": "v5pdl", "Q4_K": "v5pdl", "Q6_K": "v5pdl", "MXFP4": "v5pdl",
+DEFAULT_VARIANT = {"Q4_0": "v5q", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
-VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q", "v5pf1", "v5pf2", "v5qpf1", "v5qpf2")
-L2_VARIANTS = {"v5pf1": (False, 1), "v5pf2": (False, 2), "v5qpf1": (True, 1), "v5qpf2": (True, 2)}
+VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q")
 
 
 def variant_of(fmt: str, variant: str | None) -> str:
@@ -450,11 +449,10 @@ def variant_of(fmt: str, variant: str | None) -> str:
     (one-step small-program kernels for Q8_0/Q4_0/Q4_K, the default for Q4_0/Q8_0; other formats run v2) or
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
-    v3pdl), "v5q" (v5pdl with h quantized by gate_up's last programs instead of a launch of its own: moe_decode
-    only; decode_gate_up / decode_down alone run v5pdl), "v5pf1" / "v5pf2" / "v5qpf1" / "v5qpf2" (v5pdl / v5q
-    whose gate_up programs ask L2 for down's bytes before / after their dot: moe_decode only) or "v4" (opt-in: the whole layer in one persistent launch
-    for T=1 Q4_0/Q8_0 SwiGLU without biases, triton_decode_v4; anything else, and decode_gate_up / decode_down
-    alone, run v3). (v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and raced
+    v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
+    Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl) or "v4" (opt-in: the whole
+    layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases, triton_decode_v4; anything else, and
+    decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and raced
     on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of programs that each own 32 rows of h and
     add their share of down by float32 atomics, was slower too: session 16.)"""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
@@ -471,7 +469,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    v = "v5pdl" if v == "v5q" or v in L2_VARIANTS else v
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
         return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -493,7 +491,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    v = "v5pdl" if v == "v5q" or v in L2_VARIANTS else v
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -522,12 +520,9 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     if v == "v4" and v4.supports(x, gate_up, down, act, biases):
         return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
-    if (v == "v5q" or v in L2_VARIANTS) and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
+    if v == "v5q" and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
-        qh, pf = L2_VARIANTS.get(v, (True, 0))
-        r = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=qh,
-                          prefetch=(down, pf) if pf else None)
-        pre = r[1] if qh else None
+        _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True)
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
                           pre=pre)
     decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
