@@ -329,8 +329,10 @@ PY
     # v5pdl and v5q at the shipped tiles, then v5q at bench_gpu_kernels.PAIR_TILES_V5Q (from 32 gate_up rows, h
     # quantized in registers) (TFMT formats)
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5q,v5qtiles \
-      --fmt ${TFMT:-Q4_0,MXFP4} --budget ${TLBUDGET:-250} --out "$OUT/v5qtiles.json" 2> "$OUT/v5qtiles.err" > /dev/null
-    grep "gate_up + down" "$OUT/v5qtiles.err" | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
+      --fmt ${TFMT:-Q4_0,MXFP4} --budget ${TLBUDGET:-250} --out "$OUT/v5qtiles.json" 2> "$OUT/v5qtiles.err" \
+      > /dev/null
+    grep "gate_up + down" "$OUT/v5qtiles.err" \
+      | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

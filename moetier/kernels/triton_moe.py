@@ -452,9 +452,10 @@ def variant_of(fmt: str, variant: str | None) -> str:
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
     Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl) or "v4" (opt-in: the whole
     layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases, triton_decode_v4; anything else, and
-    decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and raced
-    on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of programs that each own 32 rows of h and
-    add their share of down by float32 atomics, was slower too: session 16.)"""
+    decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch whose programs spin on counters,
+    was slower than v5pdl and raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of
+    programs that each own 32 rows of h and add their share of down by float32 atomics, was slower too: session 16;
+    gate_up's programs asking L2 for down's bytes gained nothing: session 18.)"""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
     default = "v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or DEFAULT_VARIANT.get(fmt, "v2")
     v = variant or default
