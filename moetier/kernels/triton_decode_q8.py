@@ -478,23 +478,27 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
         h = h.to(tl.float16).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * I + n, h, mask=n < I)
     if QH == 2:
-        q, dx, xs = _q8_blocks(tl.reshape(h, [BN // 32, 32]))
         b = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
-        o = p.to(tl.int64) * I + b[:, None] * 32 + tl.arange(0, 32)[None, :]
-        tl.store(hq_ptr + o, q.to(tl.int8), mask=(b < I // 32)[:, None])
-        tl.store(hd_ptr + p.to(tl.int64) * (I // 32) + b, dx, mask=b < I // 32)
-        tl.store(hs_ptr + p.to(tl.int64) * (I // 32) + b, xs, mask=b < I // 32)
+        _h_q8_store(tl.reshape(h, [BN // 32, 32]), p.to(tl.int64), b, b < I // 32, hq_ptr, hd_ptr, hs_ptr, I)
     if QH == 1:
         tl.debug_barrier()                   # every thread's h stores happen before the release below
         cb = cnt_ptr + p.to(tl.int64) * (I // 32) + (tl.program_id(1) * BN) // 32
         if tl.atomic_add(cb, 1, sem="acq_rel") == 32 // BN - 1:     # the block's last program: all of it visible
             tl.atomic_xchg(cb, 0)
-            o = p.to(tl.int64) * I + (tl.program_id(1) * BN) // 32 * 32 + tl.arange(0, 32)[None, :]
-            q, dx, xs = _q8_blocks(tl.load(out_ptr + o, cache_modifier=".cg"))
-            tl.store(hq_ptr + o, q.to(tl.int8))
-            z = tl.zeros([1], dtype=tl.int64) + p.to(tl.int64) * (I // 32) + (tl.program_id(1) * BN) // 32
-            tl.store(hd_ptr + z, dx)
-            tl.store(hs_ptr + z, xs)
+            b = tl.zeros([1], dtype=tl.int64) + (tl.program_id(1) * BN) // 32
+            hb = tl.load(out_ptr + p.to(tl.int64) * I + b[:, None] * 32 + tl.arange(0, 32)[None, :],
+                         cache_modifier=".cg")
+            _h_q8_store(hb, p.to(tl.int64), b, b >= 0, hq_ptr, hd_ptr, hs_ptr, I)
+
+
+@triton.jit
+def _h_q8_store(h, row, b, bm, hq_ptr, hd_ptr, hs_ptr, I: tl.constexpr):
+    """h float32 [NB, 32], the 32-blocks b [NB] of pair `row`'s h (those where bm) -> down's int8 copy of them
+    (`quantize`'s q, dx, xs: _q8_blocks)."""
+    q, dx, xs = _q8_blocks(h)
+    tl.store(hq_ptr + row * I + b[:, None] * 32 + tl.arange(0, 32)[None, :], q.to(tl.int8), mask=bm[:, None])
+    tl.store(hd_ptr + row * (I // 32) + b, dx, mask=bm)
+    tl.store(hs_ptr + row * (I // 32) + b, xs, mask=bm)
 
 
 @triton.jit
