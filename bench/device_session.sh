@@ -38,6 +38,7 @@
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
+#   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -165,6 +166,7 @@ for step in $STEPS; do
       g8pf0) bench proof48_g8pf0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --prefetch off ;;
       g8v6) MOETIER_MISS_VARIANT=6 bench proof48_g8v6 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v6b) MOETIER_MISS_VARIANT=6 bench proof48_g8v6b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8stamp) MOETIER_STAMP=1 bench proof48_g8stamp ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
       g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v5) MOETIER_MISS_VARIANT=5 bench proof48_g8v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -343,6 +345,14 @@ PY
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
       > "$OUT/pairprof.json" 2> "$OUT/pairprof.err"
     tail -8 "$OUT/pairprof.err" | cut -c1-900 ;;
+  graphcheck)
+    # where graph replays and eager steps part, and whether replays of one graph agree (bench/graph_check.py)
+    for i in $(seq ${GCRUNS:-2}); do
+      for F in --dequantize-dense ""; do
+        timeout ${GCSECS:-120} python3 bench/graph_check.py $F > "$OUT/graphcheck_${i}${F}.json" 2> "$OUT/graphcheck_${i}${F}.err"
+        tail -c 1500 "$OUT/graphcheck_${i}${F}.json"; echo; tail -3 "$OUT/graphcheck_${i}${F}.err"
+      done
+    done ;;
   doorbell12)
     for Q in Q4_0 BF16; do
       M=$DATA/q30-$Q; [ $Q != BF16 ] && M=$M.gguf

@@ -73,30 +73,30 @@ if triton is not None:
 
     @triton.jit
     def _ring_kernel(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
-                     hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
+                     hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0, stamp_ptr,
                      D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
-                     BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr):
+                     BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, STAMP: tl.constexpr):
         _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
-              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP)
+              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP, stamp_ptr, STAMP)
 
     @triton.jit
     def _route_ring_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
-                           hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, E: tl.constexpr, D: tl.constexpr,
-                           K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                           hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, stamp_ptr, E: tl.constexpr,
+                           D: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
                            BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
-                           SYS: tl.constexpr, BXD: tl.constexpr):
+                           SYS: tl.constexpr, BXD: tl.constexpr, STAMP: tl.constexpr):
         """The router (triton_small._router_topk_kernel) and, in its last program, the ring: one launch."""
         if _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E, D, ROWS, BD, PDL):
             _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
             tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
             _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
-                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1)
+                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1, stamp_ptr, STAMP)
 
     @triton.jit
     def _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
               hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
               D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
-              BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr):
+              BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, stamp_ptr, STAMP: tl.constexpr):
         seq = tl.load(seq_ptr)
         if BUMP:            # layer 0 starts a new step
             seq = seq + 1
@@ -124,12 +124,14 @@ if triton is not None:
             dd = d0 + tl.arange(0, BD)
             tl.store(hx_ptr + dd, tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32), mask=dd < D)
         tl.debug_barrier()
+        if STAMP:       # diagnosis (MOETIER_STAMP=1): the GPU's clock as it rings, stamp[2]
+            tl.store(stamp_ptr + 2, _now_ns(SYS))
         _store_release(bell_ptr, seq, SYS)
 
     @triton.jit
     def _wait_add_kernel(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
-                         timeout_ns, SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, HAS_RES: tl.constexpr,
-                         TRIGGER: tl.constexpr):
+                         timeout_ns, stamp_ptr, SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                         HAS_RES: tl.constexpr, TRIGGER: tl.constexpr, STAMP: tl.constexpr):
         if TRIGGER:     # the next kernel (the next layer's norm) may be scheduled while this one spins
             tl.extra.cuda.gdc_launch_dependents()
         kk = tl.arange(0, BK)
@@ -153,11 +155,15 @@ if triton is not None:
             if flag != seq:             # the host never answered: report, add nothing
                 tl.store(err_ptr, seq)
             else:
+                if STAMP & (tl.program_id(0) == 0):     # diagnosis: the GPU's clock as it sees the answer, stamp[0]
+                    tl.store(stamp_ptr, _now_ns(SYS))
                 acc += tl.load(hy_ptr + dd, mask=dm, other=0.0, volatile=True)
         o = acc.to(out_ptr.dtype.element_ty)
         if HAS_RES:     # the block's residual add, rounded as `res + moe(x)` is: one launch fewer
             o = (tl.load(res_ptr + dd, mask=dm, other=0.0).to(tl.float32) + o.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + dd, o, mask=dm)
+        if STAMP & (tl.program_id(0) == 0):     # and as it has added it, stamp[1]
+            tl.store(stamp_ptr + 1, _now_ns(SYS))
 
 
     @triton.jit
@@ -220,9 +226,10 @@ def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool,
     poff, soff, share, stage0 = pcie if pcie is not None else (ids, ids, 0.0, 0)
     n_p = soff.numel() if pcie is not None else 0
     _ring_kernel[(1,)](x, ids, w, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
-                       req.bell[li * BELL_STRIDE:], poff, soff, float(share), int(stage0), d, k, BUMP=bump,
-                       SYS=not _interpret(), BD=min(4096, triton.next_power_of_2(d)), BK=triton.next_power_of_2(k),
-                       NP=n_p, BNP=triton.next_power_of_2(max(1, n_p)), num_warps=4)
+                       req.bell[li * BELL_STRIDE:], poff, soff, float(share), int(stage0), req.stamp[li], d, k,
+                       BUMP=bump, SYS=not _interpret(), BD=min(4096, triton.next_power_of_2(d)),
+                       BK=triton.next_power_of_2(k), NP=n_p, BNP=triton.next_power_of_2(max(1, n_p)),
+                       STAMP=req.stamping, num_warps=4)
 
 
 def route_ring(x, weight, k: int, normalize: bool, table_row, seq, slots, req: "Requests", li: int, bump: bool,
@@ -232,8 +239,8 @@ def route_ring(x, weight, k: int, normalize: bool, table_row, seq, slots, req: "
     from .triton_small import router_launch
     grid, args, const, res = router_launch(x, weight, k, normalize, out=out)
     _route_ring_kernel[grid](*args, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
-                             req.bell[li * BELL_STRIDE:], **const, BUMP=bump, SYS=not _interpret(),
-                             BXD=min(4096, triton.next_power_of_2(x.shape[-1])), num_warps=4)
+                             req.bell[li * BELL_STRIDE:], req.stamp[li], **const, BUMP=bump, SYS=not _interpret(),
+                             BXD=min(4096, triton.next_power_of_2(x.shape[-1])), STAMP=req.stamping, num_warps=4)
     return res
 
 
@@ -255,9 +262,9 @@ def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 
     bd = min(1024, triton.next_power_of_2(d))
     _wait_add_kernel[(triton.cdiv(d, bd),)](hits, slots, seq, req.done[li * BELL_STRIDE:], req.y[li], out,
                                              req.err, residual if residual is not None else out, d, k, max_spin,
-                                             int(timeout_s * 1e9), SYS=not _interpret(), BD=bd,
+                                             int(timeout_s * 1e9), req.stamp[li], SYS=not _interpret(), BD=bd,
                                              BK=triton.next_power_of_2(k), HAS_RES=residual is not None,
-                                             TRIGGER=pdl(hits), num_warps=4)
+                                             TRIGGER=pdl(hits), STAMP=req.stamping, num_warps=4)
 
 
 class Requests:
@@ -275,6 +282,10 @@ class Requests:
         # the GPU's guess of layer li's misses (hint), written during layer li - 1; hint_flag[li] = its step
         self.hint = buf(n_layers, k, dtype=torch.int32)
         self.hint_flag = buf(n_layers * BELL_STRIDE, dtype=torch.int64)
+        # diagnosis, MOETIER_STAMP=1: the GPU's clock (ns) per layer as wait_add sees the answer [0] and has added it
+        # [1], and as the ring rings [2] (GraphTiers.report: the GPU's part of the round trip, the PCIe crossings)
+        self.stamping = os.environ.get("MOETIER_STAMP", "0") == "1"
+        self.stamp = buf(n_layers, 4, dtype=torch.int64)
 
 
 # ------------------------------------------------------------------ the C server

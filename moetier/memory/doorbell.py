@@ -135,7 +135,7 @@ PHASES = ("gate_up_s", "gate_up_wait_s", "h_s", "down_s", "tail_s")     # doorbe
 # GraphTiers.timing's sums over the graphed steps (report() turns them into per-step figures)
 STEP_TIMING = ("steps", "serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "admitted", "round_s", "round_pairs",
                "prep_s", "guessed", "guessed_right", "guessed_misses", "prefetched", "first_bell_s", "outside_s",
-               "outside_n", *PHASES)
+               "outside_n", "stamp_gpu_s", "stamp_add_s", "stamp_n", *PHASES)
 
 
 class GraphTiers:
@@ -333,6 +333,8 @@ class GraphTiers:
             tm["first_bell_s"] += self.server.first_bell
             for key, v in zip(PHASES, self.server.phases):
                 tm[key] += v
+            if self.req.stamping:
+                self._stamps()
             if self._t_served:
                 tm["outside_s"] += t0 - self._t_served
                 tm["outside_n"] += 1
@@ -345,6 +347,18 @@ class GraphTiers:
             # the critical path, where it cost ~2.7 ms/token inline (48 layers, docs/perf-log.md); its admissions
             # then reach the GPU table one step later
         self._t_served = time.perf_counter()
+
+    def _stamps(self) -> None:
+        """MOETIER_STAMP=1 (diagnosis): from the GPU's clock, the part of each round trip between wait_add seeing
+        layer li's answer and layer li + 1's ring (its kernels), and wait_add's own time after the answer (the y read
+        over PCIe); the rest of round_trip_us is the two PCIe crossings. Stamps are zeroed for the next step."""
+        st = self.req.stamp.numpy()
+        seen, added, rang = st[:-1, 0], st[:-1, 1], st[1:, 2]
+        ok = (seen > 0) & (added >= seen) & (rang > seen)
+        self.timing["stamp_gpu_s"] += float((rang - seen)[ok].sum()) * 1e-9
+        self.timing["stamp_add_s"] += float((added - seen)[ok].sum()) * 1e-9
+        self.timing["stamp_n"] += int(ok.sum())
+        st[:-1] = 0
 
     def _account_thread(self, *step) -> None:
         with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
@@ -385,6 +399,9 @@ class GraphTiers:
                 # the GPU's part between two answered layers, seen from the CPU: the last answer of a layer to
                 # the next layer's bell (the flag over PCIe, post-MoE + attention + router kernels, the bell)
                 "round_trip_us": round(tm["round_s"] / max(1, tm["round_pairs"]) * 1e6, 2),
+                # MOETIER_STAMP=1: its GPU part by the GPU's clock (answer seen -> next ring), and wait_add's part of it
+                **({"stamp_gpu_us": round(tm["stamp_gpu_s"] / tm["stamp_n"] * 1e6, 2),
+                    "stamp_add_us": round(tm["stamp_add_s"] / tm["stamp_n"] * 1e6, 2)} if tm["stamp_n"] else {}),
                 # the CPU's prefetch of guessed misses: share of the misses guessed, share of the guesses right
                 "miss_prefetch": any(r is not None for r in self.guess),
                 "guess_recall": round(tm["guessed_right"] / tm["guessed_misses"], 4) if tm["guessed_misses"] else None,
