@@ -4,8 +4,9 @@ so CUDA-only compile errors (the interpreter accepts more: a `return` inside a b
 constexpr) show up before a device call.
 
     python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
-                                     # v5 format), the embedding gather, the decode step's small kernels with PDL,
-                                     # the doorbell's ring, route+ring, hint and wait_add kernels; the PDL ones
+                                     # v5 format), the embedding gather, the decode step's small kernels with PDL
+                                     # (the router with and without the add + norm), the doorbell's ring, route+ring
+                                     # (with and without the add + norm), hint and wait_add kernels; the PDL ones
                                      # again for sm_80 with PDL off (Ampere / Ada have no griddepcontrol)
 """
 from __future__ import annotations
@@ -111,7 +112,11 @@ def main() -> int:
             ("add_norm", triton_small._add_rms_norm_kernel, dict(BN=2048, PDL=True), {**bf, "N": "i32", "eps": "fp32"}),
             ("router", triton_small._router_topk_kernel,
              dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True),
-             {**bf, **f32, "cnt_ptr": "*i32", "ids_ptr": "*i64"})):
+             {**bf, **f32, "cnt_ptr": "*i32", "ids_ptr": "*i64"}),
+            ("router+norm", triton_small._router_add_norm_kernel,
+             dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True),
+             {**bf, **f32, "cnt_ptr": "*i32", "ids_ptr": "*i64", "a_ptr": "*bf16", "nw_ptr": "*bf16", "N": "i32",
+              "eps": "fp32"})):
         err = compile_for_sm90(fn, const, types)
         bad += err is not None
         print(f"bf16  {name:10} {'ok' if err is None else err}")
@@ -134,6 +139,13 @@ def main() -> int:
               "w_ptr": "*bf16", "table_ptr": "*i32", "seq_ptr": "*i64", "slots_ptr": "*i64", "hx_ptr": "*fp32",
               "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32", "bell_ptr": "*i64",
               "stamp_ptr": "*i64"}),
+            ("route+ring+norm", doorbell._route_ring_add_norm_kernel,
+             dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True, BUMP=False, SYS=True,
+                  STAMP=False),
+             {"x_ptr": "*bf16", "wt_ptr": "*bf16", "logit_ptr": "*fp32", "cnt_ptr": "*i32", "ids_ptr": "*i64",
+              "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16", "nw_ptr": "*bf16", "s_ptr": "*bf16", "N": "i32",
+              "eps": "fp32", "table_ptr": "*i32", "seq_ptr": "*i64", "slots_ptr": "*i64", "hx_ptr": "*fp32",
+              "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32", "bell_ptr": "*i64", "stamp_ptr": "*i64"}),
             ("wait_add+res", doorbell._wait_add_kernel,
              dict(SYS=True, BD=1024, BK=8, HAS_RES=True, TRIGGER=True, STAMP=True),
              {"hits_ptr": "*bf16", "slots_ptr": "*i64", "seq_ptr": "*i64", "done_ptr": "*i64", "hy_ptr": "*fp32",

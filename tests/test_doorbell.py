@@ -304,6 +304,59 @@ def test_route_ring_is_the_router_then_the_ring(monkeypatch, normalize):
 
 
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,d,k", [(6, 256, 4), (128, 2048, 8)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_ring_add_norm_is_add_norm_then_route_ring(dtype, e, d, k, normalize):
+    """route_ring_add_norm (the residual add + RMSNorm made by the router + ring launch) against add_rms_norm then
+    route_ring: the same s, x, ids, w, device slots, host request rows (x, ids, w, slots) and bell, bit for bit, over
+    L layers (layer 0 bumps seq), the host rows poisoned before each variant. On CPU interpreted (float32); on CUDA
+    with pinned host rows, D >= 1024 (triton_small.router_add_norm_fits)."""
+    from moetier.kernels import triton_small
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16 rounding (checked on CUDA)")
+    if dev == "cuda" and not triton_small.router_add_norm_fits(e, d):
+        pytest.skip("below 1024 add_rms_norm reduces over 1 warp: not bit for bit on CUDA, not used there")
+    g = torch.Generator().manual_seed(e + d + normalize)
+    req = db.Requests(L, d, k, pin=dev == "cuda")
+    table = torch.full((L, e), -1, dtype=torch.int32)
+    table[:, ::2] = torch.arange(L * ((e + 1) // 2), dtype=torch.int32).view(L, -1)     # even experts cached
+    table = table.to(dev)
+    hs = [(torch.randn(1, d, generator=g) * 3).to(dev, dtype) for _ in range(L)]
+    as_ = [torch.randn(1, d, generator=g).to(dev, dtype) for _ in range(L)]
+    nws = [(1 + 0.3 * torch.randn(d, generator=g)).to(dev, dtype) for _ in range(L)]
+    gates = [(torch.randn(e, d, generator=g) * 1.5 / d ** 0.5).to(dev, dtype) for _ in range(L)]
+    runs = []
+    for fused in (False, True):
+        for t, v in ((req.x, float("nan")), (req.w, float("nan")), (req.ids, -7), (req.slots, -7), (req.bell, 0)):
+            t.fill_(v)
+        seq = torch.zeros(1, dtype=torch.int64, device=dev)
+        slots = torch.full((L, k), 99, dtype=torch.int64, device=dev)
+        got = []
+        for li in range(L):
+            if fused:
+                s, x, ids, w = db.route_ring_add_norm(hs[li], as_[li], nws[li], 1e-6, gates[li], k, normalize,
+                                                      table[li], seq, slots[li], req, li, bump=li == 0)
+            else:
+                s, x = triton_small.add_rms_norm(hs[li], as_[li], nws[li], 1e-6)
+                ids, w = db.route_ring(x, gates[li], k, normalize, table[li], seq, slots[li], req, li, bump=li == 0)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            rows = [t[li].clone() for t in (req.x, req.ids, req.w, req.slots)]
+            got.append([t.clone().cpu() for t in (s, x, ids, w, slots[li])] + rows
+                       + [int(req.bell[li * db.BELL_STRIDE])])
+        assert int(seq) == 1
+        runs.append(got)
+    for li, (a, b) in enumerate(zip(*runs)):
+        assert all(torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v for u, v in zip(a, b)), li
+        s, x, ids, w, sl, hx, hids, hw, hsl, bell = b
+        assert torch.equal(s, (hs[li] + as_[li]).cpu()) and torch.equal(hx, x[0].float()) and bell == 1
+        assert hids.tolist() == ids[0].tolist() and sl.tolist() == table[li].cpu()[ids[0]].tolist() == hsl.tolist()
+        assert torch.equal(hw, w[0].float()) and torch.isfinite(x).all()
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
 @pytest.mark.parametrize("share,n_p", [(0.5, 2), (1.0, 2), (1.0, 4), (0.3, 4)])
 def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
     """The PCIe share (interpreted): the ring gives the first round(share * misses) misses (at most

@@ -196,6 +196,55 @@ def test_graphed_tiered_decode_with_expert_biases(tmp_path):
     assert got["eager"] == got["untiered"] and got["graphed"] == got["eager"] and got["graphed_cpu_moe"] == got["eager"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dtype):
+    """D = 1024 (the fused path's smallest): the residual add + post-attention norm made by the router's launch
+    (MOETIER_ROUTER_ADD_NORM=1, the default) against the two launches (=0): the dense model's eager decode logits bit
+    for bit, and the greedy tokens of the untiered graph and of the graphed tiered step with CPU misses
+    (route_ring_add_norm); the fused kernels are counted, so the path was taken."""
+    from moetier import SamplingParams
+    from moetier.kernels import doorbell, triton_small
+    path = tmp_path / "m"
+    cfg = Qwen3MoeConfig(vocab_size=160, hidden_size=1024, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=256,
+                         rope_theta=1000.0)
+    tiny_checkpoint(path, Qwen3MoeForCausalLM, cfg, scale=4.0)
+    tokens = torch.randint(0, 160, (PROMPT,), generator=torch.Generator().manual_seed(7))
+    calls = {"router": 0, "ring": 0}
+
+    def counted(key, fn):
+        return lambda *a, **kw: calls.__setitem__(key, calls[key] + 1) or fn(*a, **kw)
+    monkeypatch.setattr(triton_small, "router_topk_add_norm", counted("router", triton_small.router_topk_add_norm))
+    monkeypatch.setattr(doorbell, "route_ring_add_norm", counted("ring", doorbell.route_ring_add_norm))
+    pl = make_placement(path, EngineConfig(max_context=CTX, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda", dtype, CTX,
+                        bw={"pcie_gbs": 12.0})
+    few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 10 * pl.expert_fast_bytes
+    got, seen = {}, {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", on)
+        calls.update(router=0, ring=0)
+        dense, _, _ = load_model(path, device="cuda", dtype=dtype)
+        got[on, "eager"] = logits(dense, tokens, dtype)
+        del dense
+        for name, kw in {"untiered": {}, "tiered": dict(gpu_mem=few, ram_mem=1 << 32, pcie_share=0.0)}.items():
+            eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype=str(dtype).removeprefix("torch."),
+                                                 max_context=CTX, **kw))
+            done = eng.complete(prompt_ids=tokens[:SPLIT].tolist(), max_tokens=N_GREEDY,
+                                params=SamplingParams(temperature=0), ignore_eos=True)
+            if name == "tiered":
+                assert eng.tiers.graphed is not None
+            got[on, name] = done.token_ids
+            if eng.tiers is not None:
+                eng.tiers.close()
+            del eng
+            torch.cuda.empty_cache()
+        seen[on] = dict(calls)
+    assert torch.equal(got["1", "eager"], got["0", "eager"])
+    assert got["1", "untiered"] == got["0", "untiered"] and got["1", "tiered"] == got["0", "tiered"]
+    assert seen["1"]["router"] > 0 and seen["1"]["ring"] > 0 and seen["0"] == {"router": 0, "ring": 0}, seen
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_gguf_tiers_on_cuda(tmp_path, qtype):
     """GGUF experts kept in their format in the tiers on CUDA: repacked on the device when admitted,

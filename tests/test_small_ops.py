@@ -196,6 +196,68 @@ def test_add_rms_norm_matches_add_then_norm(dtype, shape):
     assert got != "twin" and torch.equal(got[0], h + y) and torch.equal(got[1], out)
 
 
+def _add_norm_inputs(d, dtype, seed, dev=DEV):
+    """h, a [1, d] and a norm weight [d] (random, never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(1, d, generator=g) * 3).to(dev, dtype)
+    a = torch.randn(1, d, generator=g).to(dev, dtype)
+    nw = (1 + 0.3 * torch.randn(d, generator=g)).to(dev, dtype)
+    return h, a, nw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e,d,k", [(128, 2048, 8), (6, 200, 2), (6, 1536, 2)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_topk_add_norm_is_add_norm_then_router(dtype, e, d, k, normalize):
+    """The residual add + RMSNorm made by the router's launch: s, x, ids, w bit for bit as add_rms_norm then
+    router_topk (two launches), called twice on poisoned outputs (the arrival counter is back at 0 after each).
+    D = 200 runs in the interpreter only: on CUDA add_rms_norm sums its squares over one warp there, and
+    router_add_norm_fits keeps the fused path off."""
+    from moetier.kernels import triton_small
+    _skip_bf16_on_cpu(dtype)
+    if DEV == "cuda" and not triton_small.router_add_norm_fits(e, d):
+        pytest.skip("below 1024 add_rms_norm reduces over 1 warp: not bit for bit on CUDA, not used there")
+    h, a, nw = _add_norm_inputs(d, dtype, seed=e + d + k + normalize)
+    _, weight = _router_inputs(e, d, dtype, seed=e + k + 7 * normalize)
+    want_s, want_x = triton_small.add_rms_norm(h, a, nw, 1e-6)
+    want = (want_s, want_x, *triton_small.router_topk(want_x, weight, k, normalize))
+    for call in range(2):
+        out = (torch.full_like(h, float("nan")), torch.full_like(h, float("nan")),
+               torch.full((1, k), -1, dtype=torch.long, device=DEV), torch.full((1, k), float("nan"), dtype=dtype,
+                                                                                 device=DEV))
+        got = triton_small.router_topk_add_norm(h, a, nw, 1e-6, weight, k, normalize, out=out)
+        assert all(g is o for g, o in zip(got, out))
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), call
+        assert triton_small._router_counter(h.device).item() == 0
+    _check_router(*got[2:], want_x, weight, k, normalize)                # and the twin's answer
+    assert torch.equal(got[0], h + a)
+
+
+def test_router_topk_add_norm_refuses_what_it_cannot_do_bit_for_bit(monkeypatch):
+    """x in more than one chunk of the router's tile (D = 4096 at E = 128, or an explicit small tile), outputs that
+    alias the inputs; router_add_norm_ok's gate: one token, D >= 1024, the kernels on, MOETIER_ROUTER_ADD_NORM."""
+    from moetier.kernels import triton_small
+    assert triton_small.router_add_norm_fits(128, 2048) and triton_small.router_add_norm_fits(8, 4096)
+    assert not triton_small.router_add_norm_fits(128, 4096) and not triton_small.router_add_norm_fits(128, 512)
+    h, a, nw = _add_norm_inputs(2048, torch.float32, seed=1)
+    _, weight = _router_inputs(128, 2048, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="one chunk"):
+        triton_small.router_topk_add_norm(h, a, nw, 1e-6, weight, 8, True, rows=8)
+    with pytest.raises(ValueError, match="alias"):
+        triton_small.router_topk_add_norm(h, a, nw, 1e-6, weight, 8, True, out=(h, torch.empty_like(h)))
+    ok = small_ops.router_add_norm_ok
+    with small_ops.use("triton"):
+        assert ok(h, a, nw, weight, 8)
+        assert not ok(torch.cat([h, h]), torch.cat([a, a]), nw, weight, 8)              # two tokens
+        assert not ok(h[:, :512], a[:, :512], nw[:512], weight[:, :512].contiguous(), 8)   # one warp's norm
+        assert not ok(h, a.double(), nw, weight, 8)
+        monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", "0")
+        assert not ok(h, a, nw, weight, 8)
+        monkeypatch.delenv("MOETIER_ROUTER_ADD_NORM")
+    with small_ops.use("torch"):
+        assert not ok(h, a, nw, weight, 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [2048, 96])
 def test_rms_norm_q8_is_the_norm_then_the_quantizer(dtype, n):
@@ -254,6 +316,49 @@ def test_decoder_block_fused_add_norm_matches_the_unfused_block():
         with torch.no_grad(), small_ops.use(backend):
             outs.append(blk(x, cs, kv, start))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-5)
+
+
+def _moe_block(d, e, k, seed):
+    from types import SimpleNamespace
+
+    from moetier.models.base import Block
+    from moetier.models.layers import Attention, SoftmaxMoE
+    g = torch.Generator().manual_seed(seed)
+    args = SimpleNamespace(hidden_size=d, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           attention_bias=False, rms_norm_eps=1e-6)
+    blk = Block(args, Attention(args, qk_norm=True), SoftmaxMoE(d, e, k, True, 32)).to(DEV)
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        blk.mlp.gate.weight.mul_(4 / d ** 0.5)                          # logits ~ N(0, 1.2): no ties
+    return blk
+
+
+def test_decoder_block_routes_with_the_add_norm_in_the_router_launch(monkeypatch):
+    """base.Block -> SoftmaxMoE.add_norm_forward at D = 1024: the router's launch makes the residual add and the
+    post-attention norm (add_rms_norm is not called), and the block's output is bit for bit the two-launch path's
+    (MOETIER_ROUTER_ADD_NORM=0)."""
+    from moetier.kernels import triton_small
+    from moetier.models.layers import Rope
+    from moetier.runtime.kv_cache import KVCache
+    blk = _moe_block(1024, 8, 2, seed=9)
+    rope = Rope({"rope_theta": 1000.0}, 16, 512).to(DEV)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(10)).to(DEV)
+    start = torch.tensor(5, device=DEV)
+    cs = rope(start + torch.arange(1, device=DEV), torch.float32)
+    calls = []
+    for name in ("add_rms_norm", "router_topk", "router_topk_add_norm"):
+        monkeypatch.setattr(triton_small, name, lambda *a, _f=getattr(triton_small, name), _n=name, **kw:
+                            calls.append(_n) or _f(*a, **kw))
+    outs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", fused)
+        kv = KVCache(32, (2, 16), (2, 16), torch.float32, DEV)
+        calls.clear()
+        with torch.no_grad(), small_ops.use("triton"):
+            outs[fused] = blk(x, cs, kv, start)
+        assert calls == (["router_topk_add_norm"] if fused == "1" else ["add_rms_norm", "router_topk"]), calls
+    assert torch.equal(outs["1"], outs["0"]) and torch.isfinite(outs["1"]).all()
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ except ImportError:     # pragma: no cover - the graph path needs triton; MissSe
 
 
 if triton is not None:
-    from .triton_small import _router_part, _router_pick, pdl
+    from .triton_small import _router_part, _router_part_add_norm, _router_pick, pdl
 
     @triton.jit
     def _store_release(ptr, val, SYS: tl.constexpr):
@@ -77,7 +77,7 @@ if triton is not None:
                      D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
                      BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, STAMP: tl.constexpr):
         _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
-              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP, stamp_ptr, STAMP)
+              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP, True, stamp_ptr, STAMP)
 
     @triton.jit
     def _route_ring_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
@@ -90,13 +90,36 @@ if triton is not None:
             _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
             tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
             _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
-                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1, stamp_ptr, STAMP)
+                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1, True, stamp_ptr, STAMP)
+
+    @triton.jit
+    def _route_ring_add_norm_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, h_ptr, a_ptr, nw_ptr, s_ptr,
+                                    N, eps, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
+                                    bell_ptr, stamp_ptr, E: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                                    NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
+                                    BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
+                                    STAMP: tl.constexpr):
+        """_route_ring_kernel on x = RMSNorm(h + a) * nw made in the launch (triton_small._router_add_norm_kernel):
+        the last program writes the request's x from its own registers (every program holds x: no read-back of
+        program 0's store to x_ptr, which would lean on the counter's ordering and on loads that bypass L1)."""
+        last, x = _router_part_add_norm(x_ptr, wt_ptr, logit_ptr, cnt_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps, E, D,
+                                        ROWS, BD, PDL)
+        if last:
+            _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
+            d = tl.arange(0, BD)
+            tl.store(hx_ptr + d, x.to(tl.float32), mask=d < D)      # before _ring's barrier and bell
+            tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
+            _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
+                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BD, BK, 0, 1, False, stamp_ptr, STAMP)
 
     @triton.jit
     def _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
               hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
               D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
-              BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, stamp_ptr, STAMP: tl.constexpr):
+              BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, COPY_X: tl.constexpr,
+              stamp_ptr, STAMP: tl.constexpr):
+        """The request of one layer (module docstring); COPY_X: x [D] from x_ptr to hx_ptr (else the caller wrote
+        hx_ptr before), then the bell after every thread's stores."""
         seq = tl.load(seq_ptr)
         if BUMP:            # layer 0 starts a new step
             seq = seq + 1
@@ -120,9 +143,10 @@ if triton is not None:
         tl.store(hids_ptr + kk, e.to(tl.int32), mask=km)
         tl.store(hw_ptr + kk, w, mask=km)
         tl.store(hslots_ptr + kk, s.to(tl.int32), mask=km)
-        for d0 in range(0, D, BD):
-            dd = d0 + tl.arange(0, BD)
-            tl.store(hx_ptr + dd, tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32), mask=dd < D)
+        if COPY_X:
+            for d0 in range(0, D, BD):
+                dd = d0 + tl.arange(0, BD)
+                tl.store(hx_ptr + dd, tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32), mask=dd < D)
         tl.debug_barrier()
         if STAMP:       # diagnosis (MOETIER_STAMP=1): the GPU's clock as it rings, stamp[2]
             tl.store(stamp_ptr + 2, _now_ns(SYS))
@@ -241,6 +265,19 @@ def route_ring(x, weight, k: int, normalize: bool, table_row, seq, slots, req: "
     _route_ring_kernel[grid](*args, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
                              req.bell[li * BELL_STRIDE:], req.stamp[li], **const, BUMP=bump, SYS=not _interpret(),
                              BXD=min(4096, triton.next_power_of_2(x.shape[-1])), STAMP=req.stamping, num_warps=4)
+    return res
+
+
+def route_ring_add_norm(h, a, norm_w, eps: float, weight, k: int, normalize: bool, table_row, seq, slots,
+                        req: "Requests", li: int, bump: bool, out=None) -> tuple[torch.Tensor, ...]:
+    """route_ring on x = add_rms_norm(h, a, norm_w, eps)[1], made in the same launch (triton_small.
+    router_add_norm_fits must hold): h, a [1, D] -> (s = h + a, x, ids, w) as add_rms_norm then route_ring return
+    them, bit for bit, and the ring done with that x."""
+    from .triton_small import ROUTER_WARPS, router_add_norm_launch
+    grid, args, const, res = router_add_norm_launch(h, a, norm_w, eps, weight, k, normalize, out=out)
+    _route_ring_add_norm_kernel[grid](*args, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
+                                      req.bell[li * BELL_STRIDE:], req.stamp[li], **const, BUMP=bump,
+                                      SYS=not _interpret(), STAMP=req.stamping, num_warps=ROUTER_WARPS)
     return res
 
 

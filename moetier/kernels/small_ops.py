@@ -8,6 +8,7 @@ kernels on CPU tensors under TRITON_INTERPRET=1).
     ids, w = softmax_topk(logits, k, norm, twin)  # logits [T, E]
     ids, w = router_topk(x, weight, k, norm, twin)  # x [1, D], weight [E, D]: the GEMV and the above, one launch
     s, y = add_rms_norm(h, a, weight, eps, twin)   # s = h + a, y = rms_norm(s): residual add + next norm
+    s, y, ids, w = router_topk_add_norm(h, a, nw, eps, weight, k, norm)  # add_rms_norm, router_topk: one launch
     y, pre = rms_norm_q8(x, weight, eps, twin)     # x [1, N]: y and its int8 copy for a QuantLinear GEMV (or None)
 """
 from __future__ import annotations
@@ -87,16 +88,42 @@ def rms_norm_q8(x, weight, eps: float, twin):
     return kernel(x, weight, eps)
 
 
+def _add_norm_kernel_ok(h, y, weight) -> bool:
+    return (_triton(h, h.shape[0] if h.dim() > 1 else 1) and y.shape == h.shape and y.dtype == h.dtype
+            and y.is_contiguous() and y.device == h.device and weight is not None and weight.dtype == h.dtype
+            and weight.shape == h.shape[-1:] and weight.is_contiguous())
+
+
 def add_rms_norm(h, y, weight, eps: float, twin):
     """(s, normed) = (h + y, RMSNorm(s)): the residual add and the following norm in one launch, s
     rounded to h's dtype as `h + y` is and normed as rms_norm's kernel computes it; `twin(h, y)`
     otherwise (many tokens, CPU, mixed dtypes)."""
-    if (not _triton(h, h.shape[0] if h.dim() > 1 else 1) or y.shape != h.shape or y.dtype != h.dtype
-            or not y.is_contiguous() or y.device != h.device or weight is None or weight.dtype != h.dtype
-            or weight.shape != h.shape[-1:] or not weight.is_contiguous()):
+    if not _add_norm_kernel_ok(h, y, weight):
         return twin(h, y)
     from .triton_small import add_rms_norm as kernel
     return kernel(h, y, weight, eps)
+
+
+def router_add_norm_on() -> bool:
+    """MOETIER_ROUTER_ADD_NORM=0: the decode block's residual add + norm and its router stay two launches (A/B)."""
+    return os.environ.get("MOETIER_ROUTER_ADD_NORM", "1") != "0"
+
+
+def router_add_norm_ok(h, a, norm_weight, weight, k: int) -> bool:
+    """router_topk_add_norm serves this call: add_rms_norm and router_topk would both run their kernels (one token)
+    and one launch gives their answers bit for bit (triton_small.router_add_norm_fits: x in one chunk of the
+    router's tile, D >= 1024)."""
+    if not (_add_norm_kernel_ok(h, a, norm_weight) and router_kernel_ok(h, weight, k) and router_add_norm_on()):
+        return False
+    from .triton_small import router_add_norm_fits
+    return router_add_norm_fits(weight.shape[0], h.shape[-1])
+
+
+def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normalize: bool):
+    """(s, x, ids, w) = add_rms_norm(h, a, norm_weight, eps), then router_topk(x, weight, k, normalize), in one launch
+    (kernels/triton_small.router_topk_add_norm), where router_add_norm_ok holds; the twin is those two."""
+    from .triton_small import router_topk_add_norm as kernel
+    return kernel(h, a, norm_weight, eps, weight, k, normalize)
 
 
 def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:

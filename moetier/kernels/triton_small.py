@@ -8,6 +8,8 @@ softmax_topk: one token per program: fp32 softmax over E logits, the k largest b
 router_topk: one token: the router GEMV x @ W.T (logits rounded to x's dtype) and softmax_topk in one
           launch: E/ROWS programs write their logits, the last to arrive (atomic counter) picks the top k.
 add_rms_norm: the residual add s = h + y and RMSNorm(s) of the next sub-layer, one row per program.
+router_topk_add_norm: add_rms_norm and router_topk in one launch (the decode block's add + norm + router): every
+          router program computes s and x itself, program 0 stores them.
 The decode step on CUDA otherwise spends ~7 launches per norm and ~5 per router (LESSONS §10: each
 small launch is ~3-6 us inside a graph).
 """
@@ -131,6 +133,19 @@ def _router_topk_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, E: tl
 
 
 @triton.jit
+def _router_add_norm_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps,
+                            E: tl.constexpr, D: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+                            ROWS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                            PDL: tl.constexpr):
+    """_add_rms_norm_kernel's s = h + a and x = RMSNorm(s) * nw (to s_ptr, x_ptr), then _router_topk_kernel on x:
+    one launch (_router_part_add_norm)."""
+    last, x = _router_part_add_norm(x_ptr, wt_ptr, logit_ptr, cnt_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps, E, D,
+                                    ROWS, BD, PDL)
+    if last:
+        _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
+
+
+@triton.jit
 def _router_pick(logit_ptr, ids_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                  BE: tl.constexpr, BK: tl.constexpr):
     """The last program of _router_part: softmax top-k of the E logits -> ids_ptr, w_ptr."""
@@ -145,8 +160,7 @@ def _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E: tl.constexpr, D: tl.const
                  BD: tl.constexpr, PDL: tl.constexpr):
     """Program p computes logits [p ROWS, (p + 1) ROWS) of the one token (fp32 sums rounded to x's dtype, as
     F.linear returns them) into logit_ptr (fp32 scratch [E]). -> whether it is the last program to arrive
-    (int32 counter, acq_rel; it resets the counter): all E logits are then visible to it (the threadfence-
-    reduction pattern: one launch, no float atomics, deterministic)."""
+    (_router_arrive)."""
     pid = tl.program_id(0)
     r = pid * ROWS + tl.arange(0, ROWS)
     rm = r < E
@@ -168,6 +182,41 @@ def _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E: tl.constexpr, D: tl.const
                          other=0.0)
             acc += wt.to(tl.float32) * x.to(tl.float32)[None, :]
     z = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)       # the twin's logits dtype
+    return _router_arrive(z, r, rm, logit_ptr, cnt_ptr)
+
+
+@triton.jit
+def _router_part_add_norm(x_ptr, wt_ptr, logit_ptr, cnt_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps,
+                          E: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+    """_router_part (one chunk: D <= BD = next_power_of_2(D)) on x = _add_norm(h, a, nw): every program computes s
+    and x from h and a (2 D elements of L2 reads each), program 0 stores them to s_ptr, x_ptr (no program of this
+    launch reads them back: later launches do, after this grid). N = D at run time (_add_rms_norm_kernel's N: the
+    same division). -> (last to arrive, x [BD] in registers)."""
+    pid = tl.program_id(0)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rm = r < E
+    d = tl.arange(0, BD)
+    dm = d < D
+    wt = tl.load(wt_ptr + r.to(tl.int64)[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    nw = tl.load(nw_ptr + d, mask=dm, other=0.0)
+    _pdl_enter(PDL)         # the weights above before the wait, h and a (the previous kernels' outputs) after
+    h = tl.load(h_ptr + d, mask=dm, other=0.0)
+    a = tl.load(a_ptr + d, mask=dm, other=0.0)
+    s, x = _add_norm(h, a, nw, N, eps)
+    if pid == 0:
+        tl.store(s_ptr + d, s, mask=dm)
+        tl.store(x_ptr + d, x, mask=dm)
+    acc = tl.zeros((ROWS, BD), dtype=tl.float32)
+    acc += wt.to(tl.float32) * x.to(tl.float32)[None, :]       # _router_part's one-chunk math
+    z = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return _router_arrive(z, r, rm, logit_ptr, cnt_ptr), x
+
+
+@triton.jit
+def _router_arrive(z, r, rm, logit_ptr, cnt_ptr):
+    """Store this program's logits z [ROWS] (rows r, mask rm) -> whether it is the last program to arrive (int32
+    counter, acq_rel; it resets the counter): all E logits are then visible to it (the threadfence-reduction
+    pattern: one launch, no float atomics, deterministic)."""
     tl.store(logit_ptr + r, z, mask=rm)
     tl.debug_barrier()                        # every thread's stores happen before the release below
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
@@ -183,12 +232,26 @@ def _router_counter(device):
     return arrival_counters(device, 1, "router")
 
 
+def router_tile(e: int, dim: int, rows: int | None = None) -> tuple[int, int]:
+    """The router kernels' (ROWS, BD): ~E/2 programs (enough SMs pulling the weight, E D bytes), chunks of x of BD."""
+    if rows is None:
+        rows = 2 if e >= 64 else 1
+    return rows, min(triton.next_power_of_2(dim), max(64, 4096 // rows))
+
+
+ROUTER_WARPS = 4
+
+
+def router_add_norm_fits(e: int, dim: int) -> bool:
+    """router_topk_add_norm is add_rms_norm then router_topk bit for bit: x in one chunk of the router's tile, and
+    add_rms_norm's sum of squares over the router's 4 warps (the same reduction order; it takes 1 warp below 1024)."""
+    return router_tile(e, dim)[1] >= dim and _norm_warps(dim) == ROUTER_WARPS
+
+
 def router_launch(x, weight, k: int, normalize: bool, rows: int | None = None, out=None):
     """The router kernels' common arguments: -> (grid, positional args, constexpr and launch kwargs, (ids, w))."""
     e, dim = weight.shape
-    if rows is None:
-        rows = 2 if e >= 64 else 1            # ~E/2 programs: enough SMs pulling the weight (E D bytes)
-    bd = min(triton.next_power_of_2(dim), max(64, 4096 // rows))
+    rows, bd = router_tile(e, dim, rows)
     logits = torch.empty(e, dtype=torch.float32, device=x.device)
     ids, w = out if out is not None else (torch.empty((1, k), dtype=torch.long, device=x.device), x.new_empty((1, k)))
     on = pdl(x)
@@ -201,7 +264,33 @@ def router_topk(x, weight, k: int, normalize: bool, rows: int | None = None, out
     """x [1, D] contiguous, weight [E, D] contiguous, same dtype -> ids [1, k] int64, w [1, k] in x's
     dtype: softmax_topk(F.linear(x, weight), k, normalize) in one launch. `out`: (ids, w) to write."""
     grid, args, const, res = router_launch(x, weight, k, normalize, rows, out)
-    _router_topk_kernel[grid](*args, **const, num_warps=4)
+    _router_topk_kernel[grid](*args, **const, num_warps=ROUTER_WARPS)
+    return res
+
+
+def router_add_norm_launch(h, a, norm_w, eps: float, weight, k: int, normalize: bool, rows: int | None = None,
+                           out=None):
+    """router_launch's for x = add_rms_norm(h, a, norm_w, eps)[1], made in the launch: -> (grid, positional args
+    (the router's, then h, a, norm_w, s, N, eps), constexpr and launch kwargs, (s, x, ids, w))."""
+    s, x, *iw = out if out is not None else (h.new_empty(h.shape), h.new_empty(h.shape))
+    if any(o.data_ptr() in (h.data_ptr(), a.data_ptr()) for o in (s, x)):
+        raise ValueError("router_topk_add_norm: s and x must not alias h or a (program 0 writes them while the "
+                         "other programs read h and a)")
+    grid, args, const, (ids, w) = router_launch(x, weight, k, normalize, rows, tuple(iw) or None)
+    if const["BD"] < const["D"]:
+        raise ValueError(f"router_topk_add_norm needs x in one chunk of the router's tile: D = {const['D']} > "
+                         f"BD = {const['BD']} (router_tile); use add_rms_norm then router_topk")
+    return grid, (*args, h, a, norm_w, s, h.shape[-1], eps), const, (s, x, ids, w)
+
+
+def router_topk_add_norm(h, a, norm_w, eps: float, weight, k: int, normalize: bool, rows: int | None = None,
+                         out=None):
+    """h, a [1, D] contiguous, norm_w [D], weight [E, D] contiguous, one dtype, x in one chunk of the router's tile
+    (router_add_norm_fits: bit for bit on CUDA too) -> (s [1, D], x [1, D], ids [1, k], w [1, k]) =
+    add_rms_norm(h, a, norm_w, eps), then router_topk(x, weight, k, normalize), in one launch (one fewer on the
+    decode step's serial path). `out`: (s, x) or (s, x, ids, w) to write; s and x must not alias h or a."""
+    grid, args, const, res = router_add_norm_launch(h, a, norm_w, eps, weight, k, normalize, rows, out)
+    _router_add_norm_kernel[grid](*args, **const, num_warps=ROUTER_WARPS)
     return res
 
 
@@ -240,6 +329,13 @@ def rms_norm_q8(x, weight, eps: float):
 
 # ---------------------------------------------------------------- residual add + RMSNorm
 @triton.jit
+def _add_norm(h, y, w, N, eps):
+    """Rows h, y, w [BN] (0 past N) -> (s = h + y rounded to h's dtype, RMSNorm(s) * w as _rms_norm_kernel)."""
+    s = (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype)
+    return s, (w.to(h.dtype) * _rms(s, N, eps)).to(h.dtype)
+
+
+@triton.jit
 def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.constexpr, PDL: tl.constexpr):
     """One row per program: s = h + y (rounded to h's dtype), out = RMSNorm(s) * w as _rms_norm_kernel."""
     r = tl.program_id(0).to(tl.int64)
@@ -248,12 +344,15 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.con
     _pdl_enter(PDL)
     h = tl.load(h_ptr + r * N + n, mask=m, other=0.0)
     y = tl.load(y_ptr + r * N + n, mask=m, other=0.0)
-    s = (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype)
-    tl.store(s_ptr + r * N + n, s, mask=m)
-    o = _rms(s, N, eps)
     w = tl.load(w_ptr + n, mask=m, other=0.0)
-    o = (w.to(h.dtype) * o).to(h.dtype)
+    s, o = _add_norm(h, y, w, N, eps)
+    tl.store(s_ptr + r * N + n, s, mask=m)
     tl.store(out_ptr + r * N + n, o, mask=m)
+
+
+def _norm_warps(n: int) -> int:
+    """add_rms_norm's warps for rows of n (its sum of squares is added in an order that depends on them)."""
+    return 4 if n >= 1024 else 1
 
 
 def add_rms_norm(h, y, weight, eps: float, out=None):
@@ -263,7 +362,7 @@ def add_rms_norm(h, y, weight, eps: float, out=None):
     s, out = out if out is not None else (h.new_empty(h.shape), h.new_empty(h.shape))
     on = pdl(h)
     _add_rms_norm_kernel[(h.numel() // n,)](h, y, weight, s, out, n, eps, BN=triton.next_power_of_2(n), PDL=on,
-                                            num_warps=4 if n >= 1024 else 1, **_pdl_kw(on))
+                                            num_warps=_norm_warps(n), **_pdl_kw(on))
     return s, out
 
 

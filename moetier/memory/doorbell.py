@@ -254,15 +254,33 @@ class GraphTiers:
         doorbell, and wait_add adds the residual (router: a SoftmaxRouter). None where it does not apply (the
         router kernel cannot run, or the PCIe share is on): the caller routes and calls forward."""
         from ..kernels import small_ops
-        from ..models.layers import SoftmaxRouter
-        if (self.n_pcie or type(router) is not SoftmaxRouter or router.k != self.k
-                or not small_ops.router_kernel_ok(x, router.weight, router.k) or residual.shape != x.shape
-                or residual.dtype != x.dtype or not residual.is_contiguous()):
+        if (not self._rings_in_router(router) or not small_ops.router_kernel_ok(x, router.weight, router.k)
+                or residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
             return None
         slots = self.slots[li]
         ids, w = self._db.route_ring(x, router.weight, router.k, router.normalize, self.tiers.cache.table[li],
                                      self.seq, slots, self.req, li, bump=li == 0)
         return self._after_ring(li, x, slots, w, residual)
+
+    def add_norm_routed(self, li: int, h: torch.Tensor, a: torch.Tensor, norm, router) -> torch.Tensor | None:
+        """routed(li, norm(s), router, s) with s = h + a, the add and the norm (an RMSNorm) made by the same launch
+        (route_ring_add_norm: one launch fewer); None where it does not apply (as routed, or
+        small_ops.router_add_norm_ok fails): the caller adds, norms and routes."""
+        from ..kernels import small_ops
+        if not self._rings_in_router(router) or not small_ops.router_add_norm_ok(h, a, norm.weight, router.weight,
+                                                                                 router.k):
+            return None
+        slots = self.slots[li]
+        s, x, ids, w = self._db.route_ring_add_norm(h, a, norm.weight, norm.eps, router.weight, router.k,
+                                                    router.normalize, self.tiers.cache.table[li], self.seq, slots,
+                                                    self.req, li, bump=li == 0)
+        return self._after_ring(li, x, slots, w, residual=s)
+
+    def _rings_in_router(self, router) -> bool:
+        """The router's last program may ring this layer's doorbell: a SoftmaxRouter of our k, no PCIe share (its
+        picks need the ring kernel's offsets)."""
+        from ..models.layers import SoftmaxRouter
+        return not self.n_pcie and type(router) is SoftmaxRouter and router.k == self.k
 
     def forward(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         k = ids.shape[1]

@@ -85,6 +85,14 @@ class TieredExperts(nn.Module):
             return None
         return g.routed(self.li, x, router, residual)
 
+    def add_norm_routed(self, h: torch.Tensor, a: torch.Tensor, norm, router) -> torch.Tensor | None:
+        """routed on x = norm(h + a) with residual h + a, the add and the norm made by the router's launch
+        (GraphTiers.add_norm_routed); None otherwise."""
+        g = self.tiers.graphed
+        if g is None or not g.capturing or h.shape[0] != 1:
+            return None
+        return g.add_norm_routed(self.li, h, a, norm, router)
+
     def extra_repr(self) -> str:
         return f"layer={self.tiers.layout.layers[self.li]}, experts={self.num_experts}"
 

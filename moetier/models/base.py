@@ -37,6 +37,10 @@ class Block(nn.Module):
         else:
             a = self.self_attn(norm(h), rope, kv, start)
         norm = self.post_attention_layernorm
+        fused = getattr(self.mlp, "add_norm_forward", None)
+        out = fused(h, a, norm) if fused is not None else None
+        if out is not None:              # one CUDA token: the residual add and this norm made by the router's launch
+            return out
         if type(norm) is RMSNorm:        # a few CUDA tokens: the residual add and this norm in one launch
             h, x = small_ops.add_rms_norm(h, a, norm.weight, norm.eps, self._add_norm)
         else:

@@ -507,3 +507,18 @@ class SoftmaxMoE(nn.Module):
         ids, w = self.gate(x)             # [T, k]
         y = self.experts(x, ids, w)
         return y if residual is None else residual + y
+
+    def add_norm_forward(self, h: torch.Tensor, a: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+        """s + forward(norm(s)) with s = h + a (Block's residual add and post-attention norm), the add and the norm
+        made by the router's launch (one CUDA token: small_ops.router_add_norm_ok); None otherwise (Block adds,
+        norms and calls forward)."""
+        gate = self.gate
+        if (type(gate) is not SoftmaxRouter or type(norm) is not RMSNorm
+                or not small_ops.router_add_norm_ok(h, a, norm.weight, gate.weight, gate.k)):
+            return None
+        routed = getattr(self.experts, "add_norm_routed", None)     # tiered experts inside a captured decode step
+        out = routed(h, a, norm, gate) if routed is not None else None
+        if out is not None:
+            return out
+        s, x, ids, w = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize)
+        return s + self.experts(x, ids, w)
