@@ -98,6 +98,76 @@ def test_fused_decode_attention_matches_the_layer(qk_norm, rot_frac, h, hkv, dh,
     torch.testing.assert_close(caches[0].v[:pos + 1], caches[1].v[:pos + 1])
 
 
+def _attn_case(h, hkv, dh, rot, qk_norm, pos, dtype, seed, dev=DEV, rows=320):
+    """Random decode-attention inputs at `pos`: (qkv, q_w, k_w, cos, sin, pos tensor, k cache, v cache); the caches
+    [rows, Hkv, Dh] hold random history below pos, garbage above it and NaN at row pos (written before it is read)."""
+    from moetier.models.layers import Rope
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(1, (h + 2 * hkv) * dh, generator=g).to(dev, dtype)
+    qw, kw = (1 + 0.3 * torch.randn(2, dh, generator=g)).to(dev, dtype) if qk_norm else (None, None)
+    start = torch.tensor(pos, device=dev)
+    cos, sin = Rope({"rope_theta": 1000.0}, rot, 4096).to(dev)(start + torch.arange(1, device=dev), dtype)
+    kc, vc = (torch.randn(rows, hkv, dh, generator=g).to(dev, dtype) for _ in range(2))
+    kc[pos], vc[pos] = float("nan"), float("nan")
+    return qkv, qw, kw, cos, sin, start, kc, vc
+
+
+def _attn_run(case, h, hkv, dh, q8, fused, nsplit=16):
+    """decode_attention on copies of the case's caches -> (out, its int8 copy or None, k cache, v cache)."""
+    from moetier.kernels import triton_small
+    qkv, qw, kw, cos, sin, start, kc, vc = case
+    kc, vc = kc.clone(), vc.clone()
+    res = triton_small.decode_attention(qkv, qw, kw, 1e-6, cos, sin, start, kc, vc, h, hkv, dh ** -0.5,
+                                        nsplit=nsplit, q8=q8, fused=fused)
+    out, pre = res if q8 else (res, None)
+    return out, pre, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h,hkv,dh,rot,qk_norm,pos,q8", [
+    (4, 4, 64, 64, True, 5, True), (4, 4, 64, 64, True, 300, False),          # REP 1
+    (8, 4, 128, 64, False, 0, True), (8, 4, 128, 64, False, 300, True),       # REP 2, half the features rotated
+    (16, 2, 64, 32, True, 20, False), (16, 2, 64, 32, True, 300, True),       # REP 8
+    (8, 1, 128, 128, True, 5, True), (8, 1, 128, 128, True, 300, False)])
+def test_fused_decode_attention_equals_the_three_launches(dtype, h, hkv, dh, rot, qk_norm, pos, q8):
+    """The one-launch decode attention (_attn_fused_kernel) vs prep + split + combine, bit for bit: the output, its
+    int8 copy (q8) and both caches (row pos written, every other row untouched); pos 0, 5, 20 leave splits empty
+    (NSPLIT 16). The fused path runs twice in a row: its arrival counters are back at 0 after each launch."""
+    from moetier.kernels import triton_small
+    _skip_bf16_on_cpu(dtype)
+    case = _attn_case(h, hkv, dh, rot, qk_norm, pos, dtype, seed=pos + 7 * h + dh)
+    kc0, vc0 = case[-2:]
+    others = torch.arange(kc0.shape[0], device=DEV) != pos
+    want = _attn_run(case, h, hkv, dh, q8, fused=False)
+    for call in range(2):
+        got = _attn_run(case, h, hkv, dh, q8, fused=True)
+        assert all(torch.isfinite(t).all() for t in (got[0], got[2][pos], got[3][pos]))      # row pos written
+        assert torch.equal(got[0], want[0]), call
+        assert (got[1] is None) == (not q8) and (not q8 or all(torch.equal(a, b) for a, b in zip(got[1], want[1])))
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+        assert torch.equal(got[2][others], kc0[others]) and torch.equal(got[3][others], vc0[others])
+        assert not triton_small._attn_counters(kc0.device, hkv)[:hkv].any()
+
+
+def test_fused_decode_attention_other_split_counts():
+    """NSPLIT 4 and 32 (one key per split, most of them empty at pos 9): the same bits as the three launches."""
+    case = _attn_case(8, 2, 64, 64, True, 9, torch.float32, seed=3)
+    for nsplit in (4, 32):
+        want = _attn_run(case, 8, 2, 64, True, fused=False, nsplit=nsplit)
+        got = _attn_run(case, 8, 2, 64, True, fused=True, nsplit=nsplit)
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+        assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+
+
+def test_decode_attention_fused_by_default(monkeypatch):
+    """MOETIER_ATTN_FUSED=0 selects the three launches (A/B); unset, the one launch."""
+    from moetier.kernels import triton_small
+    monkeypatch.delenv("MOETIER_ATTN_FUSED", raising=False)
+    assert triton_small.attn_fused()
+    monkeypatch.setenv("MOETIER_ATTN_FUSED", "0")
+    assert not triton_small.attn_fused()
+
+
 # ---------------------------------------------------------------- fused router, residual add + RMSNorm
 def _skip_bf16_on_cpu(dtype):
     if DEV == "cpu" and dtype == torch.bfloat16:
@@ -389,3 +459,35 @@ def test_gpu_router_and_add_norm_in_a_cuda_graph(dtype, e, d, k, normalize):
         assert torch.equal(s, h + y)
         assert torch.equal(out, triton_small.rms_norm(h + y, nw, 1e-6))
     assert triton_small._router_counter(x.device).item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fused_attention_in_a_cuda_graph():
+    """The fused decode attention (q8, PDL where the GPU has it) captured once and replayed at 45 positions on new
+    inputs copied into the static ones: the same bits as the three launches run eagerly (on real hardware, so a
+    missing barrier or a stale partial would show), the arrival counters back at 0."""
+    from moetier.kernels import triton_small
+    h, hkv, dh, rows = 32, 4, 128, 1024
+    static = _attn_case(h, hkv, dh, dh, True, 0, torch.bfloat16, seed=5, dev="cuda", rows=rows)
+    qkv, qw, kw, cos, sin, start, kc, vc = static
+
+    def run():
+        return triton_small.decode_attention(qkv, qw, kw, 1e-6, cos, sin, start, kc, vc, h, hkv, dh ** -0.5, q8=True,
+                                             fused=True)
+    run()                                        # compile and allocate the counters before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, pre = run()
+    for i, pos in enumerate([*range(40), 255, 256, 257, 1000, rows - 1]):
+        new = _attn_case(h, hkv, dh, dh, True, pos, torch.bfloat16, seed=10 + i, dev="cuda", rows=rows)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = _attn_run(new, h, hkv, dh, True, fused=False)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[0]) and all(torch.equal(a, b) for a, b in zip(pre, want[1])), pos
+        assert torch.equal(kc, want[2]) and torch.equal(vc, want[3]), pos
+    assert not triton_small._attn_counters(kc.device, hkv)[:hkv].any()
