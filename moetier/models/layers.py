@@ -381,8 +381,9 @@ def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate
     """bf16 prefill over all experts' float weights gate_up [E, 2I, D], down [E, D, I]: pairs sorted
     by expert, one grouped GEMM per projection (torch._grouped_mm; measured faster than our Triton
     grouped kernel for bf16). No host sync: the per-expert counts and group ends come from a
-    scatter-add on the device (torch.bincount on CUDA reads the maximum id back to the host first).
-    -> (out [T, D], rows per expert [E] on the device)."""
+    scatter-add on the device (torch.bincount on CUDA reads the maximum id back to the host first). Deterministic:
+    each token's k weighted rows are summed in fp32 in the router's order. -> (out [T, D], rows per expert [E] on
+    the device)."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -394,7 +395,12 @@ def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(act(gate, up).contiguous(), down.transpose(-2, -1), offs=offs)
     y = y * w.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype)), counts
+    # back to (token, j) order, then each token's k rows summed in fp32 (as kernels.triton_moe.moe_grouped does):
+    # index_add_ on CUDA adds in bf16 by atomics in a varying order, so two prefills of one prompt differed in the
+    # last bits (and a decode after them; docs/perf-log.md, session 19)
+    pairs = torch.empty_like(y)
+    pairs[order] = y
+    return pairs.view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype), counts
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
