@@ -198,7 +198,8 @@ def test_graphed_tiered_decode_with_expert_biases(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dtype):
-    """D = 1024 (the fused path's smallest): the residual add + post-attention norm made by the router's launch
+    """D = 1024 (the fused path's smallest; bf16: float32 on CUDA keeps two launches, whose bits the H200 did not
+    reproduce in one): the residual add + post-attention norm made by the router's launch
     (MOETIER_ROUTER_ADD_NORM=1, the default) against the two launches (=0): the dense model's eager decode logits bit
     for bit, and the greedy tokens of the untiered graph and of the graphed tiered step with CPU misses
     (route_ring_add_norm); the fused kernels are counted, so the path was taken."""
@@ -242,7 +243,10 @@ def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dty
         seen[on] = dict(calls)
     assert torch.equal(got["1", "eager"], got["0", "eager"])
     assert got["1", "untiered"] == got["0", "untiered"] and got["1", "tiered"] == got["0", "tiered"]
-    assert seen["1"]["router"] > 0 and seen["1"]["ring"] > 0 and seen["0"] == {"router": 0, "ring": 0}, seen
+    if dtype == torch.float32:      # float32 on CUDA keeps the two launches (small_ops.router_add_norm_ok)
+        assert seen["1"] == seen["0"] == {"router": 0, "ring": 0}, seen
+    else:
+        assert seen["1"]["router"] > 0 and seen["1"]["ring"] > 0 and seen["0"] == {"router": 0, "ring": 0}, seen
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
