@@ -100,10 +100,6 @@ def main() -> int:
                                "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr", "wt_ptr")}
     f32 = {n: "*fp32" for n in ("pm_ptr", "pl_ptr", "pacc_ptr", "dx_ptr", "xs_ptr", "logit_ptr")}
     for name, fn, const, types in (     # the decode step's small kernels, launched as programmatic dependents
-            ("attn_fused", triton_small._attn_fused_kernel,
-             dict(H=32, HKV=4, REP=8, DH=128, R=128, QK_NORM=True, NSPLIT=16, BR=16, BS=32, BD=128, PREC="tf32",
-                  Q8=True, PDL=True),
-             {**bf, **f32, "q_ptr": "*i8", "cnt_ptr": "*i32", "pos_ptr": "*i64", "eps": "fp32", "scale": "fp32"}),
             ("combine+q8", triton_small._attn_combine_kernel,
              dict(REP=8, DH=128, NSPLIT=16, BR=16, BD=128, Q8=True, PDL=True), {**bf, **f32, "q_ptr": "*i8"}),
             ("attn_split", triton_small._attn_split_kernel,

@@ -10,8 +10,6 @@ router_topk: one token: the router GEMV x @ W.T (logits rounded to x's dtype) an
 add_rms_norm: the residual add s = h + y and RMSNorm(s) of the next sub-layer, one row per program.
 router_topk_add_norm: add_rms_norm and router_topk in one launch (the decode block's add + norm + router): every
           router program computes s and x itself, program 0 stores them.
-decode_attention: one token's q/k RMSNorm + RoPE, k/v cache write, split-K attention over [0, pos] and the combine
-          in one launch (the last of a kv head's split programs combines), or the three launches it replaced.
 The decode step on CUDA otherwise spends ~7 launches per norm and ~5 per router (LESSONS §10: each
 small launch is ~3-6 us inside a graph).
 """
@@ -369,94 +367,65 @@ def add_rms_norm(h, y, weight, eps: float, out=None):
 
 
 # ---------------------------------------------------------------- decode attention (T = 1, graph)
-ATTN_WARPS = 4     # every decode-attention kernel: the fused one then reduces in the 3 launches' layouts (same bits)
-
-
-def attn_fused() -> bool:
-    """decode_attention in one launch (_attn_fused_kernel) rather than three (prep, split, combine).
-    MOETIER_ATTN_FUSED=0: the three launches (A/B, diagnosis; both give the same bits)."""
-    return os.environ.get("MOETIER_ATTN_FUSED", "1") != "0"
-
-
-def _attn_counters(device, hkv: int):
-    """The fused attention's arrival counters, one per kv head (triton_decode_q8.arrival_counters): launches on one
-    device must not overlap (one decode stream): two attentions running at once would share them."""
-    return arrival_counters(device, hkv, "attention")
-
-
-@triton.jit
-def _qk_head(qkv_ptr, i, w_ptr, cos_ptr, sin_ptr, eps, DH: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
-             BD: tl.constexpr):
-    """Head i of qkv (a q or k head, [DH]) -> its RMSNorm (weight w_ptr [DH]; fp32 statistics, the twin's two
-    roundings) and RoPE (first R features, halves: lane d takes its partner d -+ R/2): fp32 [BD], 0 past DH."""
-    d = tl.arange(0, BD)
-    dm = d < DH
-    half: tl.constexpr = R // 2
-    partner = tl.where(d < half, d + half, tl.where(d < R, d - half, d))
-    x = tl.load(qkv_ptr + i * DH + d, mask=dm, other=0.0)
-    xp = tl.load(qkv_ptr + i * DH + partner, mask=dm, other=0.0)
-    y = x.to(tl.float32)
-    yp = xp.to(tl.float32)
-    if QK_NORM:
-        r = tl.rsqrt(tl.sum(y * y, axis=0) / DH + eps)
-        w = tl.load(w_ptr + d, mask=dm, other=0.0)
-        wp = tl.load(w_ptr + partner, mask=dm, other=0.0)
-        y = (w * (y * r).to(x.dtype)).to(x.dtype).to(tl.float32)      # the twin's two roundings
-        yp = (wp * (yp * r).to(x.dtype)).to(x.dtype).to(tl.float32)
-    c = tl.load(cos_ptr + d, mask=d < R, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + d, mask=d < R, other=0.0).to(tl.float32)
-    sign = tl.where(d < half, -1.0, 1.0)
-    return tl.where(d < R, y * c + sign * yp * s, y)
-
-
-@triton.jit
-def _kv_store(qkv_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, j, pos, eps, H: tl.constexpr, HKV: tl.constexpr,
-              DH: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr, BD: tl.constexpr):
-    """kv head j: k (norm + RoPE) and v of qkv -> the caches' row `pos` (int64)."""
-    d = tl.arange(0, BD)
-    dm = d < DH
-    k = _qk_head(qkv_ptr, H + j, kw_ptr, cos_ptr, sin_ptr, eps, DH, R, QK_NORM, BD)
-    tl.store(kc_ptr + (pos * HKV + j) * DH + d, k.to(kc_ptr.dtype.element_ty), mask=dm)
-    v = tl.load(qkv_ptr + (H + HKV + j) * DH + d, mask=dm, other=0.0)
-    tl.store(vc_ptr + (pos * HKV + j) * DH + d, v.to(vc_ptr.dtype.element_ty), mask=dm)
-
-
 @triton.jit
 def _qkv_prep_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, eps,
                      H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr,
                      QK_NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-    """grid (H + HKV,): q heads -> q_ptr [H, DH] (qkv's dtype), kv heads -> the caches' row `pos`."""
+    """grid (H + 2 HKV,): q heads -> q_ptr, k heads -> k cache row `pos`, v heads -> v cache row."""
     i = tl.program_id(0)
     d = tl.arange(0, BD)
+    dm = d < DH
     _pdl_enter(PDL)
     pos = tl.load(pos_ptr).to(tl.int64)
-    if i < H:
-        q = _qk_head(qkv_ptr, i, qw_ptr, cos_ptr, sin_ptr, eps, DH, R, QK_NORM, BD)
-        tl.store(q_ptr + i * DH + d, q.to(qkv_ptr.dtype.element_ty), mask=d < DH)
+    if i < H + HKV:
+        half: tl.constexpr = R // 2
+        partner = tl.where(d < half, d + half, tl.where(d < R, d - half, d))
+        x = tl.load(qkv_ptr + i * DH + d, mask=dm, other=0.0)
+        xp = tl.load(qkv_ptr + i * DH + partner, mask=dm, other=0.0)
+        y = x.to(tl.float32)
+        yp = xp.to(tl.float32)
+        if QK_NORM:
+            r = tl.rsqrt(tl.sum(y * y, axis=0) / DH + eps)
+            wq = tl.load(qw_ptr + d, mask=dm, other=0.0)
+            wk = tl.load(kw_ptr + d, mask=dm, other=0.0)
+            wqp = tl.load(qw_ptr + partner, mask=dm, other=0.0)
+            wkp = tl.load(kw_ptr + partner, mask=dm, other=0.0)
+            w = tl.where(i < H, wq, wk)
+            wp = tl.where(i < H, wqp, wkp)
+            y = (w * (y * r).to(x.dtype)).to(x.dtype).to(tl.float32)      # the twin's two roundings
+            yp = (wp * (yp * r).to(x.dtype)).to(x.dtype).to(tl.float32)
+        c = tl.load(cos_ptr + d, mask=d < R, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + d, mask=d < R, other=0.0).to(tl.float32)
+        sign = tl.where(d < half, -1.0, 1.0)
+        out = tl.where(d < R, y * c + sign * yp * s, y)
+        if i < H:
+            tl.store(q_ptr + i * DH + d, out.to(x.dtype), mask=dm)
+        else:
+            tl.store(kc_ptr + (pos * HKV + (i - H)) * DH + d, out.to(kc_ptr.dtype.element_ty), mask=dm)
     else:
-        _kv_store(qkv_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, i - H, pos, eps, H, HKV, DH, R, QK_NORM, BD)
+        j = i - H - HKV
+        v = tl.load(qkv_ptr + (H + HKV + j) * DH + d, mask=dm, other=0.0)
+        tl.store(vc_ptr + (pos * HKV + j) * DH + d, v.to(vc_ptr.dtype.element_ty), mask=dm)
 
 
 @triton.jit
-def _split_range(pos_ptr, sp, NSPLIT: tl.constexpr):
-    """Split sp's keys [lo, hi) of [0, n), n = pos + 1 (NSPLIT near-equal ranges, trailing ones may be empty);
-    -> (pos int64, lo, hi)."""
-    pos = tl.load(pos_ptr).to(tl.int64)
-    n = pos.to(tl.int32) + 1
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr, scale,
+                       HKV: tl.constexpr, REP: tl.constexpr, DH: tl.constexpr, NSPLIT: tl.constexpr,
+                       BR: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """grid (HKV, NSPLIT): the REP q heads of kv head g over keys [lo, hi) of [0, pos]; partial softmax
+    statistics (max, sum) and the unnormalised output per (g, split, head)."""
+    g = tl.program_id(0)
+    sp = tl.program_id(1)
+    _pdl_enter(PDL)
+    n = tl.load(pos_ptr).to(tl.int32) + 1
     per = (n + NSPLIT - 1) // NSPLIT
     lo = sp * per
-    return pos, lo, tl.minimum(lo + per, n)
-
-
-@triton.jit
-def _attn_part(q, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, g, sp, lo, hi, scale, HKV: tl.constexpr,
-               DH: tl.constexpr, NSPLIT: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
-               PREC: tl.constexpr):
-    """q [BR, BD] (qkv's dtype; kv head g's REP q heads, 0 past them) over keys [lo, hi): online softmax ->
-    the partial statistics (max, sum) and unnormalised output of split sp, per head row."""
+    hi = tl.minimum(lo + per, n)
     r = tl.arange(0, BR)
     d = tl.arange(0, BD)
+    rm = r < REP
     dm = d < DH
+    q = tl.load(q_ptr + (g * REP + r)[:, None] * DH + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
     q = (q.to(tl.float32) * scale).to(kc_ptr.dtype.element_ty)
     m = tl.full((BR,), float("-inf"), tl.float32)
     l = tl.zeros((BR,), tl.float32)
@@ -484,37 +453,23 @@ def _attn_part(q, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, g, sp, lo, hi, scale
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr, scale,
-                       HKV: tl.constexpr, REP: tl.constexpr, DH: tl.constexpr, NSPLIT: tl.constexpr,
-                       BR: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
-    """grid (HKV, NSPLIT): the REP q heads of kv head g over split sp's keys (_attn_part)."""
-    g = tl.program_id(0)
-    sp = tl.program_id(1)
+def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, REP: tl.constexpr,
+                         DH: tl.constexpr, NSPLIT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                         Q8: tl.constexpr, PDL: tl.constexpr):
+    """grid (H,): head h = g * REP + j combines its NSPLIT partials. Q8 (DH = BD, a multiple of 32): the head's
+    output also quantized to int8 per 32-block, as triton_decode_q8.quantize does it (for the o_proj GEMV)."""
+    h = tl.program_id(0)
     _pdl_enter(PDL)
-    pos, lo, hi = _split_range(pos_ptr, sp, NSPLIT)
-    r = tl.arange(0, BR)
-    d = tl.arange(0, BD)
-    q = tl.load(q_ptr + (g * REP + r)[:, None] * DH + d[None, :], mask=(r < REP)[:, None] & (d < DH)[None, :],
-                other=0.0)
-    _attn_part(q, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, g, sp, lo, hi, scale, HKV, DH, NSPLIT, BR, BS, BD, PREC)
-
-
-@triton.jit
-def _combine_head(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, g, j, DH: tl.constexpr,
-                  REP: tl.constexpr, NSPLIT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, Q8: tl.constexpr,
-                  CACHE: tl.constexpr):
-    """Head h = g REP + j: its NSPLIT partials -> out_ptr's row h. Q8 (DH = BD, a multiple of 32): the head's
-    output also quantized to int8 per 32-block, as triton_decode_q8.quantize does it (for the o_proj GEMV).
-    CACHE: the partials' load cache modifier (".cg": written by other programs of this launch, read from L2)."""
-    h = g * REP + j
+    g = h // REP
+    j = h % REP
     sp = tl.arange(0, NSPLIT)
     d = tl.arange(0, BD)
     base = (g * NSPLIT + sp) * BR + j
-    m = tl.load(pm_ptr + base, cache_modifier=CACHE)
-    l = tl.load(pl_ptr + base, cache_modifier=CACHE)
+    m = tl.load(pm_ptr + base)
+    l = tl.load(pl_ptr + base)
     top = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
-    acc = tl.load(pacc_ptr + base[:, None] * BD + d[None, :], cache_modifier=CACHE)
+    acc = tl.load(pacc_ptr + base[:, None] * BD + d[None, :])
     out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
     o = out.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + h * DH + d, o, mask=d < DH)
@@ -526,83 +481,34 @@ def _combine_head(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, g, j
         tl.store(xs_ptr + h * (DH // 32) + b, xs)
 
 
-@triton.jit
-def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, REP: tl.constexpr,
-                         DH: tl.constexpr, NSPLIT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
-                         Q8: tl.constexpr, PDL: tl.constexpr):
-    """grid (H,): head h = g REP + j combines its NSPLIT partials (_combine_head)."""
-    h = tl.program_id(0)
-    _pdl_enter(PDL)
-    _combine_head(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, h // REP, h % REP, DH, REP, NSPLIT, BR,
-                  BD, Q8, "")
-
-
-@triton.jit
-def _attn_fused_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr,
-                       cnt_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, eps, scale, H: tl.constexpr, HKV: tl.constexpr,
-                       REP: tl.constexpr, DH: tl.constexpr, R: tl.constexpr, QK_NORM: tl.constexpr,
-                       NSPLIT: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
-                       PREC: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr):
-    """grid (HKV, NSPLIT): the three kernels above in one launch, same math, same bits. Program (g, sp) norms and
-    ropes kv head g's REP q heads in registers; the program whose keys hold `pos` first writes k/v at pos (its own
-    loads of that row follow a barrier; no other program reads it); its partials stored, it takes a ticket of g's
-    counter (acq_rel, after a barrier: all its threads' stores released), and the last of g's NSPLIT programs
-    (it resets the counter) combines g's REP heads from L2."""
-    g = tl.program_id(0)
-    sp = tl.program_id(1)
-    _pdl_enter(PDL)
-    pos, lo, hi = _split_range(pos_ptr, sp, NSPLIT)
-    r = tl.arange(0, BR)
-    q = tl.zeros((BR, BD), dtype=qkv_ptr.dtype.element_ty)
-    for j in tl.static_range(REP):      # prep's q rows, as the split kernel loads them (rows past REP 0)
-        qj = _qk_head(qkv_ptr, g * REP + j, qw_ptr, cos_ptr, sin_ptr, eps, DH, R, QK_NORM, BD)
-        q = tl.where((r == j)[:, None], qj.to(qkv_ptr.dtype.element_ty)[None, :], q)
-    if (lo <= pos) & (pos < hi):        # the last non-empty split: k/v of this token first
-        _kv_store(qkv_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, g, pos, eps, H, HKV, DH, R, QK_NORM, BD)
-        tl.debug_barrier()              # the stores happen before any of this program's threads loads row pos
-    _attn_part(q, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, g, sp, lo, hi, scale, HKV, DH, NSPLIT, BR, BS, BD, PREC)
-    tl.debug_barrier()                  # every thread's partial stores happen before the release below
-    done = tl.atomic_add(cnt_ptr + g, 1, sem="acq_rel")
-    if done == NSPLIT - 1:              # the last of g's programs: all g's partials are visible to it
-        tl.atomic_xchg(cnt_ptr + g, 0)  # ready for the next launch (a CUDA-graph replay)
-        for j in tl.static_range(REP):
-            _combine_head(pm_ptr, pl_ptr, pacc_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, g, j, DH, REP, NSPLIT, BR, BD,
-                          Q8, ".cg")
-
-
 def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos, k_cache, v_cache, h: int, hkv: int, scale: float,
-                     nsplit: int = 16, q8: bool = False, fused: bool | None = None):
+                     nsplit: int = 16, q8: bool = False):
     """One token: qkv [1, (H + 2 Hkv) Dh] -> per-head RMSNorm (q_w / k_w [Dh] or None) and RoPE
     (cos / sin [1, R], first R features, halves) of q and k, k and v written to the caches [S, Hkv, Dh]
-    at the device position `pos`, attention of q over keys [0, pos] -> [1, H Dh]. One launch (fused; None:
-    attn_fused()) or three (prep, split-K partials, combine), the same bits.
+    at the device position `pos`, attention of q over keys [0, pos] -> [1, H Dh]. Three launches.
     q8: -> (out, (q int8, dx, xs)), the output also quantized as triton_decode_q8.quantize(out) would (what
     QuantLinear's GEMV takes; one launch fewer), or (out, None) where Dh is not a power of two >= 32."""
     dh = k_cache.shape[-1]
     rep, rot = h // hkv, cos.shape[-1]
     bd = triton.next_power_of_2(dh)
+    q = qkv.new_empty((h, dh))
+    on = pdl(qkv)
+    kw = _pdl_kw(on)
+    _qkv_prep_kernel[(h + 2 * hkv,)](qkv, q_w if q_w is not None else qkv, k_w if k_w is not None else qkv,
+                                    cos, sin, pos, q, k_cache, v_cache, eps, H=h, HKV=hkv, DH=dh, R=rot,
+                                    QK_NORM=q_w is not None, BD=bd, PDL=on, num_warps=1 if bd <= 128 else 2, **kw)
     br = max(16, triton.next_power_of_2(rep))
     pm = torch.empty(hkv * nsplit * br, dtype=torch.float32, device=qkv.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty(hkv * nsplit * br * bd, dtype=torch.float32, device=qkv.device)
+    _attn_split_kernel[(hkv, nsplit)](q, k_cache, v_cache, pos, pm, pl, pacc, scale, HKV=hkv, REP=rep, DH=dh,
+                                      NSPLIT=nsplit, BR=br, BS=32, BD=bd, num_warps=4,
+                                      PREC="ieee" if k_cache.dtype == torch.float32 else "tf32", PDL=on, **kw)
     out = qkv.new_empty((1, h * dh))
     want_q8, q8 = q8, q8 and dh == bd and dh % 32 == 0
     xq = torch.empty(1, h * dh, dtype=torch.int8, device=qkv.device) if q8 else out
     xd = torch.empty(1, h * dh // 32, dtype=torch.float32, device=qkv.device) if q8 else out
     xs = torch.empty_like(xd) if q8 else out
-    qw, kw = q_w if q_w is not None else qkv, k_w if k_w is not None else qkv
-    prec = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-    on = pdl(qkv)
-    const = dict(HKV=hkv, REP=rep, DH=dh, NSPLIT=nsplit, BR=br, BD=bd, PDL=on, num_warps=ATTN_WARPS, **_pdl_kw(on))
-    if attn_fused() if fused is None else fused:
-        _attn_fused_kernel[(hkv, nsplit)](qkv, qw, kw, cos, sin, pos, k_cache, v_cache, pm, pl, pacc,
-                                          _attn_counters(qkv.device, hkv), out, xq, xd, xs, eps, scale, H=h, R=rot,
-                                          QK_NORM=q_w is not None, BS=32, PREC=prec, Q8=q8, **const)
-    else:
-        q = qkv.new_empty((h, dh))
-        _qkv_prep_kernel[(h + hkv,)](qkv, qw, kw, cos, sin, pos, q, k_cache, v_cache, eps, H=h, HKV=hkv, DH=dh, R=rot,
-                                     QK_NORM=q_w is not None, BD=bd, PDL=on, num_warps=ATTN_WARPS, **_pdl_kw(on))
-        _attn_split_kernel[(hkv, nsplit)](q, k_cache, v_cache, pos, pm, pl, pacc, scale, BS=32, PREC=prec, **const)
-        _attn_combine_kernel[(h,)](pm, pl, pacc, out, xq, xd, xs, REP=rep, DH=dh, NSPLIT=nsplit, BR=br, BD=bd, Q8=q8,
-                                   PDL=on, num_warps=ATTN_WARPS, **_pdl_kw(on))
+    _attn_combine_kernel[(h,)](pm, pl, pacc, out, xq, xd, xs, REP=rep, DH=dh, NSPLIT=nsplit, BR=br, BD=bd, Q8=q8,
+                               PDL=on, num_warps=1, **kw)
     return (out, (xq, xd, xs) if q8 else None) if want_q8 else out

@@ -274,7 +274,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         if (t == 1 and self.qkv_rows is not None and rope is not None
                 and small_ops.decode_attention_ok(x, kv, self.window, self.sinks, False)):
-            # CUDA decode: norm + rope + cache write, split-K attention over [0, start] and combine: one launch
+            # CUDA decode: norm + rope + cache write, split-K attention over [0, start]: 3 launches
             # (eager steps too, so a graph replay and an eager step compute the same numbers)
             if not isinstance(start, torch.Tensor):
                 start = torch.tensor(start, device=x.device)
