@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from ..models.layers import DenseExperts, grouped_mm_experts
+from ..models.layers import DenseExperts, add_pairs, grouped_mm_experts
 from .cache import SlotCache
 from .fast import FastTier, expert_math, grouped_available
 from .layout import expert_modules
@@ -205,7 +205,7 @@ class Tiers:
         if self.prefetcher is not None and decode:
             self.prefetcher.predict(li, x)
         ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, rows, ys)
+        return add_pairs(x, rows, order, ys, k)
 
     def _rows_to_host(self, xs: torch.Tensor, cpu_rows: list[tuple[int, int]]):
         """CUDA: the CPU misses' rows to pinned host memory, before the hits are queued (a copy

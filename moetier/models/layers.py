@@ -381,9 +381,8 @@ def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate
     """bf16 prefill over all experts' float weights gate_up [E, 2I, D], down [E, D, I]: pairs sorted
     by expert, one grouped GEMM per projection (torch._grouped_mm; measured faster than our Triton
     grouped kernel for bf16). No host sync: the per-expert counts and group ends come from a
-    scatter-add on the device (torch.bincount on CUDA reads the maximum id back to the host first). Deterministic:
-    each token's k weighted rows are summed in fp32 in the router's order. -> (out [T, D], rows per expert [E] on
-    the device)."""
+    scatter-add on the device (torch.bincount on CUDA reads the maximum id back to the host first); the k rows of a
+    token added by add_pairs. -> (out [T, D], rows per expert [E] on the device)."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -395,12 +394,19 @@ def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(act(gate, up).contiguous(), down.transpose(-2, -1), offs=offs)
     y = y * w.reshape(-1)[order, None].to(y.dtype)
-    # back to (token, j) order, then each token's k rows summed in fp32 (as kernels.triton_moe.moe_grouped does):
-    # index_add_ on CUDA adds in bf16 by atomics in a varying order, so two prefills of one prompt differed in the
-    # last bits (and a decode after them; docs/perf-log.md, session 19)
-    pairs = torch.empty_like(y)
-    pairs[order] = y
-    return pairs.view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype), counts
+    return add_pairs(x, rows, order, y, k), counts
+
+
+def add_pairs(x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, ys: torch.Tensor, k: int) -> torch.Tensor:
+    """out [T, D] (x's dtype): each token's k weighted expert rows ys [T*k, D] (sorted pairs: pair order[i] of token
+    rows[i]) added up. CUDA: back to (token, j) order and summed in fp32 (as kernels.triton_moe.moe_grouped does),
+    because index_add_ there adds by atomics in a varying order: two prefills of one prompt gave different last bits
+    (docs/perf-log.md, session 19). CPU: index_add_ (ascending expert order, what _one_token_experts reproduces)."""
+    if not ys.is_cuda:
+        return torch.zeros_like(x).index_add_(0, rows, ys.to(x.dtype))
+    pairs = torch.empty_like(ys)
+    pairs[order] = ys
+    return pairs.view(-1, k, ys.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
@@ -423,7 +429,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_exp
             ys[start:start + n] = run(e, xs[start:start + n])
             start += n
     ys = ys * w.reshape(-1)[order, None].to(ys.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, ys)
+    return add_pairs(x, rows, order, ys, k)
 
 
 def _one_token_experts(x, ids, w, run):
