@@ -239,8 +239,9 @@ def test_router_topk_add_norm_refuses_what_it_cannot_do_bit_for_bit(monkeypatch)
     from moetier.kernels import triton_small
     assert triton_small.router_add_norm_fits(128, 2048) and triton_small.router_add_norm_fits(8, 4096)
     assert not triton_small.router_add_norm_fits(128, 4096) and not triton_small.router_add_norm_fits(128, 512)
-    h, a, nw = _add_norm_inputs(2048, torch.float32, seed=1)
-    _, weight = _router_inputs(128, 2048, torch.float32, seed=2)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32     # float32 on CUDA keeps two launches
+    h, a, nw = _add_norm_inputs(2048, dt, seed=1)
+    _, weight = _router_inputs(128, 2048, dt, seed=2)
     with pytest.raises(ValueError, match="one chunk"):
         triton_small.router_topk_add_norm(h, a, nw, 1e-6, weight, 8, True, rows=8)
     with pytest.raises(ValueError, match="alias"):
@@ -251,6 +252,8 @@ def test_router_topk_add_norm_refuses_what_it_cannot_do_bit_for_bit(monkeypatch)
         assert not ok(torch.cat([h, h]), torch.cat([a, a]), nw, weight, 8)              # two tokens
         assert not ok(h[:, :512], a[:, :512], nw[:512], weight[:, :512].contiguous(), 8)   # one warp's norm
         assert not ok(h, a.double(), nw, weight, 8)
+        if DEV == "cuda":
+            assert not ok(h.float(), a.float(), nw.float(), weight.float(), 8)
         monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", "0")
         assert not ok(h, a, nw, weight, 8)
         monkeypatch.delenv("MOETIER_ROUTER_ADD_NORM")
@@ -341,11 +344,12 @@ def test_decoder_block_routes_with_the_add_norm_in_the_router_launch(monkeypatch
     from moetier.kernels import triton_small
     from moetier.models.layers import Rope
     from moetier.runtime.kv_cache import KVCache
-    blk = _moe_block(1024, 8, 2, seed=9)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32     # float32 on CUDA keeps two launches
+    blk = _moe_block(1024, 8, 2, seed=9).to(dt)
     rope = Rope({"rope_theta": 1000.0}, 16, 512).to(DEV)
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(10)).to(DEV)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(10)).to(DEV, dt)
     start = torch.tensor(5, device=DEV)
-    cs = rope(start + torch.arange(1, device=DEV), torch.float32)
+    cs = rope(start + torch.arange(1, device=DEV), dt)
     calls = []
     for name in ("add_rms_norm", "router_topk", "router_topk_add_norm"):
         monkeypatch.setattr(triton_small, name, lambda *a, _f=getattr(triton_small, name), _n=name, **kw:
@@ -353,7 +357,7 @@ def test_decoder_block_routes_with_the_add_norm_in_the_router_launch(monkeypatch
     outs = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", fused)
-        kv = KVCache(32, (2, 16), (2, 16), torch.float32, DEV)
+        kv = KVCache(32, (2, 16), (2, 16), dt, DEV)
         calls.clear()
         with torch.no_grad(), small_ops.use("triton"):
             outs[fused] = blk(x, cs, kv, start)
