@@ -95,17 +95,18 @@ def main() -> int:
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})
     bad += err is not None
     print(f"bf16  embed    {'ok' if err is None else err}")
-    from moetier.kernels import triton_small
+    from moetier.kernels import triton_attention, triton_small
     bf = {n: "*bf16" for n in ("x_ptr", "w_ptr", "out_ptr", "h_ptr", "y_ptr", "s_ptr", "qkv_ptr", "qw_ptr", "kw_ptr",
                                "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr", "wt_ptr")}
     f32 = {n: "*fp32" for n in ("pm_ptr", "pl_ptr", "pacc_ptr", "dx_ptr", "xs_ptr", "logit_ptr")}
     for name, fn, const, types in (     # the decode step's small kernels, launched as programmatic dependents
-            ("combine+q8", triton_small._attn_combine_kernel,
+            ("combine+q8", triton_attention._attn_combine_kernel,
              dict(REP=8, DH=128, NSPLIT=16, BR=16, BD=128, Q8=True, PDL=True), {**bf, **f32, "q_ptr": "*i8"}),
-            ("attn_split", triton_small._attn_split_kernel,
+            ("attn_split", triton_attention._attn_split_kernel,
              dict(HKV=4, REP=8, DH=128, NSPLIT=16, BR=16, BS=32, BD=128, PREC="tf32", PDL=True),
              {**bf, **f32, "pos_ptr": "*i64", "scale": "fp32"}),
-            ("qkv_prep", triton_small._qkv_prep_kernel, dict(H=32, HKV=4, DH=128, R=128, QK_NORM=True, BD=128, PDL=True),
+            ("qkv_prep", triton_attention._qkv_prep_kernel,
+             dict(H=32, HKV=4, DH=128, R=128, QK_NORM=True, BD=128, PDL=True),
              {**bf, "pos_ptr": "*i64", "eps": "fp32"}),
             ("norm+q8", triton_small._rms_norm_q8_kernel, dict(BN=2048, PDL=True),
              {**bf, **f32, "q_ptr": "*i8", "N": "i32", "eps": "fp32"}),

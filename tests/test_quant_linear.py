@@ -159,8 +159,8 @@ def test_decode_attention_hands_o_proj_its_int8_copy():
     import os
 
     pytest.importorskip("triton")
+    from moetier.kernels import triton_attention
     from moetier.kernels import triton_decode_q8 as q8
-    from moetier.kernels import triton_small
     from moetier.models.layers import Rope
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs Triton's interpreter or CUDA")
@@ -171,9 +171,9 @@ def test_decode_attention_hands_o_proj_its_int8_copy():
     caches.append((caches[0][0].clone(), caches[0][1].clone()))
     start = torch.tensor(pos, device=DEV)
     cos, sin = Rope({"rope_theta": 1000.0}, dh, 4096).to(DEV)(start + torch.arange(1, device=DEV), torch.float32)
-    plain = triton_small.decode_attention(qkv, None, None, 1e-6, cos, sin, start, *caches[0], h, hkv, dh ** -0.5)
-    out, pre = triton_small.decode_attention(qkv, None, None, 1e-6, cos, sin, start, *caches[1], h, hkv, dh ** -0.5,
-                                             q8=True)
+    plain = triton_attention.decode_attention(qkv, None, None, 1e-6, cos, sin, start, *caches[0], h, hkv, dh ** -0.5)
+    out, pre = triton_attention.decode_attention(qkv, None, None, 1e-6, cos, sin, start, *caches[1], h, hkv,
+                                                 dh ** -0.5, q8=True)
     assert torch.equal(out, plain)
     for got, want in zip(pre, q8.quantize(out)):
         assert torch.equal(got, want)

@@ -1,7 +1,7 @@
 """The import surface of the decode step's small fused ops: RMSNorm (with the residual add before
 it) and the softmax top-k router (with its GEMV).
-Triton (kernels/triton_small.py) on CUDA for a few tokens, else the twins passed in by the caller
-(models/layers.py keeps the math). The backend follows kernels.ops; `use` overrides it (tests run the
+Triton (kernels/triton_small.py, triton_attention.py) on CUDA for a few tokens, else the twins passed in by the
+caller (models/layers.py keeps the math). The backend follows kernels.ops; `use` overrides it (tests run the
 kernels on CPU tensors under TRITON_INTERPRET=1).
 
     y = rms_norm(x, weight, eps, twin)           # x [..., N]; weight None | [N] | [R, N] over dim -2
@@ -138,7 +138,7 @@ def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:
 
 def decode_attention(qkv, q_w, k_w, eps, cos, sin, pos, kv, h: int, hkv: int, scale: float, q8: bool = False):
     """qkv [1, (H + 2 Hkv) Dh] of one token at device position `pos`: q/k RMSNorm and RoPE, k/v into
-    the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_small.decode_attention); q8: -> (out,
+    the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_attention.decode_attention); q8: -> (out,
     its int8 copy for a QuantLinear o_proj, or None)."""
-    from .triton_small import decode_attention as kernel
+    from .triton_attention import decode_attention as kernel
     return kernel(qkv, q_w, k_w, eps, cos, sin, pos, kv.k, kv.v, h, hkv, scale, q8=q8)
