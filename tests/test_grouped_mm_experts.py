@@ -3,7 +3,7 @@ fully staged tiered layer) against the per-expert reference, on the CPU (torch._
 import pytest
 import torch
 
-from moetier.models.layers import DenseExperts, grouped_experts, grouped_mm_experts, swiglu
+from moetier.models.layers import DenseExperts, add_pairs, grouped_experts, grouped_mm_experts, swiglu
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 
@@ -28,3 +28,22 @@ def test_matches_the_per_expert_path(t, k):
     assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=E))
     err = ((got.float() - want).abs().max() / want.abs().max()).item()
     assert err < 3e-2, err
+
+
+@pytest.mark.parametrize("t,k", [(37, 4), (1, 8), (5, 1)])
+def test_add_pairs_sums_each_tokens_rows_in_fp32(t, k):
+    """add_pairs' CUDA branch (fp32_sum, run here on the CPU): the weighted rows of sorted pairs (any permutation `order`
+    of the T*k pairs, rows = order // k) go back to their tokens, each token's k rows summed in fp32 and rounded once:
+    the float64 sum within one bf16 rounding, and the CPU's index_add_ within its k roundings."""
+    g = torch.Generator().manual_seed(t * 10 + k)
+    d = 48
+    order = torch.randperm(t * k, generator=g)
+    rows = order // k
+    ys = (torch.randn(t * k, d, generator=g) * torch.rand(t * k, 1, generator=g) * 4).bfloat16()
+    x = torch.randn(t, d, generator=g).bfloat16()
+    got = add_pairs(x, rows, order, ys, k, fp32_sum=True)
+    want = torch.zeros(t, d, dtype=torch.float64).index_add_(0, rows, ys.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (t, d)
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-30).all()
+    cpu = add_pairs(x, rows, order, ys, k, fp32_sum=False)
+    assert ((cpu.double() - want).abs() <= want.abs() * k * 2 ** -8 + 1e-2).all()

@@ -397,12 +397,14 @@ def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate
     return add_pairs(x, rows, order, y, k), counts
 
 
-def add_pairs(x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, ys: torch.Tensor, k: int) -> torch.Tensor:
+def add_pairs(x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, ys: torch.Tensor, k: int,
+              fp32_sum: bool | None = None) -> torch.Tensor:
     """out [T, D] (x's dtype): each token's k weighted expert rows ys [T*k, D] (sorted pairs: pair order[i] of token
-    rows[i]) added up. CUDA: back to (token, j) order and summed in fp32 (as kernels.triton_moe.moe_grouped does),
-    because index_add_ there adds by atomics in a varying order: two prefills of one prompt gave different last bits
-    (docs/perf-log.md, session 19). CPU: index_add_ (ascending expert order, what _one_token_experts reproduces)."""
-    if not ys.is_cuda:
+    rows[i], order a permutation of all T*k pairs) added up. fp32_sum (default: on CUDA): back to (token, j) order and
+    summed in fp32 (as kernels.triton_moe.moe_grouped does), because index_add_ there adds by atomics in a varying
+    order: two prefills of one prompt gave different last bits (docs/perf-log.md, session 19). Else index_add_
+    (on the CPU: ascending expert order, what _one_token_experts reproduces)."""
+    if not (ys.is_cuda if fp32_sum is None else fp32_sum):
         return torch.zeros_like(x).index_add_(0, rows, ys.to(x.dtype))
     pairs = torch.empty_like(ys)
     pairs[order] = ys
