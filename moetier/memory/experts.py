@@ -62,10 +62,7 @@ def _group_mm(x, flat, token, wf, experts: list[int], num_experts: int, gu, dn, 
     y = torch._grouped_mm(act(gate, up).contiguous(), dn.transpose(-2, -1), offs=offs)
     keep = (key[order] < n)[:, None]
     y = torch.where(keep, y * wf[order, None].to(y.dtype), torch.zeros((), dtype=y.dtype, device=dev))
-    if y.is_cuda:       # (CUDA's index_add_ adds by atomics in a varying order: models.layers.add_pairs)
-        out += add_pairs(out, rows, order, y, flat.numel() // out.shape[0])
-    else:
-        out.index_add_(0, rows, y.to(out.dtype))
+    add_pairs(out, rows, order, y, flat.numel() // out.shape[0], into=out)
 
 
 class TieredExperts(nn.Module):

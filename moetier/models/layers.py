@@ -398,17 +398,18 @@ def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate
 
 
 def add_pairs(x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, ys: torch.Tensor, k: int,
-              fp32_sum: bool | None = None) -> torch.Tensor:
+              fp32_sum: bool | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, D] (x's dtype): each token's k weighted expert rows ys [T*k, D] (sorted pairs: pair order[i] of token
-    rows[i], order a permutation of all T*k pairs) added up. fp32_sum (default: on CUDA): back to (token, j) order and
-    summed in fp32 (as kernels.triton_moe.moe_grouped does), because index_add_ there adds by atomics in a varying
-    order: two prefills of one prompt gave different last bits (docs/perf-log.md, session 19). Else index_add_
-    (on the CPU: ascending expert order, what _one_token_experts reproduces)."""
+    rows[i], order a permutation of all T*k pairs) added up, into zeros or into `into` (in place). fp32_sum (default:
+    on CUDA): back to (token, j) order and summed in fp32 (as kernels.triton_moe.moe_grouped does), because index_add_
+    there adds by atomics in a varying order: two prefills of one prompt gave different last bits (docs/perf-log.md,
+    session 19). Else index_add_ (on the CPU: ascending expert order, what _one_token_experts reproduces)."""
     if not (ys.is_cuda if fp32_sum is None else fp32_sum):
-        return torch.zeros_like(x).index_add_(0, rows, ys.to(x.dtype))
+        return (torch.zeros_like(x) if into is None else into).index_add_(0, rows, ys.to(x.dtype))
     pairs = torch.empty_like(ys)
     pairs[order] = ys
-    return pairs.view(-1, k, ys.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype)
+    out = pairs.view(-1, k, ys.shape[-1]).sum(1, dtype=torch.float32).to(x.dtype)
+    return out if into is None else into.add_(out)
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
