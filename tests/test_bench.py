@@ -114,13 +114,13 @@ def test_time_split_without_tiers_is_all_device():
 def test_stream_decode_forces_topic_local_tokens(model):
     from moetier import EngineConfig
     from moetier.runtime.engine import Engine
-    from moetier.tools.bench_core import GREEDY, decode_mode, forcing
+    from moetier.tools.bench_core import GREEDY, Forcing, decode_mode
     from moetier.tools.synth import stream_for
     assert decode_mode("auto", model) == "stream" and decode_mode("greedy", model) == "greedy"
     engine = Engine.load(model, EngineConfig(device="cpu", progress=False))
     ids = stream_for(model, engine.args.vocab_size, 20, seed=4)
     done = engine.complete(prompt_ids=ids[:12], max_tokens=8, params=GREEDY, ignore_eos=True,
-                           logits_processor=forcing(ids[12:]))
+                           logits_processor=Forcing(ids[12:]))
     assert done.token_ids == ids[12:]
 
 

@@ -165,6 +165,48 @@ def test_graphed_tiered_decode_gives_the_eager_tokens(tiny, tmp_path, dtype):
             assert got[True][:4] == got[False][:4] and agree >= 0.5, (name, agree)
 
 
+def test_pipelined_graph_decode_stops_and_resumes_as_eager(tiny, monkeypatch):
+    """Pipelined greedy decoding (runtime.cuda_graph.GraphStep: the next replay queued before the host reads the
+    token, its input the graph's own argmax; with tiers the CPU answers on the serving thread): an EOS midway
+    discards the step queued past it, and the session's next turn replays the same graph. Tokens as the eager
+    steps give them (fp32), untiered and tiered (CPU misses); the pipelined launches are counted."""
+    from moetier import SamplingParams
+    from moetier.runtime import cuda_graph
+    path, tokens = tiny
+    pl = make_placement(path, EngineConfig(max_context=CTX, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
+                        torch.float32, CTX, bw={"pcie_gbs": 12.0})
+    few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 10 * pl.expert_fast_bytes
+    launches = []
+    launch = cuda_graph.GraphStep.launch
+    monkeypatch.setattr(cuda_graph.GraphStep, "launch", lambda self, tok: launches.append(tok) or launch(self, tok))
+    prompt = tokens[:SPLIT].tolist()
+    greedy = SamplingParams(temperature=0)
+    for name, kw in {"untiered": {}, "tiered": dict(gpu_mem=few, ram_mem=1 << 32, pcie_share=0.0)}.items():
+        got = {}
+        for graphs in (False, True):
+            eng = Engine.load(path, EngineConfig(progress=False, device="cuda", max_context=CTX, cuda_graphs=graphs,
+                                                 **kw))
+            free = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=greedy, ignore_eos=True).token_ids
+            cut = next(i for i in range(3, N_GREEDY) if free[i] not in free[:i])
+            eng.eos_ids = {free[cut]}
+            s = eng.new_session()
+            first = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=greedy, session=s)
+            n0 = len(launches)
+            again = eng.complete(prompt_ids=prompt + first.token_ids + [free[cut]] + prompt[:5], max_tokens=N_GREEDY,
+                                 params=greedy, session=s, ignore_eos=True)
+            if graphs:
+                assert len(launches) - n0 == N_GREEDY - 1 and launches[n0] is not None, (name, launches[n0:])
+                assert all(t is None for t in launches[n0 + 1:]), name      # inputs made by the graph itself
+            got[graphs] = (free, first.token_ids, first.finish_reason, again.token_ids)
+            if eng.tiers is not None:
+                assert (eng.tiers.graphed is not None) == graphs, name
+                eng.tiers.close()
+            del eng
+            torch.cuda.empty_cache()
+        assert got[True] == got[False], name
+        assert got[True][1] == got[True][0][:cut] and got[True][2] == "stop"
+
+
 def test_graphed_tiered_decode_with_expert_biases(tmp_path):
     """gpt-oss experts (biases, clamped SwiGLU; an F32 GGUF: the tiers read its per-projection tensors)
     in the graphed tier step: the C server adds the misses' biases, the hits kernel those of the GPU

@@ -63,6 +63,9 @@ typedef struct {
                                            * without barriers (layer_flow; kernels/doorbell.py's default) */
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
+    int32_t *log_ids, *log_slots;         /* NULL, or [L, k]: each layer's request row as served (the GPU rewrites */
+    float *log_w;                         /* ids / slots / w at the next step's bell, which a queued replay may ring
+                                           * before the host has read them) */
 } serve_ctx;
 
 static int is_quant(int qtype) { return qtype != F32 && qtype != BF16 && qtype != F16; }
@@ -873,6 +876,11 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                     t_seen[li] = now_s();
                     const int32_t *ids = c->ids + (int64_t)li * k, *sl = c->slots + (int64_t)li * k;
                     const float *w = c->w + (int64_t)li * k;
+                    if (c->log_ids) {
+                        memcpy(c->log_ids + (int64_t)li * k, ids, k * sizeof *ids);
+                        memcpy(c->log_slots + (int64_t)li * k, sl, k * sizeof *sl);
+                        memcpy(c->log_w + (int64_t)li * k, w, k * sizeof *w);
+                    }
                     int m = 0;
                     for (int j = 0; j < k; j++) {
                         if (sl[j] >= 0) continue;

@@ -340,7 +340,8 @@ class _Ctx(ctypes.Structure):
                                            # 3: variant 0's reads without the math (a ceiling: y is not the product);
                                            # 4: variant 0 with guided chunks (halving parts of each home);
                                            # 5: phase 3's rows prefetched in phase 1; 6: no barriers (dataflow)
-        ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p)]   # the GPU's guess of the next layer's misses
+        ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p),   # the GPU's guess of the next layer's misses
+        ("log_ids", ctypes.c_void_p), ("log_slots", ctypes.c_void_p), ("log_w", ctypes.c_void_p)]   # rows as served
 
 
 # The miss server's default variant (serve_ctx.variant): 6, the phases without barriers (doorbell.c layer_flow; each
@@ -416,6 +417,10 @@ class MissServer:
         self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + k * dim + 272,
                                    dtype=torch.float32)
         self.timing = torch.zeros(16, dtype=torch.float64)   # doorbell.c moetier_serve_step
+        # each layer's request row as the server read it (the bookkeeping's copy: a replay queued behind the step
+        # served may ring its first layers, rewriting req's rows, before the host reads them)
+        self.log_ids, self.log_slots = torch.zeros_like(req.ids), torch.zeros_like(req.slots)
+        self.log_w = torch.zeros_like(req.w)
         self.detail = (0.0, 0, 0.0)
         self.guesses = (0, 0, 0)
         self.prefetched, self.first_bell, self.phases = 0.0, 0.0, (0.0,) * 5     # serve's, below
@@ -429,7 +434,8 @@ class MissServer:
                         None if self._types is None else self._types.data_ptr(),
                         None if self._row_bytes is None else self._row_bytes.data_ptr(),
                         *(None if b is None else ctypes.cast(b, ctypes.c_void_p) for b in self._bias), VARIANT,
-                        req.hint.data_ptr() if hints else None, req.hint_flag.data_ptr() if hints else None)
+                        req.hint.data_ptr() if hints else None, req.hint_flag.data_ptr() if hints else None,
+                        self.log_ids.data_ptr(), self.log_slots.data_ptr(), self.log_w.data_ptr())
 
     def serve(self, seq: int, timeout_s: float | None = None) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed). timeout_s: this step's wait

@@ -154,6 +154,10 @@ class GraphTiers:
         self.counting = True
         self._pending = None        # the last served step's request rows, not yet accounted for
         self._worker = _Worker(dev)     # accounts for each step while the next one is served
+        self._serving = None            # serve_queued's thread (pipelined decode), made on first use
+        self._queued = self._served = 0
+        self._serve_errors: dict[int, BaseException] = {}    # a queued serve's error, by its ticket
+        self._served_cv = threading.Condition()
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = dict.fromkeys(STEP_TIMING, 0)
         self._t_served = 0.0        # when the last serve of a run of graphed steps returned (0: none yet)
@@ -317,6 +321,36 @@ class GraphTiers:
         took over 10 s from layer 0's bell to layer 1's, and the first tiered bench failed)."""
         return _Server(lambda: self.after_step(WARMUP_TIMEOUT_S))
 
+    def serve_queued(self) -> int:
+        """Pipelined decode (runtime.cuda_graph.GraphStep): answer the step just launched on the serving thread, in
+        launch order, so the host can queue the next replay before it reads this one's token. -> n: its ticket for
+        `wait_served(n)`."""
+        if self._serving is None:
+            self._serving = _Worker(self.tiers.pl.device, name="moetier-serve")
+        self._queued += 1
+        self._serving.submit(self._serve_one)
+        return self._queued
+
+    def _serve_one(self) -> None:
+        err = None
+        try:
+            self.after_step()
+        except BaseException as e:    # noqa: BLE001 - handed to wait_served
+            err = e
+        with self._served_cv:
+            self._served += 1
+            if err is not None:
+                self._serve_errors[self._served] = err
+            self._served_cv.notify_all()
+
+    def wait_served(self, n: int) -> None:
+        """Until the first n steps of serve_queued were answered; re-raises the first error among them (once)."""
+        with self._served_cv:
+            self._served_cv.wait_for(lambda: self._served >= n)
+            errs = [self._serve_errors.pop(i) for i in sorted(self._serve_errors) if i <= n]
+        if errs:
+            raise errs[0]
+
     def after_step(self, timeout_s: float | None = None) -> None:
         """Answer the misses of the step just launched. The previous step's bookkeeping (counters, cache policy,
         admissions) runs on the worker thread meanwhile: the serve holds no GIL, so the worker's Python never
@@ -334,9 +368,10 @@ class GraphTiers:
             self.req.err[0] = 0
             raise RuntimeError(f"decode step {bad}: the GPU stopped waiting for the CPU's expert results")
         if self.counting:
-            # the request rows first (the next replay rewrites them), so an error of the worker loses no step
-            self._pending = (self.req.ids.numpy().copy(), self.req.slots.numpy().copy(), self.req.w.numpy().copy(),
-                             busy)
+            # the rows as the server read them (a queued replay may already be rewriting req's), copied before the
+            # next serve, so an error of the worker loses no step
+            sv = self.server
+            self._pending = (sv.log_ids.numpy().copy(), sv.log_slots.numpy().copy(), sv.log_w.numpy().copy(), busy)
             self._wait_worker()
             tm = self.timing
             tm["steps"] += 1
@@ -388,8 +423,10 @@ class GraphTiers:
         self.timing["account_s"] += time.perf_counter() - t0
 
     def drain(self) -> None:
-        """Finish the graphed steps' bookkeeping (before anything else reads or changes the tiers): the worker's,
-        then the last step's, here."""
+        """Finish the graphed steps' bookkeeping (before anything else reads or changes the tiers): the serving
+        thread's queued answers, the worker's, then the last step's, here."""
+        if self._serving is not None:
+            self._serving.wait()
         self._wait_worker()
         self._t_served = 0.0            # the next step starts a new run of steps (outside_ms counts within runs)
         pending, self._pending = self._pending, None
@@ -402,6 +439,8 @@ class GraphTiers:
             self.drain()
         finally:
             self._worker.close()
+            if self._serving is not None:
+                self._serving.close()
 
     def report(self) -> dict:
         """Mean host milliseconds per graphed decode step."""
@@ -512,7 +551,7 @@ class _Worker:
     """One daemon thread running submitted functions in order; `wait()` blocks until all are done and re-raises
     the first error."""
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, name: str = "moetier-accounting"):
         self._q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.closed = False
@@ -520,7 +559,7 @@ class _Worker:
         self.device = None                  # a CUDA device index ("cuda" alone: the caller's current GPU)
         if d is not None and d.type == "cuda":
             self.device = d.index if d.index is not None else torch.cuda.current_device()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="moetier-accounting")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
     def _run(self) -> None:

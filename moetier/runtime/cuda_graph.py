@@ -3,8 +3,14 @@
 Eager PyTorch launches cost more than the whole token on a GPU (LESSONS.md §10: 13-21 ms for 48
 layers vs ~3 ms graphed). The graph covers embedding -> all layers -> logits; sampling stays
 outside (one host sync per token, which streaming needs anyway).
+
+A one-token graph also makes its greedy next token (argmax) and feeds it to its own input, so `GraphStep` can queue
+the next replay before the host reads this one's token (pipelined greedy decoding): the host's sampling, streaming
+and launches overlap the GPU's step instead of sitting between two steps.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -39,6 +45,10 @@ class DecodeGraph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(self.graph):
                 self.logits = model(self.tokens, cache, pos=self.pos)
+                self.next = None
+                if t == 1:      # greedy's next input, made here: a replay queued behind this one needs no host token
+                    self.next = torch.argmax(self.logits[-1]).view(1)
+                    self.tokens.copy_(self.next)
         finally:
             if tiers is not None:
                 tiers.capturing, tiers.counting = False, True
@@ -56,3 +66,69 @@ class DecodeGraph:
             self.tiers.after_step()       # the CPU answers this step's expert misses
         self.cache.advance(self.t)
         return self.logits
+
+
+class GraphStep:
+    """A DecodeGraph as generate_stream's decode step. `step(tok) -> logits [V]`: one replay, read by the host.
+    Pipelined greedy decoding (one-token graphs): `launch(tok)` queues a replay without waiting (tok None: its input
+    is the previous replay's argmax, made in the graph), `collect() -> token id` waits for the oldest queued replay
+    (and, with tiers, for the CPU's answers to it, given on the tiers' serving thread) and advances the cache,
+    `discard()` waits for the rest without advancing it (a step queued past a stop: its KV row lies beyond the
+    cache's length, where the next step writes)."""
+
+    DEPTH = 2       # replays queued at once: the one the host waits for, and the next
+
+    def __init__(self, graph: DecodeGraph):
+        self.g = graph
+        dev = graph.tokens.device
+        self.buf = torch.zeros(1, dtype=torch.long, device=dev)
+        self.host = torch.zeros(self.DEPTH, dtype=torch.long, pin_memory=True)   # each queued replay's argmax
+        self.queue: deque = deque()      # (host slot, event, the tiers' serve ticket)
+        self.n = 0
+        self.pipelined = graph.next is not None
+
+    def __call__(self, tok: int) -> torch.Tensor:
+        if self.queue:
+            raise RuntimeError("GraphStep: a pipelined replay is still queued; collect() or discard() it first")
+        return self.g.step(self.buf.fill_(tok))[-1]
+
+    def launch(self, tok: int | None) -> None:
+        g = self.g
+        if len(self.queue) >= self.DEPTH:
+            raise RuntimeError(f"GraphStep: at most {self.DEPTH} replays queued")
+        at = g.cache.length + len(self.queue)
+        if at + 1 > g.cache.max_len:
+            raise ValueError("the cache is full")
+        if tok is not None:
+            g.tokens.fill_(tok)
+        g.pos.fill_(at)
+        g.graph.replay()
+        slot = self.n % self.DEPTH
+        self.n += 1
+        self.host[slot:slot + 1].copy_(g.next, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        ticket = g.tiers.serve_queued() if g.tiers is not None else 0
+        self.queue.append((slot, done, ticket))
+
+    def _wait(self) -> int:
+        slot, done, ticket = self.queue.popleft()
+        if ticket:
+            self.g.tiers.wait_served(ticket)
+        done.synchronize()
+        return slot
+
+    def collect(self) -> int:
+        slot = self._wait()
+        self.g.cache.advance(1)
+        return int(self.host[slot])
+
+    def discard(self) -> None:
+        err = None
+        while self.queue:
+            try:
+                self._wait()
+            except BaseException as e:    # noqa: BLE001 - the rest still waited for, then raised
+                err = err or e
+        if err is not None:
+            raise err

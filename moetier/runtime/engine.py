@@ -98,7 +98,7 @@ class Session:
         self.lock = threading.Lock()
         self.snapshots: list[tuple[list[int], dict]] = []   # (tokens, Cache.snapshot(kv=False)), oldest first
         self.periodic: list[tuple[list[int], dict]] = []    # the same, taken every N prompt tokens
-        self.graph = None  # runtime.cuda_graph.DecodeGraph, captured on first CUDA decode
+        self.graph = None  # runtime.cuda_graph.GraphStep (its DecodeGraph captured on first CUDA decode)
 
     def reuse(self, prompt: list[int]) -> int:
         """Keep the longest common prefix with `prompt` (at least one token left to compute)."""
@@ -335,11 +335,9 @@ class Engine:
             if graphed is None:
                 return None   # these tiers need the eager step (it syncs with the host per layer)
         if session.graph is None:
-            from .cuda_graph import DecodeGraph
-            session.graph = DecodeGraph(self.model, session.cache, tiers=graphed)
-        graph = session.graph
-        buf = torch.zeros(1, dtype=torch.long, device=self.device)
-        return lambda tok: graph.step(buf.fill_(tok))[-1]
+            from .cuda_graph import DecodeGraph, GraphStep
+            session.graph = GraphStep(DecodeGraph(self.model, session.cache, tiers=graphed))
+        return session.graph
 
     def _graph_tiers(self):
         """The tiers' CUDA-graph decode path (memory.doorbell), or None with the reason logged once."""

@@ -110,40 +110,63 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
     stop_hit = False  # a stop string matched: the text is final, nothing held back is released
     t_first = None
     room = cache.max_len - cache.length
+    # pipelined greedy decoding (runtime.cuda_graph.GraphStep): each step's input is the previous one's argmax, made
+    # on the GPU, so the next replay is queued before this token is read; a forcing processor (bench) gives inputs
+    # known ahead instead
+    forced = getattr(logits_processor, "forced_ids", None)
+    pipe = step if (getattr(step, "pipelined", False) and logprobs is None and sampler.plain_greedy
+                    and (logits_processor is None or forced)) else None
+    t_last = None
     with torch.inference_mode():
-        while len(out) < max_tokens:
-            if cancel is not None and cancel():
-                finish = "cancelled"
-                break
-            tok = sampler(logits if logits_processor is None else logits_processor(out, logits))
-            if t_first is None:
-                sync()
-                t_first = time.perf_counter()
-            lp = top = None
-            if logprobs is not None:
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                lp = float(logp[tok])
-                if logprobs > 0:
-                    v, i = torch.topk(logp, logprobs)
-                    top = list(zip(i.tolist(), v.tolist()))
-            if tok in eos_ids:
-                finish = "stop"
-                break
-            out.append(tok)
-            sampler.observe(tok)
-            delta = detok.add(tok) if detok is not None else ""
-            text, stopped = matcher.feed(delta)
-            yield TokenEvent(tok, text, lp, top)
-            if stopped:
-                finish, stop_hit = "stop", True
-                break
-            if len(out) >= max_tokens or len(out) >= room:
-                finish = "length"
-                break
-            if step is not None:  # e.g. a CUDA-graph replay
-                logits = step(tok)
-            else:
-                logits = model(torch.tensor([tok], device=device), cache, last_only=True)[-1]
+        try:
+            while len(out) < max_tokens:
+                if cancel is not None and cancel():
+                    finish = "cancelled"
+                    break
+                if pipe is not None and out:
+                    tok = pipe.collect()
+                    if forced:
+                        tok = forced[min(len(out), len(forced) - 1)]
+                else:
+                    tok = sampler(logits if logits_processor is None else logits_processor(out, logits))
+                if t_first is None:
+                    sync()
+                    t_first = time.perf_counter()
+                lp = top = None
+                if logprobs is not None:
+                    logp = torch.log_softmax(logits.float(), dim=-1)
+                    lp = float(logp[tok])
+                    if logprobs > 0:
+                        v, i = torch.topk(logp, logprobs)
+                        top = list(zip(i.tolist(), v.tolist()))
+                if tok in eos_ids:
+                    finish = "stop"
+                    break
+                out.append(tok)
+                sampler.observe(tok)
+                delta = detok.add(tok) if detok is not None else ""
+                text, stopped = matcher.feed(delta)
+                yield TokenEvent(tok, text, lp, top)
+                if stopped:
+                    finish, stop_hit = "stop", True
+                    break
+                if len(out) >= max_tokens or len(out) >= room:
+                    finish = "length"
+                    break
+                if pipe is not None:
+                    if not pipe.queue:      # the first decode step: its input from the host
+                        pipe.launch(tok)
+                    n = len(out) + 1        # the step after it, if its token may be wanted
+                    if n < max_tokens and n < room:
+                        pipe.launch(forced[min(len(out), len(forced) - 1)] if forced else None)
+                elif step is not None:  # e.g. a CUDA-graph replay
+                    logits = step(tok)
+                else:
+                    logits = model(torch.tensor([tok], device=device), cache, last_only=True)[-1]
+        finally:
+            if pipe is not None:        # the last token's step is done: a step queued past a stop is not timed
+                t_last = time.perf_counter()
+                pipe.discard()
     if not stop_hit:  # release what the detokeniser and the stop matcher still hold
         text, stopped = matcher.feed(detok.flush() if detok is not None else "")
         tail = text + ("" if stopped else matcher.flush())
@@ -151,7 +174,7 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
             yield TokenEvent(-1, tail)
         finish = "stop" if stopped else finish
     sync()
-    t_end = time.perf_counter()
+    t_end = t_last or time.perf_counter()
     t_first = t_first or t_end
     n_new = len(new_tokens)
     decode_s = t_end - t_first

@@ -101,6 +101,11 @@ class Sampler:
         else:
             self.gen.seed()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without penalties: the token is the logits' argmax alone (a decode graph can make it itself)."""
+        return self.p.greedy and not self.penalised
+
     def observe(self, token: int) -> None:
         if self.penalised:  # only penalties read these (two indexed writes: ~5 us per token on a CPU)
             self.seen[token] = True
@@ -108,7 +113,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [V] (any float dtype) -> token id."""
-        if self.p.greedy and not self.penalised:  # the decode fast path: one argmax, no copies
+        if self.plain_greedy:  # the decode fast path: one argmax, no copies
             return argmax(logits)
         x = apply_penalties(logits.float(), self.seen, self.counts, self.p)
         if self.p.greedy:

@@ -94,23 +94,28 @@ def _decode_view(engine, mid):
     return request_view(delta(engine.tiers.snapshot(), mid))
 
 
-def forcing(ids: list[int]):
+class Forcing:
     """A logits processor that makes greedy decoding emit `ids` in order: the model still runs every
     step, but the tokens (hence the routing) follow the topic-local stream instead of the loops
-    that greedy decoding of random weights falls into."""
-    def processor(out: list[int], logits: torch.Tensor) -> torch.Tensor:
+    that greedy decoding of random weights falls into. `forced_ids` tells generate_stream's pipelined
+    greedy path the inputs ahead (the graph still makes each step's argmax, as greedy decoding does)."""
+
+    def __init__(self, ids: list[int]):
+        self.forced_ids = list(ids)
+
+    def __call__(self, out: list[int], logits: torch.Tensor) -> torch.Tensor:
+        ids = self.forced_ids
         forced = torch.full_like(logits, float("-inf"))
         forced[ids[min(len(out), len(ids) - 1)]] = 0.0
         return forced
-    return processor
 
 
 def run_prompt(engine, prompt: list[int], gen: int, forced: list[int] | None = None) -> dict:
     """Prefill `prompt`, decode `gen` greedy tokens (EOS ignored) on a fresh session; with `forced`,
-    the decoded tokens are those ids (see `forcing`)."""
+    the decoded tokens are those ids (see `Forcing`)."""
     session = engine.new_session()
     done, mid = None, None
-    extra = {"logits_processor": forcing(forced)} if forced else {}
+    extra = {"logits_processor": Forcing(forced)} if forced else {}
     for ev in engine.generate(prompt_ids=prompt, max_tokens=gen, params=GREEDY, session=session, ignore_eos=True,
                               **extra):
         if isinstance(ev, TokenEvent) and mid is None:
