@@ -10,6 +10,7 @@ and launches overlap the GPU's step instead of sitting between two steps.
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
@@ -85,7 +86,8 @@ class GraphStep:
         self.host = torch.zeros(self.DEPTH, dtype=torch.long, pin_memory=True)   # each queued replay's argmax
         self.queue: deque = deque()      # (host slot, event, the tiers' serve ticket)
         self.n = 0
-        self.pipelined = graph.next is not None
+        # MOETIER_PIPELINE=0: every step waited for by the host before the next is launched (A/B)
+        self.pipelined = graph.next is not None and os.environ.get("MOETIER_PIPELINE", "1") != "0"
 
     def __call__(self, tok: int) -> torch.Tensor:
         if self.queue:
