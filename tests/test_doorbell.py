@@ -553,7 +553,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
         detail, guesses, prefetched, first_bell, phases = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0, (0.0,) * 5
         log_ids, log_slots, log_w = req.ids.clone(), req.slots.clone(), req.w.clone()
 
-        def serve(self, seq, timeout_s=None):
+        def serve(self, seq, timeout_s=None, threads=None):
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here
             during.append(list(seen))
             self.log_ids.fill_(seq)               # this step's rows as served
@@ -595,7 +595,8 @@ def test_queued_serves_answer_in_order_and_hand_back_errors():
         detail, guesses, prefetched, first_bell, phases = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0, (0.0,) * 5
         log_ids, log_slots, log_w = req.ids.clone(), req.slots.clone(), req.w.clone()
 
-        def serve(self, seq, timeout_s=None):
+        def serve(self, seq, timeout_s=None, threads=None):
+            assert threads is not None and 1 <= threads <= 2       # the queued serves' smaller team
             gate.wait(5.0)
             if seq == 2:
                 raise RuntimeError("decode step 2: the GPU stopped waiting")
@@ -603,7 +604,7 @@ def test_queued_serves_answer_in_order_and_hand_back_errors():
             self.log_ids.fill_(seq)
             return 0.001, 0.0, 1
     gt = object.__new__(GraphTiers)
-    gt.__dict__.update(host_seq=0, _pending=None, _worker=_Worker(), counting=True, _serving=None, _queued=0,
+    gt.__dict__.update(host_seq=0, _pending=None, _worker=_Worker(), counting=True, _serving=None, _queued=0, threads=2,
                        _served=0, _serve_errors={}, _served_cv=threading.Condition(), server=FakeServer(), req=req,
                        timing=dict.fromkeys(STEP_TIMING, 0), _t_served=0.0,
                        tiers=SimpleNamespace(pl=SimpleNamespace(device="cpu"),

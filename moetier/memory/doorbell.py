@@ -332,9 +332,13 @@ class GraphTiers:
         return self._queued
 
     def _serve_one(self) -> None:
+        # a team one thread smaller than a serve on the host's thread: that thread, woken for each token, stays
+        # runnable beside the team and the bookkeeping worker (17 runnable threads on the H200 box's 16 CPUs made
+        # the 8 GiB decode 21 tok/s, session 20: a preempted team thread stalls its layer)
+        from .bandwidth import process_cpus
         err = None
         try:
-            self.after_step()
+            self.after_step(threads=max(1, min(self.threads, process_cpus() - 2)))
         except BaseException as e:    # noqa: BLE001 - handed to wait_served
             err = e
         with self._served_cv:
@@ -351,7 +355,7 @@ class GraphTiers:
         if errs:
             raise errs[0]
 
-    def after_step(self, timeout_s: float | None = None) -> None:
+    def after_step(self, timeout_s: float | None = None, threads: int | None = None) -> None:
         """Answer the misses of the step just launched. The previous step's bookkeeping (counters, cache policy,
         admissions) runs on the worker thread meanwhile: the serve holds no GIL, so the worker's Python never
         delays the main thread's sampling and next launch, as a thread started after the serve did (its Python
@@ -361,7 +365,7 @@ class GraphTiers:
             pending, self._pending = self._pending, None
             self._worker.submit(lambda: self._account_thread(*pending))
         t0 = time.perf_counter()
-        busy, wait, n_miss = self.server.serve(self.host_seq, timeout_s)
+        busy, wait, n_miss = self.server.serve(self.host_seq, timeout_s, threads)
         t1 = time.perf_counter()
         if int(self.req.err[0]):
             bad = int(self.req.err[0])
