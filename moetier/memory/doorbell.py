@@ -158,7 +158,6 @@ class GraphTiers:
         self.timing = dict.fromkeys(STEP_TIMING, 0)
         self._t_served = 0.0        # when the last serve of a run of graphed steps returned (0: none yet)
         self._db = doorbell
-        self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
         # the evicted entries' value, made once: torch.tensor(-1, device=...) per step was a pageable copy that
         # waited for the step being served (the bookkeeping thread then finished after it: account_ms)
@@ -172,6 +171,11 @@ class GraphTiers:
             raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 6 (default), 0, 1, 2, "
                             "4, 5 (3 reads the experts without computing them: bench/bench_miss_server.py only)")
         qtypes = _qtype_id(lay, interleave_bank(tiers, variant))
+        # the ring writes x's int8 copy (the C prep's, bit for bit) where the server's gate_up reads int8 activations:
+        # its thread 0 then reads nothing of x after the bell. MOETIER_RING_Q8=0: the server quantizes x (A/B)
+        q8 = (os.environ.get("MOETIER_RING_Q8", "1") != "0" and self.dim % 32 == 0
+              and doorbell.ring_q8_useful(qtypes))
+        self.req = doorbell.Requests(self.L, self.dim, k, pin=True, q8=q8)
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
         # (gpt-oss's biases as float32: views of the bank when stored so, else copies kept here)
         names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
@@ -407,6 +411,8 @@ class GraphTiers:
         """Mean host milliseconds per graphed decode step."""
         tm, n = self.timing, max(1, self.timing["steps"])
         return {"steps": tm["steps"], "admitted": tm["admitted"], "threads": self.threads,
+                # the ring wrote x's int8 copy (prep_ms is then tid 0's bell work without quantizing x)
+                "ring_q8": self.req.q8,
                 "pcie_share": self.share if self.n_pcie else 0.0, "pcie_off_why": self.pcie_why,
                 "pcie_per_step": round(self.tiers.stats.pcie["decode"] / n, 3),
                 # account_ms: time the next step waited for the bookkeeping thread (0 when hidden)
