@@ -7,8 +7,8 @@ constexpr) show up before a device call.
                                      # v5 format), the embedding gather, the decode step's small kernels with PDL
                                      # (the router with and without the add + norm), the doorbell's ring, route+ring
                                      # (with and without the add + norm; with x's int8 copy), hint and wait_add
-                                     # kernels; the PDL ones again for sm_80 with PDL off (Ampere / Ada have no
-                                     # griddepcontrol)
+                                     # (with the next layer's norm) kernels; the PDL ones again for sm_80 with PDL
+                                     # off (Ampere / Ada have no griddepcontrol)
 """
 from __future__ import annotations
 
@@ -154,7 +154,13 @@ def main() -> int:
              dict(SYS=True, BD=1024, BK=8, HAS_RES=True, TRIGGER=True, STAMP=True),
              {"hits_ptr": "*bf16", "slots_ptr": "*i64", "seq_ptr": "*i64", "done_ptr": "*i64", "hy_ptr": "*fp32",
               "out_ptr": "*bf16", "err_ptr": "*i64", "res_ptr": "*bf16", "D": "i32", "K": "i32",
-              "stamp_ptr": "*i64"})):
+              "stamp_ptr": "*i64"}),
+            ("wait_add+norm", doorbell._wait_add_norm_kernel,
+             dict(SYS=True, BD=2048, BK=8, TRIGGER=True, STAMP=True),
+             {"hits_ptr": "*bf16", "slots_ptr": "*i64", "seq_ptr": "*i64", "done_ptr": "*i64", "hy_ptr": "*fp32",
+              "out_ptr": "*bf16", "err_ptr": "*i64", "res_ptr": "*bf16", "D": "i32", "K": "i32",
+              "stamp_ptr": "*i64", "nw_ptr": "*bf16", "x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32",
+              "xs_ptr": "*fp32", "eps": "fp32"})):
         err = compile_for_sm90(fn, const, types)
         bad += err is not None
         print(f"      {name:9} {'ok' if err is None else err}")

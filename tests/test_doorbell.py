@@ -494,6 +494,40 @@ def test_miss_server_on_the_ring_int8_copy_changes_no_bit(monkeypatch, qtype, x8
 
 
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [256, 2048])
+def test_wait_add_norm_is_wait_add_then_rms_norm_q8(dtype, d):
+    """wait_add_norm (wait_add with the residual in one program, then the next layer's input norm and its int8 copy)
+    against wait_add then triton_small.rms_norm_q8: out, x, q, dx, xs bit for bit, for layers that missed (the CPU's
+    y already answered) and one that did not (y poisoned: not added). Interpreted on CPU (float32); on CUDA with
+    pinned rows."""
+    from moetier.kernels import triton_small
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16 rounding (checked on CUDA)")
+    k = 4
+    g = torch.Generator().manual_seed(d)
+    req = db.Requests(L, d, k, pin=dev == "cuda")
+    req.y.copy_(torch.randn(L, d, generator=g))
+    req.y[1] = float("nan")
+    seq = torch.tensor([3], dtype=torch.int64, device=dev)
+    req.done[::db.BELL_STRIDE] = 3
+    slots = torch.tensor([[0, -1, 2, -1], [0, 1, 2, 3], [-1, -1, -1, -1]], device=dev)
+    for li in range(L):
+        hits = (torch.randn(1, d, generator=g) * 0.3).to(dev, dtype)
+        res = (torch.randn(1, d, generator=g) * 2).to(dev, dtype)
+        nw = (1 + 0.3 * torch.randn(d, generator=g)).to(dev, dtype)
+        want = torch.full_like(hits, float("nan"))
+        db.wait_add(hits, slots[li], seq, req, li, want, max_spin=1 << 20, residual=res)
+        want_x, want_pre = triton_small.rms_norm_q8(want, nw, 1e-6)
+        out = torch.full_like(hits, float("nan"))
+        x, pre = db.wait_add_norm(hits, slots[li], seq, req, li, out, res, nw, 1e-6, max_spin=1 << 20)
+        assert torch.equal(out, want) and torch.isfinite(out).all() and torch.equal(x, want_x), li
+        assert all(torch.equal(a, b) for a, b in zip(pre, want_pre)), li
+        assert int(req.err[0]) == 0
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
 @pytest.mark.parametrize("share,n_p", [(0.5, 2), (1.0, 2), (1.0, 4), (0.3, 4)])
 def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
     """The PCIe share (interpreted): the ring gives the first round(share * misses) misses (at most

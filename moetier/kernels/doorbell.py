@@ -6,6 +6,7 @@ Per MoE layer, inside the graph:
                  pinned host memory, then bell[li] = seq (release, system scope)
   <hits>         ops.moe_decode over the GPU slots; slot -1 adds nothing
   wait_add(...)  if any slot is -1: spin until done[li] == seq, then out = hits + y[li]
+                 (wait_add_norm: with the residual, then the next layer's input norm of out and its int8 copy)
 On the host, `MissServer.serve(seq)` (C, doorbell.c, GIL released) answers every layer of the step.
 The sequence number lives on the device (`seq`, bumped by layer 0's ring), so the graph's kernel
 arguments never change; the host keeps its own count in step.
@@ -33,7 +34,7 @@ except ImportError:     # pragma: no cover - the graph path needs triton; MissSe
 
 
 if triton is not None:
-    from .triton_small import _router_part, _router_part_add_norm, _router_pick, pdl
+    from .triton_small import _norm_q8, _router_part, _router_part_add_norm, _router_pick, pdl
 
     @triton.jit
     def _store_release(ptr, val, SYS: tl.constexpr):
@@ -196,6 +197,38 @@ if triton is not None:
                          HAS_RES: tl.constexpr, TRIGGER: tl.constexpr, STAMP: tl.constexpr):
         if TRIGGER:     # the next kernel (the next layer's norm) may be scheduled while this one spins
             tl.extra.cuda.gdc_launch_dependents()
+        _wait_add(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
+                  timeout_ns, stamp_ptr, SYS, BD, BK, HAS_RES, STAMP)
+        if STAMP & (tl.program_id(0) == 0):     # and as it has added it, stamp[1]
+            tl.store(stamp_ptr + 1, _now_ns(SYS))
+
+    @triton.jit
+    def _wait_add_norm_kernel(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K,
+                              max_spin, timeout_ns, stamp_ptr, nw_ptr, x_ptr, q_ptr, dx_ptr, xs_ptr, eps,
+                              SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, TRIGGER: tl.constexpr,
+                              STAMP: tl.constexpr):
+        """_wait_add_kernel with the residual in one program (BD >= D), then the next decoder layer's input norm
+        of out and its int8 copy to x_ptr, q_ptr, dx_ptr, xs_ptr (triton_small._norm_q8 on out loaded back as
+        _rms_norm_q8_kernel loads its x: the same layout, the same sums); stamp[1] after all of it."""
+        if TRIGGER:     # the next kernel (the next layer's qkv GEMV) may be scheduled while this one spins
+            tl.extra.cuda.gdc_launch_dependents()
+        _wait_add(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
+                  timeout_ns, stamp_ptr, SYS, BD, BK, True, STAMP)
+        tl.debug_barrier()      # every thread's stores of out, visible to the program's loads below
+        n = tl.arange(0, BD)
+        m = n < D
+        w = tl.load(nw_ptr + n, mask=m, other=0.0)
+        x = tl.load(out_ptr + n, mask=m, other=0.0)
+        _norm_q8(x, w, D, eps, x_ptr, q_ptr, dx_ptr, xs_ptr, BD)
+        if STAMP:
+            tl.store(stamp_ptr + 1, _now_ns(SYS))
+
+    @triton.jit
+    def _wait_add(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
+                  timeout_ns, stamp_ptr, SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                  HAS_RES: tl.constexpr, STAMP: tl.constexpr):
+        """out[this program's BD] = hits (+ y once done == seq, when a slot is -1) (+ res), rounded as wait_add says;
+        stamp[0] as the answer is seen."""
         kk = tl.arange(0, BK)
         s = tl.load(slots_ptr + kk, mask=kk < K, other=0)
         n_miss = tl.sum((s < 0).to(tl.int32), axis=0)
@@ -224,8 +257,6 @@ if triton is not None:
         if HAS_RES:     # the block's residual add, rounded as `res + moe(x)` is: one launch fewer
             o = (tl.load(res_ptr + dd, mask=dm, other=0.0).to(tl.float32) + o.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + dd, o, mask=dm)
-        if STAMP & (tl.program_id(0) == 0):     # and as it has added it, stamp[1]
-            tl.store(stamp_ptr + 1, _now_ns(SYS))
 
 
     @triton.jit
@@ -342,6 +373,22 @@ def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 
                                              int(timeout_s * 1e9), req.stamp[li], SYS=not _interpret(), BD=bd,
                                              BK=triton.next_power_of_2(k), HAS_RES=residual is not None,
                                              TRIGGER=pdl(hits), STAMP=req.stamping, num_warps=4)
+
+
+def wait_add_norm(hits, slots, seq, req: "Requests", li: int, out, residual, norm_w, eps: float,
+                  max_spin: int = 1 << 40, timeout_s: float = 5.0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """wait_add(..., residual) in one program, then the next decoder layer's input norm of out and its int8 copy in
+    the same launch: -> (x, (q, dx, xs)) as triton_small.rms_norm_q8(out, norm_w, eps) returns them, bit for bit (the
+    same code on out loaded back, its warps). One launch fewer between the CPU's answer and the next bell. out's
+    dtype: residual's; D a multiple of 32."""
+    from .triton_small import norm_q8_buffers, norm_q8_warps
+    d, k = hits.shape[-1], slots.numel()
+    x, pre = norm_q8_buffers(out)
+    _wait_add_norm_kernel[(1,)](hits, slots, seq, req.done[li * BELL_STRIDE:], req.y[li], out, req.err, residual, d,
+                                k, max_spin, int(timeout_s * 1e9), req.stamp[li], norm_w, x, *pre, eps,
+                                SYS=not _interpret(), BD=triton.next_power_of_2(d), BK=triton.next_power_of_2(k),
+                                TRIGGER=pdl(hits), STAMP=req.stamping, num_warps=norm_q8_warps(d))
+    return x, pre
 
 
 class Requests:
