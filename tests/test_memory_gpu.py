@@ -373,3 +373,28 @@ def test_ring_int8_copy_changes_no_bit(tmp_path, monkeypatch):
             got[on], graph = tiered_logprobs(path, **kw)
             assert graph["ring_q8"] == (on == "1") and calls[name] > 0, (name, on, calls, graph)
         assert got["1"] == got["0"], name
+
+
+def test_wait_add_with_the_next_norm_changes_no_bit(tmp_path, monkeypatch):
+    """The graphed tiered decode with wait_add making the next block's input norm and its int8 copy (the qkv
+    QuantLinear's `pre`) in its own launch (MOETIER_WAIT_ADD_NORM=1, the default: wait_add_norm, one program) against
+    wait_add then the block's rms_norm_q8 (=0): the same greedy tokens and log-probabilities (top 5) bit for bit,
+    after route_ring_add_norm and after route_ring (MOETIER_ROUTER_ADD_NORM=0); the fused kernel is counted and the
+    graph report gives the layers that used it (all but the last of the 3)."""
+    from moetier.kernels import doorbell
+    path = wide_q4_0(tmp_path)
+    pl = make_placement(path, EngineConfig(max_context=CTX, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
+                        torch.bfloat16, CTX)
+    few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 12 * pl.expert_fast_bytes + (64 << 20)
+    calls = count_calls(monkeypatch, doorbell, ("wait_add", "wait_add_norm"))
+    for add_norm in ("1", "0"):
+        monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", add_norm)
+        got = {}
+        for on in ("1", "0"):
+            monkeypatch.setenv("MOETIER_WAIT_ADD_NORM", on)
+            calls.update(dict.fromkeys(calls, 0))
+            got[on], graph = tiered_logprobs(path, gpu_mem=few, ram_mem=1 << 32, pcie_share=0.0)
+            fused = graph["wait_add_norm_layers"]
+            assert (fused, calls["wait_add_norm"] > 0) == ((2, True) if on == "1" else (0, False)), (on, calls, graph)
+        assert got["1"] == got["0"], add_norm
+
