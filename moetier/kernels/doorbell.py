@@ -381,13 +381,13 @@ def wait_add_norm(hits, slots, seq, req: "Requests", li: int, out, residual, nor
     the same launch: -> (x, (q, dx, xs)) as triton_small.rms_norm_q8(out, norm_w, eps) returns them, bit for bit (the
     same code on out loaded back, its warps). One launch fewer between the CPU's answer and the next bell. out's
     dtype: residual's; D a multiple of 32."""
-    from .triton_small import norm_q8_buffers, norm_q8_warps
+    from .triton_small import _norm_warps, norm_q8_buffers
     d, k = hits.shape[-1], slots.numel()
     x, pre = norm_q8_buffers(out)
     _wait_add_norm_kernel[(1,)](hits, slots, seq, req.done[li * BELL_STRIDE:], req.y[li], out, req.err, residual, d,
                                 k, max_spin, int(timeout_s * 1e9), req.stamp[li], norm_w, x, *pre, eps,
                                 SYS=not _interpret(), BD=triton.next_power_of_2(d), BK=triton.next_power_of_2(k),
-                                TRIGGER=pdl(hits), STAMP=req.stamping, num_warps=norm_q8_warps(d))
+                                TRIGGER=pdl(hits), STAMP=req.stamping, num_warps=_norm_warps(d))
     return x, pre
 
 

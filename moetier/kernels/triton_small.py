@@ -329,11 +329,6 @@ def norm_q8_buffers(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     return x.new_empty(x.shape), (torch.empty(1, n, dtype=torch.int8, device=x.device), dx, torch.empty_like(dx))
 
 
-def norm_q8_warps(n: int) -> int:
-    """rms_norm_q8's warps for rows of n (its sum of squares is added in an order that depends on them)."""
-    return 4 if n >= 1024 else 1
-
-
 def rms_norm_q8(x, weight, eps: float):
     """x [1, N] contiguous (N a multiple of 32), weight [N] -> (rms_norm(x, weight, eps), (q int8 [1, N], dx, xs
     f32 [1, N / 32])): the norm and the int8 copy QuantLinear's GEMV takes (`pre`) in one launch."""
@@ -341,7 +336,7 @@ def rms_norm_q8(x, weight, eps: float):
     out, (q, dx, xs) = norm_q8_buffers(x)
     on = pdl(x)
     _rms_norm_q8_kernel[(1,)](x, weight, out, q, dx, xs, n, eps, BN=triton.next_power_of_2(n), PDL=on,
-                              num_warps=norm_q8_warps(n), **_pdl_kw(on))
+                              num_warps=_norm_warps(n), **_pdl_kw(on))
     return out, (q, dx, xs)
 
 
@@ -369,7 +364,8 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.con
 
 
 def _norm_warps(n: int) -> int:
-    """add_rms_norm's warps for rows of n (its sum of squares is added in an order that depends on them)."""
+    """add_rms_norm's and rms_norm_q8's warps for rows of n (their sums of squares are added in an order that depends
+    on them)."""
     return 4 if n >= 1024 else 1
 
 
