@@ -6,8 +6,9 @@ constexpr) show up before a device call.
     python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
                                      # v5 format), the embedding gather, the decode step's small kernels with PDL
                                      # (the router with and without the add + norm), the doorbell's ring, route+ring
-                                     # (with and without the add + norm), hint and wait_add kernels; the PDL ones
-                                     # again for sm_80 with PDL off (Ampere / Ada have no griddepcontrol)
+                                     # (with and without the add + norm; with x's int8 copy), hint and wait_add
+                                     # (with the next layer's norm) kernels; the PDL ones again for sm_80 with PDL
+                                     # off (Ampere / Ada have no griddepcontrol)
 """
 from __future__ import annotations
 
@@ -123,35 +124,43 @@ def main() -> int:
         print(f"bf16  {name:10} {'ok' if err is None else err}")
         ampere.append((name, fn, dict(const, PDL=False), types))
     from moetier.kernels import doorbell
+    ring_q8 = {"qx_ptr": "*i8", "dx_ptr": "*fp32", "sx_ptr": "*fp32"}     # x's int8 copy for the miss server
     for name, fn, const, types in (
             ("ring+pcie", doorbell._ring_kernel,
-             dict(D=2048, K=8, BUMP=True, SYS=True, BD=2048, BK=8, NP=2, BNP=2, STAMP=True),
-             {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "table_ptr": "*i32", "seq_ptr": "*i64",
-              "slots_ptr": "*i64", "hx_ptr": "*fp32", "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32",
-              "bell_ptr": "*i64", "poff_ptr": "*i64", "soff_ptr": "*i64", "share": "fp32", "stage0": "i32",
-              "stamp_ptr": "*i64"}),
+             dict(D=2048, K=8, BUMP=True, SYS=True, BD=2048, BK=8, NP=2, BNP=2, STAMP=True, Q8=True),
+             {**ring_q8, "x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "table_ptr": "*i32",
+              "seq_ptr": "*i64", "slots_ptr": "*i64", "hx_ptr": "*fp32", "hids_ptr": "*i32", "hw_ptr": "*fp32",
+              "hslots_ptr": "*i32", "bell_ptr": "*i64", "poff_ptr": "*i64", "soff_ptr": "*i64", "share": "fp32",
+              "stage0": "i32", "stamp_ptr": "*i64"}),
             ("hint+pcie", doorbell._hint_kernel, dict(K=8, SYS=True, BK=8, NP=2),
              {"ids_ptr": "*i64", "table_ptr": "*i32", "seq_ptr": "*i64", "hint_ptr": "*i32", "flag_ptr": "*i64",
               "poff_ptr": "*i64", "share": "fp32"}),
             ("route+ring", doorbell._route_ring_kernel,
              dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True, BUMP=False, SYS=True,
-                  BXD=2048, STAMP=False),
-             {"x_ptr": "*bf16", "wt_ptr": "*bf16", "logit_ptr": "*fp32", "cnt_ptr": "*i32", "ids_ptr": "*i64",
-              "w_ptr": "*bf16", "table_ptr": "*i32", "seq_ptr": "*i64", "slots_ptr": "*i64", "hx_ptr": "*fp32",
-              "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32", "bell_ptr": "*i64",
+                  BXD=2048, STAMP=False, Q8=True),
+             {**ring_q8, "x_ptr": "*bf16", "wt_ptr": "*bf16", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
+              "ids_ptr": "*i64", "w_ptr": "*bf16", "table_ptr": "*i32", "seq_ptr": "*i64", "slots_ptr": "*i64",
+              "hx_ptr": "*fp32", "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32", "bell_ptr": "*i64",
               "stamp_ptr": "*i64"}),
             ("route+ring+norm", doorbell._route_ring_add_norm_kernel,
              dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True, BUMP=False, SYS=True,
-                  STAMP=False),
-             {"x_ptr": "*bf16", "wt_ptr": "*bf16", "logit_ptr": "*fp32", "cnt_ptr": "*i32", "ids_ptr": "*i64",
-              "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16", "nw_ptr": "*bf16", "s_ptr": "*bf16", "N": "i32",
-              "eps": "fp32", "table_ptr": "*i32", "seq_ptr": "*i64", "slots_ptr": "*i64", "hx_ptr": "*fp32",
-              "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32", "bell_ptr": "*i64", "stamp_ptr": "*i64"}),
+                  STAMP=False, Q8=True),
+             {**ring_q8, "x_ptr": "*bf16", "wt_ptr": "*bf16", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
+              "ids_ptr": "*i64", "w_ptr": "*bf16", "h_ptr": "*bf16", "a_ptr": "*bf16", "nw_ptr": "*bf16",
+              "s_ptr": "*bf16", "N": "i32", "eps": "fp32", "table_ptr": "*i32", "seq_ptr": "*i64",
+              "slots_ptr": "*i64", "hx_ptr": "*fp32", "hids_ptr": "*i32", "hw_ptr": "*fp32", "hslots_ptr": "*i32",
+              "bell_ptr": "*i64", "stamp_ptr": "*i64"}),
             ("wait_add+res", doorbell._wait_add_kernel,
              dict(SYS=True, BD=1024, BK=8, HAS_RES=True, TRIGGER=True, STAMP=True),
              {"hits_ptr": "*bf16", "slots_ptr": "*i64", "seq_ptr": "*i64", "done_ptr": "*i64", "hy_ptr": "*fp32",
               "out_ptr": "*bf16", "err_ptr": "*i64", "res_ptr": "*bf16", "D": "i32", "K": "i32",
-              "stamp_ptr": "*i64"})):
+              "stamp_ptr": "*i64"}),
+            ("wait_add+norm", doorbell._wait_add_norm_kernel,
+             dict(SYS=True, BD=2048, BK=8, TRIGGER=True, STAMP=True),
+             {"hits_ptr": "*bf16", "slots_ptr": "*i64", "seq_ptr": "*i64", "done_ptr": "*i64", "hy_ptr": "*fp32",
+              "out_ptr": "*bf16", "err_ptr": "*i64", "res_ptr": "*bf16", "D": "i32", "K": "i32",
+              "stamp_ptr": "*i64", "nw_ptr": "*bf16", "x_ptr": "*bf16", "q_ptr": "*i8", "dx_ptr": "*fp32",
+              "xs_ptr": "*fp32", "eps": "fp32"})):
         err = compile_for_sm90(fn, const, types)
         bad += err is not None
         print(f"      {name:9} {'ok' if err is None else err}")

@@ -159,7 +159,10 @@ for step in $STEPS; do
                                             # miss server's variant 5 (g8v6, g8v6b: 6; g8b: g8 again);
                                             # g8c8 / g8c16: its chunks per
                                             # thread and phase 8 / 16, MOETIER_MISS_CHUNKS;
-                                            # g8t14: 8 GiB on 14 miss threads)
+                                            # g8t14: 8 GiB on 14 miss threads; g8stamp: 8 GiB with the GPU's
+                                            # clock stamps; g8noq8: that without x's int8 copy written by the ring,
+                                            # MOETIER_RING_Q8=0; g8nowan: that with the next block's input norm in
+                                            # its own launch, MOETIER_WAIT_ADD_NORM=0)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -172,6 +175,10 @@ for step in $STEPS; do
       g8stamp) MOETIER_STAMP=1 bench proof48_g8stamp ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8old) MOETIER_STAMP=1 MOETIER_ROUTER_ADD_NORM=0 \
         bench proof48_g8old ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8noq8) MOETIER_STAMP=1 MOETIER_RING_Q8=0 \
+        bench proof48_g8noq8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8nowan) MOETIER_STAMP=1 MOETIER_WAIT_ADD_NORM=0 \
+        bench proof48_g8nowan ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8nopipe) MOETIER_STAMP=1 MOETIER_PIPELINE=0 \
         bench proof48_g8nopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;

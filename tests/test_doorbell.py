@@ -359,6 +359,177 @@ def test_route_ring_add_norm_is_add_norm_then_route_ring(dtype, e, d, k, normali
         assert torch.equal(hw, w[0].float()) and torch.isfinite(x).all()
 
 
+def q8_input(d: int, g: torch.Generator) -> torch.Tensor:
+    """x [d] (d >= 256, a multiple of 32) for the int8 copy: random blocks at scales 1e-3 .. 1e3, block 1 all
+    negative, blocks 2 and 3 at ties of x * (1 / d) (amax 127: d = 1, 2.5 -> 2, -0.5 -> 0; amax 254: d = 2,
+    5 -> 2.5 -> 2, 7 -> 4), block 4 zeros (d = 0: q = 0), block 5 values whose x * (1 / d) rounds to another
+    integer than x / d (the prep multiplies by 1 / d rounded once)."""
+    scale = 10.0 ** torch.randint(-3, 4, (d // 32, 1), generator=g).float()
+    x = (torch.randn(d // 32, 32, generator=g) * scale).view(-1)
+    x[32:64] = -x[32:64].abs()
+    ties = torch.arange(32) - 15.5
+    x[64:96], x[64] = ties, 127.0
+    x[96:128], x[96] = 2 * ties, -254.0
+    x[128:160] = 0.0
+    x[160:192] = torch.from_numpy(apart_from_division())
+    return x
+
+
+def apart_from_division() -> np.ndarray:
+    """32 float32 values, amax 139.7 first, whose rint(x * (1 / d)) differs from rint(x / d) (d = amax / 127):
+    near (n + 0.5) d, a few ulps apart, found by search."""
+    f = np.float32
+    amax = f(139.7)
+    d = f(amax / f(127))
+    inv = f(1) / d
+    out = [amax]
+    for n in range(-126, 126):
+        x = f((n + 0.5) * np.float64(d))
+        for _ in range(3):
+            for y in (x, -x):
+                if len(out) < 32 and abs(y) < amax and np.rint(y * inv) != np.rint(y / d):
+                    out.append(y)
+            x = np.nextafter(x, f(np.inf))
+    assert len(out) == 32
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+@pytest.mark.parametrize("kernel", ["ring", "route_ring", "route_ring_add_norm"])
+@pytest.mark.parametrize("d", [256, 2048])
+def test_ring_writes_the_prep_int8_copy_of_x(kernel, d):
+    """Requests.q8: every ring kernel writes x's int8 copy, scales and sums as the C server's prep makes them from the
+    request's float x (doorbell.quantize_q8: moe_quantize_q8), bit for bit, for every layer; the float x as before.
+    x with ties at .5 and blocks from 1e-3 to 1e3 (route_ring_add_norm: x is its own RMSNorm). Interpreted on CPU
+    (the magic-number rounding), on CUDA with pinned rows (cvt.rni)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if db.quantize_q8(torch.ones(32)) is None:
+        pytest.skip("the C kernels are built without int8 activations")
+    e, k = 8, 4
+    g = torch.Generator().manual_seed(d)
+    req = db.Requests(L, d, k, pin=dev == "cuda", q8=True)
+    req.qx.fill_(99)
+    req.dx.fill_(float("nan"))
+    req.sx.fill_(float("nan"))
+    table = torch.tensor([0, -1, 1, -1, -1, 2, -1, -1], dtype=torch.int32, device=dev)
+    seq = torch.zeros(1, dtype=torch.int64, device=dev)
+    slots = torch.zeros(L, k, dtype=torch.int64, device=dev)
+    xs = []
+    for li in range(L):
+        x = q8_input(d, g)[None].to(dev)
+        gate = (torch.randn(e, d, generator=g) / d ** 0.5).to(dev)
+        if kernel == "ring":
+            db.ring(x, torch.tensor([[0, 3, 5, 6]], device=dev), torch.rand(1, k, generator=g).to(dev), table, seq,
+                    slots[li], req, li, bump=li == 0)
+        elif kernel == "route_ring":
+            db.route_ring(x, gate, k, True, table, seq, slots[li], req, li, bump=li == 0)
+        else:
+            a, nw = torch.randn(1, d, generator=g).to(dev), (1 + torch.randn(d, generator=g)).to(dev)
+            x = db.route_ring_add_norm(x, a, nw, 1e-6, gate, k, True, table, seq, slots[li], req, li,
+                                       bump=li == 0)[1]
+        xs.append(x)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    for li in range(L):
+        assert torch.equal(req.x[li], xs[li][0].float().cpu()), li
+        qx, dx, sx = db.quantize_q8(req.x[li])
+        assert torch.equal(req.qx[li], qx) and torch.equal(req.dx[li], dx) and torch.equal(req.sx[li], sx), li
+        assert int(req.bell[li * db.BELL_STRIDE]) == 1
+    if kernel != "route_ring_add_norm":      # the ties went to even; the zero block quantized to zeros
+        assert req.qx[0, 64:96].tolist() == [127] + [round(v) for v in (torch.arange(1, 32) - 15.5).tolist()]
+        assert req.qx[0, 96:128].tolist() == [-127] + [round(v) for v in (torch.arange(1, 32) - 15.5).tolist()]
+        assert (req.qx[0, 128:160] == 0).all() and req.dx[0, 4] == 0 and req.sx[0, 4] == 0
+
+
+def served_y(req, srv, ring_li) -> torch.Tensor:
+    """y of step 1 after ring_li(li) wrote each layer's request (the bells ring): the server on this thread."""
+    req.bell.zero_()
+    req.y.fill_(float("nan"))
+    for li in range(L):
+        ring_li(li)
+    srv.serve(1)
+    return req.y.clone()
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+@pytest.mark.parametrize("variant", [0, 1, 6])
+@pytest.mark.parametrize("qtype,x8", [("Q4_0", False), ("Q5_1", False), ("Q4_K+Q6_K", False), ("IQ4_XS", False),
+                                      ("Q4_0", True), ("Q4_K", True)])
+def test_miss_server_on_the_ring_int8_copy_changes_no_bit(monkeypatch, qtype, x8, variant):
+    """The server's y from the ring's int8 copy of x (Requests.q8: thread 0 quantizes nothing) equals its y from its
+    own quantization of the float x (MOETIER_RING_Q8=0's path) bit for bit, in the phases with barriers (0), the
+    per-row loops (1) and the dataflow (6), on GGML rows and rows interleaved by 8 (x8: moe_x8_rows reads the sums);
+    with the copy the float x is not read (poisoned after the ring: y stays the same). The ring kernels interpreted."""
+    from moetier.kernels import cpu
+    if db.triton is None or torch.cuda.is_available():
+        pytest.skip("the interpreted variant runs on CPU-only machines; tests/test_memory_gpu.py covers CUDA")
+    if x8 and variant == 1:
+        pytest.skip("the per-row loops refuse interleaved rows")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    s_gu, s_dn, _, _, tid = experts(qtype, seed=31)
+    if not db.ring_q8_useful(tid):
+        pytest.skip("the C kernels are built without int8 activations")
+    if x8:
+        tid = tuple(tid) if isinstance(tid, tuple) else (tid, tid)
+        for table, t in zip((s_gu, s_dn), tid):
+            for m in (m for row in table for m in row):
+                cpu.interleave_inplace(m, t)
+        tid = tuple(cpu.INTERLEAVED[t] for t in tid)
+    g = torch.Generator().manual_seed(32)
+    xs = [q8_input(D, g)[None] for _ in range(L)]
+    ids = [torch.randperm(E, generator=g)[:K][None] for _ in range(L)]
+    ws = [torch.rand(1, K, generator=g) for _ in range(L)]
+    table = torch.full((L, E), -1, dtype=torch.int32)
+    table[:, 1] = 0                                                    # expert 1 a hit: the others miss
+    ys = []
+    for q8 in (False, True):
+        req = db.Requests(L, D, K, pin=False, q8=q8)
+        srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=2)
+        srv.ctx.variant = variant
+        seq, slots = torch.zeros(1, dtype=torch.int64), torch.zeros(L, K, dtype=torch.int64)
+
+        def ring_li(li):
+            db.ring(xs[li], ids[li], ws[li], table[li], seq, slots[li], req, li, bump=li == 0)
+            if q8:
+                req.x[li] = float("nan")
+        ys.append(served_y(req, srv, ring_li))
+    assert torch.isfinite(ys[0]).all() and torch.equal(ys[0], ys[1])
+
+
+@pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [256, 2048])
+def test_wait_add_norm_is_wait_add_then_rms_norm_q8(dtype, d):
+    """wait_add_norm (wait_add with the residual in one program, then the next layer's input norm and its int8 copy)
+    against wait_add then triton_small.rms_norm_q8: out, x, q, dx, xs bit for bit, for layers that missed (the CPU's
+    y already answered) and one that did not (y poisoned: not added). Interpreted on CPU (float32); on CUDA with
+    pinned rows."""
+    from moetier.kernels import triton_small
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter has no bfloat16 rounding (checked on CUDA)")
+    k = 4
+    g = torch.Generator().manual_seed(d)
+    req = db.Requests(L, d, k, pin=dev == "cuda")
+    req.y.copy_(torch.randn(L, d, generator=g))
+    req.y[1] = float("nan")
+    seq = torch.tensor([3], dtype=torch.int64, device=dev)
+    req.done[::db.BELL_STRIDE] = 3
+    slots = torch.tensor([[0, -1, 2, -1], [0, 1, 2, 3], [-1, -1, -1, -1]], device=dev)
+    for li in range(L):
+        hits = (torch.randn(1, d, generator=g) * 0.3).to(dev, dtype)
+        res = (torch.randn(1, d, generator=g) * 2).to(dev, dtype)
+        nw = (1 + 0.3 * torch.randn(d, generator=g)).to(dev, dtype)
+        want = torch.full_like(hits, float("nan"))
+        db.wait_add(hits, slots[li], seq, req, li, want, max_spin=1 << 20, residual=res)
+        want_x, want_pre = triton_small.rms_norm_q8(want, nw, 1e-6)
+        out = torch.full_like(hits, float("nan"))
+        x, pre = db.wait_add_norm(hits, slots[li], seq, req, li, out, res, nw, 1e-6, max_spin=1 << 20)
+        assert torch.equal(out, want) and torch.isfinite(out).all() and torch.equal(x, want_x), li
+        assert all(torch.equal(a, b) for a, b in zip(pre, want_pre)), li
+        assert int(req.err[0]) == 0
+
+
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
 @pytest.mark.parametrize("share,n_p", [(0.5, 2), (1.0, 2), (1.0, 4), (0.3, 4)])
 def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):

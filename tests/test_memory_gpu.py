@@ -353,3 +353,95 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
     for name in ("few_slots", "cpu_moe", "cpu_moe_layer_ahead"):
         assert got[name][:n] == got["untiered"][:n], (name, got)
     assert routes["cpu_moe_layer_ahead"] == routes["cpu_moe"] and routes["cpu_moe"]["ram"] > 0, routes
+
+
+def wide_q4_0(tmp_path):
+    """A tiny Q4_0 GGUF with D = 1024 (bf16 on CUDA: the router's launch makes the residual add + norm,
+    small_ops.router_add_norm_ok; its qkv a QuantLinear that takes the input norm's int8 copy), 3 MoE layers."""
+    from test_gguf import build_qwen3_moe
+
+    from moetier.commands.quantize import quantize
+    model = build_qwen3_moe(tmp_path / "model", hidden_size=1024, moe_intermediate_size=256, intermediate_size=512,
+                            num_hidden_layers=3, num_experts=16, num_experts_per_tok=4)
+    return quantize(model, "Q4_0", tmp_path / "m.gguf")
+
+
+def tiered_logprobs(path, **kw) -> tuple[list, dict]:
+    """Greedy bf16 decode of N_GREEDY tokens with memory tiers kw, graphed -> ([(token, log-prob, top 5)], the graph
+    report)."""
+    from moetier import SamplingParams
+    from moetier.runtime.generate import TokenEvent
+    prompt = torch.randint(0, 300, (SPLIT,), generator=torch.Generator().manual_seed(3)).tolist()
+    eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype="bfloat16", max_context=CTX, **kw))
+    try:
+        events = eng.generate(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
+                              logprobs=5, ignore_eos=True)
+        got = [(ev.token_id, ev.logprob, ev.top_logprobs) for ev in events if isinstance(ev, TokenEvent)]
+        assert eng.tiers.graphed is not None
+        return got, eng.memory_stats()["graph"]
+    finally:
+        eng.tiers.close()
+        del eng
+        torch.cuda.empty_cache()
+
+
+def count_calls(monkeypatch, module, names) -> dict:
+    """Wrap module.<name> for each name to count its calls: -> the counts (name -> int)."""
+    calls = dict.fromkeys(names, 0)
+
+    def counted(name, fn):
+        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or fn(*a, **kw)
+    for n in names:
+        monkeypatch.setattr(module, n, counted(n, getattr(module, n)))
+    return calls
+
+
+def test_ring_int8_copy_changes_no_bit(tmp_path, monkeypatch):
+    """The graphed tiered decode with the ring writing x's int8 copy for the C server (MOETIER_RING_Q8=1, the
+    default: the server's thread 0 quantizes nothing) against the server quantizing x itself (=0): the same greedy
+    tokens and log-probabilities (top 5) bit for bit, through each ring kernel: route_ring_add_norm (the PCIe share
+    off: the bank's rows interleaved by 8), route_ring (MOETIER_ROUTER_ADD_NORM=0) and ring (the PCIe share on: GGML
+    rows). The kernels are counted and the graph report names the path."""
+    from moetier.kernels import doorbell
+    path = wide_q4_0(tmp_path)
+    pl = make_placement(path, EngineConfig(max_context=CTX, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
+                        torch.bfloat16, CTX)
+    few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 12 * pl.expert_fast_bytes + (64 << 20)
+    calls = count_calls(monkeypatch, doorbell, ("ring", "route_ring", "route_ring_add_norm"))
+    cases = {"route_ring_add_norm": (dict(gpu_mem=few, ram_mem=1 << 32, pcie_share=0.0), "1"),
+             "route_ring": (dict(gpu_mem=few, ram_mem=1 << 32, pcie_share=0.0), "0"),
+             "ring": (dict(cpu_moe=True, ram_mem=1 << 32, pcie_share=0.5), "1")}
+    for name, (kw, add_norm) in cases.items():
+        monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", add_norm)
+        got = {}
+        for on in ("1", "0"):
+            monkeypatch.setenv("MOETIER_RING_Q8", on)
+            calls.update(dict.fromkeys(calls, 0))
+            got[on], graph = tiered_logprobs(path, **kw)
+            assert graph["ring_q8"] == (on == "1") and calls[name] > 0, (name, on, calls, graph)
+        assert got["1"] == got["0"], name
+
+
+def test_wait_add_with_the_next_norm_changes_no_bit(tmp_path, monkeypatch):
+    """The graphed tiered decode with wait_add making the next block's input norm and its int8 copy (the qkv
+    QuantLinear's `pre`) in its own launch (MOETIER_WAIT_ADD_NORM=1, the default: wait_add_norm, one program) against
+    wait_add then the block's rms_norm_q8 (=0): the same greedy tokens and log-probabilities (top 5) bit for bit,
+    after route_ring_add_norm and after route_ring (MOETIER_ROUTER_ADD_NORM=0); the fused kernel is counted and the
+    graph report gives the layers that used it (all but the last of the 3)."""
+    from moetier.kernels import doorbell
+    path = wide_q4_0(tmp_path)
+    pl = make_placement(path, EngineConfig(max_context=CTX, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
+                        torch.bfloat16, CTX)
+    few = pl.dense_bytes + pl.embed_bytes + pl.kv_bytes + pl.workspace_bytes + 12 * pl.expert_fast_bytes + (64 << 20)
+    calls = count_calls(monkeypatch, doorbell, ("wait_add", "wait_add_norm"))
+    for add_norm in ("1", "0"):
+        monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", add_norm)
+        got = {}
+        for on in ("1", "0"):
+            monkeypatch.setenv("MOETIER_WAIT_ADD_NORM", on)
+            calls.update(dict.fromkeys(calls, 0))
+            got[on], graph = tiered_logprobs(path, gpu_mem=few, ram_mem=1 << 32, pcie_share=0.0)
+            fused = graph["wait_add_norm_layers"]
+            assert (fused, calls["wait_add_norm"] > 0) == ((2, True) if on == "1" else (0, False)), (on, calls, graph)
+        assert got["1"] == got["0"], add_norm
+

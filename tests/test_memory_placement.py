@@ -68,6 +68,26 @@ def test_all_resident(tiny):
     assert st["cumulative"]["hits"]["ram"] == st["cumulative"]["hits"]["ssd"] == 0
 
 
+def test_tiered_experts_know_the_next_blocks_input(tiny):
+    """install: each TieredExperts holds the next decoder block's (input norm, attention), whose norm its graphed
+    wait_add may make (memory.doorbell GraphTiers._next_norm); the last block's: None. Held in a tuple: the model's
+    modules and state dict do not change."""
+    from moetier.memory.experts import TieredExperts
+    path = tiny[0]
+    eng = Engine.load(path, EngineConfig(progress=False, max_context=CTX, ram_mem=1 << 30))
+    blocks = eng.model.model.layers
+    seen = 0
+    for i, blk in enumerate(blocks):
+        ex = getattr(blk.mlp, "experts", None)
+        if isinstance(ex, TieredExperts):
+            seen += 1
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+            want = None if nxt is None else (nxt.input_layernorm, nxt.self_attn)
+            assert ex.next_input == want, i          # (modules compare by identity)
+    assert seen == 4
+    assert not any(".experts." in n for n in [*eng.model.state_dict(), *(n for n, _ in eng.model.named_modules())])
+
+
 def test_ram_bank_only(tiny):
     path, _, tokens, want, want_toks = tiny
     eng = check(path, want, want_toks, tokens, ram_mem=1 << 30)

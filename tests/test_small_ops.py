@@ -283,6 +283,28 @@ def test_rms_norm_q8_is_the_norm_then_the_quantizer(dtype, n):
         assert small_ops.rms_norm_q8(x[:, :n - 16], w[:n - 16], 1e-6, lambda a: "twin") == ("twin", None)
 
 
+def test_rms_norm_q8_returns_what_the_writer_of_x_made():
+    """made_norm_q8: the kernel that wrote x (the tiered decode's wait_add) made rms_norm_q8(x, w, eps) too; the call
+    returns those tensors for that weight tensor and eps only (another weight of equal values or another eps: the
+    kernel runs), and only where the kernel would run (else the twin)."""
+    from moetier.kernels import triton_small
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 256, generator=g).to(DEV)
+    w = torch.randn(256, generator=g).to(DEV)
+    made = triton_small.rms_norm_q8(x, w, 1e-6)
+    small_ops.made_norm_q8(x, w, 1e-6, *made)
+    with small_ops.use("triton"):
+        y, pre = small_ops.rms_norm_q8(x, w, 1e-6, lambda a: "twin")
+        assert y is made[0] and pre is made[1]
+        for w2, eps in ((w.clone(), 1e-6), (w, 1e-5)):
+            y2, pre2 = small_ops.rms_norm_q8(x, w2, eps, lambda a: "twin")
+            want = triton_small.rms_norm_q8(x, w2, eps)
+            assert y2 is not made[0] and torch.equal(y2, want[0])
+            assert all(torch.equal(a, b) for a, b in zip(pre2, want[1]))
+    with small_ops.use("torch"):
+        assert small_ops.rms_norm_q8(x, w, 1e-6, lambda a: "twin") == ("twin", None)
+
+
 def test_add_rms_norm_falls_back_to_the_twin():
     h, y, w = torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.ones(16)
     twin = lambda a, b: "twin"                                          # noqa: E731

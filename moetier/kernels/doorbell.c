@@ -3,7 +3,9 @@
  * Inside the CUDA graph each MoE layer `li` writes its request to host-mapped (pinned) memory:
  * x[li] (float32 [D]), ids / slots / w [li] ([k]), then rings bell[li] = seq. Slot < 0 marks an
  * expert the GPU cache does not hold (a miss). The GPU computes the hits meanwhile, then spins on
- * done[li] == seq and adds y[li] (float32 [D]) when the layer had misses.
+ * done[li] == seq and adds y[li] (float32 [D]) when the layer had misses. With ring_qx the request
+ * also holds x's int8 copy per 32-block (what thread 0 would make of x: moe_quantize_q8's bits), so
+ * where gate_up meets int8 activations thread 0 reads nothing of x after the bell.
  *
  * moetier_serve_step answers all layers of one step: one OpenMP team for the whole step;
  * thread 0 polls the bell, all threads compute the layer's misses (rows of gate_up, the gated
@@ -66,6 +68,10 @@ typedef struct {
     int32_t *log_ids, *log_slots;         /* NULL, or [L, k]: each layer's request row as served (the GPU rewrites */
     float *log_w;                         /* ids / slots / w at the next step's bell, which a queued replay may ring
                                            * before the host has read them) */
+    const int8_t *ring_qx;                /* NULL, or [L, D]: x's int8 copy, written by the GPU's ring before the bell
+                                           * (moe_quantize_q8's bits), with its scales ring_dx and sums ring_sx
+                                           * [L, D / 32]: gate_up's int8 activations, so tid 0 reads nothing of x */
+    const float *ring_dx, *ring_sx;
 } serve_ctx;
 
 static int is_quant(int qtype) { return qtype != F32 && qtype != BF16 && qtype != F16; }
@@ -180,6 +186,22 @@ int moetier_serve_supported(int qtype) {
     return qtype == F32 || qtype == BF16 || qtype == F16 || moetier_supported(qtype) || is_x8(qtype);
 }
 
+/* 1 if gate_up rows of this type meet int8 activations (with q8_act): only then does the server read ring_qx */
+int moetier_serve_q8(int qtype) { return q8_ok(qtype); }
+
+/* The prep's int8 copy of x [K] (K % 32 == 0): qx [K], scales dx and sums sx [K / 32], as tid 0 makes it (the ring
+ * kernel's twin, for tests). 0, or -1 in a build without int8 activations. */
+int moetier_quantize_q8(const float *x, int64_t K, int8_t *qx, float *dx, float *sx) {
+#ifdef MOE_Q8
+    if (K % 32) return -1;
+    moe_quantize_q8(x, K, qx, dx, sx);
+    return 0;
+#else
+    (void)x, (void)K, (void)qx, (void)dx, (void)sx;
+    return -1;
+#endif
+}
+
 static float act_one(const serve_ctx *c, float g, float u) {
     if (c->act == ACT_SWIGLU) return g / (1.f + expf(-g)) * u;
     g = fminf(g, c->limit);
@@ -277,7 +299,7 @@ typedef struct {
     const float *wt;                       /* [m] their routing weights */
     const uint8_t *const *gu, *const *dn;  /* [E] this layer's pointers */
     const float *const *gub, *const *dnb;  /* NULL or [E] */
-    const float *x;
+    act_vec ax;                            /* x in the forms gate_up's rows read */
     float *y;
 } serve_layer;
 
@@ -294,11 +316,10 @@ static inline void ly_rows(const serve_layer *ly, int proj, const uint8_t *w, in
 static void layer_rows(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s) {
     const int64_t I = c->I, D = c->D;
     const int m = ly->m, dquant = is_quant(ly->dq);
-    const act_vec ax = {ly->x, s->xs, s->qxv, s->dx, s->sxv};
     #pragma omp for schedule(dynamic, 16)
     for (int64_t r = 0; r < (int64_t)m * 2 * I; r++) {
         int64_t j = r / (2 * I), row = r % (2 * I);
-        s->hpre[r] = act_row(ly->gq, ly->q8g, ly->gu[ly->e[j]] + row * ly->gu_rb, ax, D)
+        s->hpre[r] = act_row(ly->gq, ly->q8g, ly->gu[ly->e[j]] + row * ly->gu_rb, ly->ax, D)
                      + (ly->gub ? ly->gub[ly->e[j]][row] : 0.f);
     }
     #pragma omp for schedule(static)
@@ -464,8 +485,8 @@ static void y_from_parts(const serve_layer *ly, const serve_scratch *s, int64_t 
 /* Phase 1's run of rows [i0, i0 + n) of the r-th missed expert in expert-id order (its gate and up rows, then the
  * activation into h), the software prefetch bounded by the chunk owner's home (flattened row home_hi). -> the
  * expert's index j (routing order: h, weights). */
-static int64_t gate_up_run(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, act_vec ax, int64_t r,
-                           int64_t i0, int64_t n, int64_t home_hi) {
+static int64_t gate_up_run(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, int64_t r, int64_t i0,
+                           int64_t n, int64_t home_hi) {
     const int64_t I = c->I, D = c->D;
     const int64_t pf = flat_bound(home_hi, r, I);     /* prefetch bound (row) */
     const int64_t j = ly->ord[r];
@@ -473,8 +494,8 @@ static int64_t gate_up_run(const serve_ctx *c, const serve_layer *ly, const serv
     const uint8_t *g = ly->gu[e];
     const float *b = ly->gub ? ly->gub[e] : NULL;
     float *hp = s->hpre + j * 2 * I, *hj = s->h + j * I;
-    ly_rows(ly, 0, g + i0 * ly->gu_rb, n, ax, D, g + pf * ly->gu_rb, hp + i0);
-    ly_rows(ly, 0, g + (I + i0) * ly->gu_rb, n, ax, D, g + (I + pf) * ly->gu_rb, hp + I + i0);
+    ly_rows(ly, 0, g + i0 * ly->gu_rb, n, ly->ax, D, g + pf * ly->gu_rb, hp + i0);
+    ly_rows(ly, 0, g + (I + i0) * ly->gu_rb, n, ly->ax, D, g + (I + pf) * ly->gu_rb, hp + I + i0);
     for (int64_t i = i0; i < i0 + n; i++)
         hj[i] = act_one(c, hp[i] + (b ? b[i] : 0.f), hp[I + i] + (b ? b[I + i] : 0.f));
     return j;
@@ -489,7 +510,6 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
     const int guided = c->variant == 4;
     const int m = ly->m;
     const int64_t ug = unit_of(ly->gq), ud = unit_of(ly->dq);      /* rows per unit: gate_up, down */
-    const act_vec ax = {ly->x, s->xs, s->qxv, s->dx, s->sxv};
     int64_t lo, hi, home_lo, home_hi, ch;
     int v;
     down_cursor dc;
@@ -504,7 +524,7 @@ static void layer_runs(const serve_ctx *c, const serve_layer *ly, const serve_sc
         for (int64_t p = lo; p < hi;) {
             int64_t r, i0, n;
             flat_run(p, hi, I, &r, &i0, &n);
-            gate_up_run(c, ly, s, ax, r, i0, n, home_hi);
+            gate_up_run(c, ly, s, r, i0, n, home_hi);
             if (pf_down) down_cursor_step(&dc, n * 2 * ly->gu_rb);
             p += n;
         }
@@ -650,7 +670,6 @@ static void layer_flow(const serve_ctx *c, const serve_layer *ly, const serve_sc
     const int64_t I = c->I, D = c->D;
     const int m = ly->m;
     const int64_t ug = unit_of(ly->gq), ud = unit_of(ly->dq);
-    const act_vec ax = {ly->x, s->xs, s->qxv, s->dx, s->sxv};
     int64_t lo, hi, home_lo, home_hi, ch;
     int v;
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
@@ -659,7 +678,7 @@ static void layer_flow(const serve_ctx *c, const serve_layer *ly, const serve_sc
         for (int64_t p = lo; p < hi;) {
             int64_t r, i0, n;
             flat_run(p, hi, I, &r, &i0, &n);
-            flow_rows_done(ly, s, f, I, gate_up_run(c, ly, s, ax, r, i0, n, home_hi), n);
+            flow_rows_done(ly, s, f, I, gate_up_run(c, ly, s, r, i0, n, home_hi), n);
             p += n;
         }
     }
@@ -819,7 +838,7 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
  * (timeout), -100 - li if a missed expert has no RAM pointer, -200 on bad arguments. */
 int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     const int L = c->L, D = c->D, I = c->I, k = c->k;
-    if (k > MAX_K || k < 1) return -200;
+    if (k > MAX_K || k < 1 || (c->ring_qx && D % 32)) return -200;
     for (int li = 0; li < L; li++) {
         const int gq = layer_type(c, li, 0), dq = layer_type(c, li, 1);
         if (!moetier_serve_supported(gq) || !moetier_serve_supported(dq)) return -200;
@@ -909,10 +928,12 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                         for (int j = 0; j < m; j++)
                             for (int i = 0; i < ng; i++) guessed_right += g[i] == miss_e[li][j];
                     }
-                    if (m && is_quant(gq)) block_sums(c->x + (int64_t)li * D, D, s.xs);
+                    if (m && !(q8g && c->ring_qx)) {       /* x's forms for gate_up, unless the ring wrote them */
+                        if (is_quant(gq)) block_sums(c->x + (int64_t)li * D, D, s.xs);
 #ifdef MOE_Q8
-                    if (m && q8g) moe_quantize_q8(c->x + (int64_t)li * D, D, s.qxv, s.dx, s.sxv);
+                        if (q8g) moe_quantize_q8(c->x + (int64_t)li * D, D, s.qxv, s.dx, s.sxv);
 #endif
+                    }
                 }
                 t_wait += now_s() - tw;
                 t_begin[li] = now_s();
@@ -925,13 +946,18 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);
                 continue;
             }
+            const int64_t nb = D / 32;      /* x's 32-blocks (their scales and sums: int8 activations only) */
+            const act_vec ax = q8g && c->ring_qx
+                ? (act_vec){c->x + (int64_t)li * D, s.xs, c->ring_qx + li * (int64_t)D, c->ring_dx + li * nb,
+                            c->ring_sx + li * nb}
+                : (act_vec){c->x + (int64_t)li * D, s.xs, s.qxv, s.dx, s.sxv};
             const serve_layer ly = {gq, dq, q8g, q8d, m, c->variant == 3, layer_row_bytes(c, li, 0),
                                     layer_row_bytes(c, li, 1),
                                     miss_e[li], miss_ord[li], miss_w[li], c->gate_up + li * (int64_t)c->E,
                                     c->down + li * (int64_t)c->E,
                                     c->gu_bias ? c->gu_bias + li * (int64_t)c->E : NULL,
                                     c->dn_bias ? c->dn_bias + li * (int64_t)c->E : NULL,
-                                    c->x + (int64_t)li * D, c->y + (int64_t)li * D};
+                                    ax, c->y + (int64_t)li * D};
             if (c->variant == 1) {
                 layer_rows(c, &ly, &s);                     /* ends in a barrier: all rows of y written */
                 if (tid == 0) {

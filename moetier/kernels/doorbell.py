@@ -2,9 +2,11 @@
 
 Per MoE layer, inside the graph:
   ring(...)      one kernel: slots = table[ids] (-1 = not on the GPU), the request (x as float32,
-                 ids, w, slots) written to pinned host memory, then bell[li] = seq (release, system scope)
+                 ids, w, slots; with Requests.q8 also x's int8 copy as the C server's prep makes it) written to
+                 pinned host memory, then bell[li] = seq (release, system scope)
   <hits>         ops.moe_decode over the GPU slots; slot -1 adds nothing
   wait_add(...)  if any slot is -1: spin until done[li] == seq, then out = hits + y[li]
+                 (wait_add_norm: with the residual, then the next layer's input norm of out and its int8 copy)
 On the host, `MissServer.serve(seq)` (C, doorbell.c, GIL released) answers every layer of the step.
 The sequence number lives on the device (`seq`, bumped by layer 0's ring), so the graph's kernel
 arguments never change; the host keeps its own count in step.
@@ -32,7 +34,7 @@ except ImportError:     # pragma: no cover - the graph path needs triton; MissSe
 
 
 if triton is not None:
-    from .triton_small import _router_part, _router_part_add_norm, _router_pick, pdl
+    from .triton_small import _norm_q8, _router_part, _router_part_add_norm, _router_pick, pdl
 
     @triton.jit
     def _store_release(ptr, val, SYS: tl.constexpr):
@@ -72,54 +74,88 @@ if triton is not None:
         return cand & (rank < m), rank
 
     @triton.jit
+    def _rint(y, ASM: tl.constexpr):
+        """float32 y -> the nearest integer (ties to even, as the C prep's _mm256_cvtps_epi32), int32. On a GPU one
+        cvt.rni: the magic-number add of the interpreter's branch could be fused with the product before it."""
+        if ASM:         # (y's bits in a b32 register: PTX takes it as the f32 operand)
+            r = tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [y.to(tl.int32, bitcast=True)],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = ((y + 12582912.0) - 12582912.0).to(tl.int32)
+        return r
+
+    @triton.jit
+    def _ring_q8(x, b0, qx_ptr, dx_ptr, sx_ptr, D: tl.constexpr, BD: tl.constexpr, ASM: tl.constexpr):
+        """x float32 [BD] (elements 32 b0 ...; 0 past D) -> its int8 copy, scales and sums for blocks b0 .. as the
+        C server's prep writes them (cpu_moe.c moe_quantize_q8) bit for bit: d = amax / 127, q = rint(x * (1 / d))
+        with 1 / d rounded once (0 where d == 0), s = d * sum(q)."""
+        xb = tl.reshape(x, [BD // 32, 32])
+        d = tl.math.div_rn(tl.max(tl.abs(xb), axis=1), 127.0)
+        inv = tl.where(d > 0, tl.math.div_rn(1.0, tl.where(d > 0, d, 1.0)), 0.0)
+        q = _rint(xb * inv[:, None], ASM)
+        b = b0 + tl.arange(0, BD // 32)
+        bm = b < D // 32
+        tl.store(qx_ptr + b[:, None] * 32 + tl.arange(0, 32)[None, :], q.to(tl.int8), mask=bm[:, None])
+        tl.store(dx_ptr + b, d, mask=bm)
+        tl.store(sx_ptr + b, d * tl.sum(q, axis=1).to(tl.float32), mask=bm)
+
+    @triton.jit
     def _ring_kernel(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
                      hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0, stamp_ptr,
-                     D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
-                     BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, STAMP: tl.constexpr):
+                     qx_ptr, dx_ptr, sx_ptr, D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
+                     BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, STAMP: tl.constexpr,
+                     Q8: tl.constexpr):
         _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
-              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP, True, stamp_ptr, STAMP)
+              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP, True, stamp_ptr, STAMP,
+              qx_ptr, dx_ptr, sx_ptr, Q8)
 
     @triton.jit
     def _route_ring_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
-                           hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, stamp_ptr, E: tl.constexpr,
-                           D: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
-                           BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
-                           SYS: tl.constexpr, BXD: tl.constexpr, STAMP: tl.constexpr):
+                           hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, stamp_ptr, qx_ptr, dx_ptr, sx_ptr,
+                           E: tl.constexpr, D: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr,
+                           BD: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
+                           SYS: tl.constexpr, BXD: tl.constexpr, STAMP: tl.constexpr, Q8: tl.constexpr):
         """The router (triton_small._router_topk_kernel) and, in its last program, the ring: one launch."""
         if _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E, D, ROWS, BD, PDL):
             _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
             tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
             _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
-                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1, True, stamp_ptr, STAMP)
+                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1, True, stamp_ptr, STAMP,
+                  qx_ptr, dx_ptr, sx_ptr, Q8)
 
     @triton.jit
     def _route_ring_add_norm_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, h_ptr, a_ptr, nw_ptr, s_ptr,
                                     N, eps, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
-                                    bell_ptr, stamp_ptr, E: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                                    NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                                    BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
-                                    STAMP: tl.constexpr):
+                                    bell_ptr, stamp_ptr, qx_ptr, dx_ptr, sx_ptr, E: tl.constexpr, D: tl.constexpr,
+                                    K: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+                                    BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
+                                    SYS: tl.constexpr, STAMP: tl.constexpr, Q8: tl.constexpr):
         """_route_ring_kernel on x = RMSNorm(h + a) * nw made in the launch (triton_small._router_add_norm_kernel):
-        the last program writes the request's x from its own registers (every program holds x: no read-back of
-        program 0's store to x_ptr, which would lean on the counter's ordering and on loads that bypass L1)."""
+        the last program writes the request's x (and its int8 copy) from its own registers (every program holds x: no
+        read-back of program 0's store to x_ptr, which would lean on the counter's ordering and on loads that bypass
+        L1)."""
         last, x = _router_part_add_norm(x_ptr, wt_ptr, logit_ptr, cnt_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps, E, D,
                                         ROWS, BD, PDL)
         if last:
             _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
             d = tl.arange(0, BD)
             tl.store(hx_ptr + d, x.to(tl.float32), mask=d < D)      # before _ring's barrier and bell
+            if Q8:
+                _ring_q8(x.to(tl.float32), 0, qx_ptr, dx_ptr, sx_ptr, D, BD, SYS)
             tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
             _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
-                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BD, BK, 0, 1, False, stamp_ptr, STAMP)
+                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BD, BK, 0, 1, False, stamp_ptr, STAMP,
+                  qx_ptr, dx_ptr, sx_ptr, False)
 
     @triton.jit
     def _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
               hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
               D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
               BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, COPY_X: tl.constexpr,
-              stamp_ptr, STAMP: tl.constexpr):
-        """The request of one layer (module docstring); COPY_X: x [D] from x_ptr to hx_ptr (else the caller wrote
-        hx_ptr before), then the bell after every thread's stores."""
+              stamp_ptr, STAMP: tl.constexpr, qx_ptr, dx_ptr, sx_ptr, Q8: tl.constexpr):
+        """The request of one layer (module docstring); COPY_X: x [D] from x_ptr to hx_ptr, with Q8 its int8 copy
+        to qx_ptr, dx_ptr, sx_ptr (_ring_q8; else the caller wrote them before), then the bell after every thread's
+        stores."""
         seq = tl.load(seq_ptr)
         if BUMP:            # layer 0 starts a new step
             seq = seq + 1
@@ -146,7 +182,10 @@ if triton is not None:
         if COPY_X:
             for d0 in range(0, D, BD):
                 dd = d0 + tl.arange(0, BD)
-                tl.store(hx_ptr + dd, tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32), mask=dd < D)
+                xf = tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+                tl.store(hx_ptr + dd, xf, mask=dd < D)
+                if Q8:
+                    _ring_q8(xf, d0 // 32, qx_ptr, dx_ptr, sx_ptr, D, BD, SYS)
         tl.debug_barrier()
         if STAMP:       # diagnosis (MOETIER_STAMP=1): the GPU's clock as it rings, stamp[2]
             tl.store(stamp_ptr + 2, _now_ns(SYS))
@@ -158,6 +197,38 @@ if triton is not None:
                          HAS_RES: tl.constexpr, TRIGGER: tl.constexpr, STAMP: tl.constexpr):
         if TRIGGER:     # the next kernel (the next layer's norm) may be scheduled while this one spins
             tl.extra.cuda.gdc_launch_dependents()
+        _wait_add(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
+                  timeout_ns, stamp_ptr, SYS, BD, BK, HAS_RES, STAMP)
+        if STAMP & (tl.program_id(0) == 0):     # and as it has added it, stamp[1]
+            tl.store(stamp_ptr + 1, _now_ns(SYS))
+
+    @triton.jit
+    def _wait_add_norm_kernel(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K,
+                              max_spin, timeout_ns, stamp_ptr, nw_ptr, x_ptr, q_ptr, dx_ptr, xs_ptr, eps,
+                              SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, TRIGGER: tl.constexpr,
+                              STAMP: tl.constexpr):
+        """_wait_add_kernel with the residual in one program (BD >= D), then the next decoder layer's input norm
+        of out and its int8 copy to x_ptr, q_ptr, dx_ptr, xs_ptr (triton_small._norm_q8 on out loaded back as
+        _rms_norm_q8_kernel loads its x: the same layout, the same sums); stamp[1] after all of it."""
+        if TRIGGER:     # the next kernel (the next layer's qkv GEMV) may be scheduled while this one spins
+            tl.extra.cuda.gdc_launch_dependents()
+        _wait_add(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
+                  timeout_ns, stamp_ptr, SYS, BD, BK, True, STAMP)
+        tl.debug_barrier()      # every thread's stores of out, visible to the program's loads below
+        n = tl.arange(0, BD)
+        m = n < D
+        w = tl.load(nw_ptr + n, mask=m, other=0.0)
+        x = tl.load(out_ptr + n, mask=m, other=0.0)
+        _norm_q8(x, w, D, eps, x_ptr, q_ptr, dx_ptr, xs_ptr, BD)
+        if STAMP:
+            tl.store(stamp_ptr + 1, _now_ns(SYS))
+
+    @triton.jit
+    def _wait_add(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
+                  timeout_ns, stamp_ptr, SYS: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                  HAS_RES: tl.constexpr, STAMP: tl.constexpr):
+        """out[this program's BD] = hits (+ y once done == seq, when a slot is -1) (+ res), rounded as wait_add says;
+        stamp[0] as the answer is seen."""
         kk = tl.arange(0, BK)
         s = tl.load(slots_ptr + kk, mask=kk < K, other=0)
         n_miss = tl.sum((s < 0).to(tl.int32), axis=0)
@@ -186,8 +257,6 @@ if triton is not None:
         if HAS_RES:     # the block's residual add, rounded as `res + moe(x)` is: one launch fewer
             o = (tl.load(res_ptr + dd, mask=dm, other=0.0).to(tl.float32) + o.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + dd, o, mask=dm)
-        if STAMP & (tl.program_id(0) == 0):     # and as it has added it, stamp[1]
-            tl.store(stamp_ptr + 1, _now_ns(SYS))
 
 
     @triton.jit
@@ -250,10 +319,10 @@ def ring(x, ids, w, table_row, seq, slots, req: "Requests", li: int, bump: bool,
     poff, soff, share, stage0 = pcie if pcie is not None else (ids, ids, 0.0, 0)
     n_p = soff.numel() if pcie is not None else 0
     _ring_kernel[(1,)](x, ids, w, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
-                       req.bell[li * BELL_STRIDE:], poff, soff, float(share), int(stage0), req.stamp[li], d, k,
-                       BUMP=bump, SYS=not _interpret(), BD=min(4096, triton.next_power_of_2(d)),
-                       BK=triton.next_power_of_2(k), NP=n_p, BNP=triton.next_power_of_2(max(1, n_p)),
-                       STAMP=req.stamping, num_warps=4)
+                       req.bell[li * BELL_STRIDE:], poff, soff, float(share), int(stage0), req.stamp[li],
+                       *req.q8_rows(li), d, k, BUMP=bump, SYS=not _interpret(),
+                       BD=min(4096, triton.next_power_of_2(d)), BK=triton.next_power_of_2(k), NP=n_p,
+                       BNP=triton.next_power_of_2(max(1, n_p)), STAMP=req.stamping, Q8=req.q8, num_warps=4)
 
 
 def route_ring(x, weight, k: int, normalize: bool, table_row, seq, slots, req: "Requests", li: int, bump: bool,
@@ -263,8 +332,9 @@ def route_ring(x, weight, k: int, normalize: bool, table_row, seq, slots, req: "
     from .triton_small import router_launch
     grid, args, const, res = router_launch(x, weight, k, normalize, out=out)
     _route_ring_kernel[grid](*args, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
-                             req.bell[li * BELL_STRIDE:], req.stamp[li], **const, BUMP=bump, SYS=not _interpret(),
-                             BXD=min(4096, triton.next_power_of_2(x.shape[-1])), STAMP=req.stamping, num_warps=4)
+                             req.bell[li * BELL_STRIDE:], req.stamp[li], *req.q8_rows(li), **const, BUMP=bump,
+                             SYS=not _interpret(), BXD=min(4096, triton.next_power_of_2(x.shape[-1])),
+                             STAMP=req.stamping, Q8=req.q8, num_warps=4)
     return res
 
 
@@ -276,8 +346,9 @@ def route_ring_add_norm(h, a, norm_w, eps: float, weight, k: int, normalize: boo
     from .triton_small import ROUTER_WARPS, router_add_norm_launch
     grid, args, const, res = router_add_norm_launch(h, a, norm_w, eps, weight, k, normalize, out=out)
     _route_ring_add_norm_kernel[grid](*args, table_row, seq, slots, req.x[li], req.ids[li], req.w[li], req.slots[li],
-                                      req.bell[li * BELL_STRIDE:], req.stamp[li], **const, BUMP=bump,
-                                      SYS=not _interpret(), STAMP=req.stamping, num_warps=ROUTER_WARPS)
+                                      req.bell[li * BELL_STRIDE:], req.stamp[li], *req.q8_rows(li), **const,
+                                      BUMP=bump, SYS=not _interpret(), STAMP=req.stamping, Q8=req.q8,
+                                      num_warps=ROUTER_WARPS)
     return res
 
 
@@ -304,10 +375,28 @@ def wait_add(hits, slots, seq, req: "Requests", li: int, out, max_spin: int = 1 
                                              TRIGGER=pdl(hits), STAMP=req.stamping, num_warps=4)
 
 
-class Requests:
-    """The host-mapped request/answer buffers of all L layers (pinned when CUDA is present)."""
+def wait_add_norm(hits, slots, seq, req: "Requests", li: int, out, residual, norm_w, eps: float,
+                  max_spin: int = 1 << 40, timeout_s: float = 5.0) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """wait_add(..., residual) in one program, then the next decoder layer's input norm of out and its int8 copy in
+    the same launch: -> (x, (q, dx, xs)) as triton_small.rms_norm_q8(out, norm_w, eps) returns them, bit for bit (the
+    same code on out loaded back, its warps). One launch fewer between the CPU's answer and the next bell. out's
+    dtype: residual's; D a multiple of 32."""
+    from .triton_small import _norm_warps, norm_q8_buffers
+    d, k = hits.shape[-1], slots.numel()
+    x, pre = norm_q8_buffers(out)
+    _wait_add_norm_kernel[(1,)](hits, slots, seq, req.done[li * BELL_STRIDE:], req.y[li], out, req.err, residual, d,
+                                k, max_spin, int(timeout_s * 1e9), req.stamp[li], norm_w, x, *pre, eps,
+                                SYS=not _interpret(), BD=triton.next_power_of_2(d), BK=triton.next_power_of_2(k),
+                                TRIGGER=pdl(hits), STAMP=req.stamping, num_warps=_norm_warps(d))
+    return x, pre
 
-    def __init__(self, n_layers: int, dim: int, k: int, pin: bool):
+
+class Requests:
+    """The host-mapped request/answer buffers of all L layers (pinned when CUDA is present). q8: the ring writes x's
+    int8 copy too (qx [L, D] int8, scales dx and sums sx [L, D / 32]: the C prep's, bit for bit), and the server
+    reads it instead of quantizing x (dim a multiple of 32)."""
+
+    def __init__(self, n_layers: int, dim: int, k: int, pin: bool, q8: bool = False):
         def buf(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
         self.bell = buf(n_layers * BELL_STRIDE, dtype=torch.int64)
@@ -323,6 +412,16 @@ class Requests:
         # [1], and as the ring rings [2] (GraphTiers.report: the GPU's part of the round trip, the PCIe crossings)
         self.stamping = os.environ.get("MOETIER_STAMP", "0") == "1"
         self.stamp = buf(n_layers, 4, dtype=torch.int64)
+        if q8 and dim % 32:
+            raise ValueError(f"x's int8 copy is made per 32 values: dim {dim} is not a multiple of 32")
+        self.q8 = q8
+        self.qx = buf(n_layers, dim, dtype=torch.int8) if q8 else None
+        self.dx = buf(n_layers, dim // 32, dtype=torch.float32) if q8 else None
+        self.sx = buf(n_layers, dim // 32, dtype=torch.float32) if q8 else None
+
+    def q8_rows(self, li: int) -> tuple[torch.Tensor, ...]:
+        """Layer li's rows of qx, dx, sx for the ring kernels (x's row in their place when q8 is off: unused)."""
+        return (self.qx[li], self.dx[li], self.sx[li]) if self.q8 else (self.x[li],) * 3
 
 
 # ------------------------------------------------------------------ the C server
@@ -341,7 +440,8 @@ class _Ctx(ctypes.Structure):
                                            # 4: variant 0 with guided chunks (halving parts of each home);
                                            # 5: phase 3's rows prefetched in phase 1; 6: no barriers (dataflow)
         ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p),   # the GPU's guess of the next layer's misses
-        ("log_ids", ctypes.c_void_p), ("log_slots", ctypes.c_void_p), ("log_w", ctypes.c_void_p)]   # rows as served
+        ("log_ids", ctypes.c_void_p), ("log_slots", ctypes.c_void_p), ("log_w", ctypes.c_void_p),   # rows as served
+        ("ring_qx", ctypes.c_void_p), ("ring_dx", ctypes.c_void_p), ("ring_sx", ctypes.c_void_p)]  # Requests.q8
 
 
 # The miss server's default variant (serve_ctx.variant): 6, the phases without barriers (doorbell.c layer_flow; each
@@ -357,12 +457,33 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build_library(source=Path(__file__).with_name("doorbell.c"))))
         lib.moetier_serve_step.argtypes = [ctypes.POINTER(_Ctx), ctypes.c_int64]
         lib.moetier_serve_supported.argtypes = [ctypes.c_int]
+        lib.moetier_serve_q8.argtypes = [ctypes.c_int]
+        lib.moetier_quantize_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_void_p]
         _lib = lib
     return _lib
 
 
 def serve_supported(qtype_id: int) -> bool:
     return bool(library().moetier_serve_supported(qtype_id))
+
+
+def ring_q8_useful(qtype_id, q8_act: bool = True) -> bool:
+    """Whether the server reads x's int8 copy (Requests.q8) in some layer: q8_act and gate_up rows with an int8
+    kernel. qtype_id as MissServer takes it."""
+    pairs = qtype_id if isinstance(qtype_id, list) else [qtype_id if isinstance(qtype_id, tuple) else (qtype_id,)]
+    return q8_act and any(library().moetier_serve_q8(p[0]) for p in pairs)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """x float32 [K] (CPU, K a multiple of 32) -> (qx int8 [K], dx, sx float32 [K / 32]) as the server's prep makes
+    them (doorbell.c moetier_quantize_q8: the ring's twin); None in a build without int8 activations."""
+    x = x.contiguous()
+    qx = torch.empty(x.numel(), dtype=torch.int8)
+    dx, sx = torch.empty(x.numel() // 32), torch.empty(x.numel() // 32)
+    if library().moetier_quantize_q8(x.data_ptr(), x.numel(), qx.data_ptr(), dx.data_ptr(), sx.data_ptr()):
+        return None
+    return qx, dx, sx
 
 
 class MissServer:
@@ -435,7 +556,8 @@ class MissServer:
                         None if self._row_bytes is None else self._row_bytes.data_ptr(),
                         *(None if b is None else ctypes.cast(b, ctypes.c_void_p) for b in self._bias), VARIANT,
                         req.hint.data_ptr() if hints else None, req.hint_flag.data_ptr() if hints else None,
-                        self.log_ids.data_ptr(), self.log_slots.data_ptr(), self.log_w.data_ptr())
+                        self.log_ids.data_ptr(), self.log_slots.data_ptr(), self.log_w.data_ptr(),
+                        *((t.data_ptr() for t in (req.qx, req.dx, req.sx)) if req.q8 else (None,) * 3))
 
     def serve(self, seq: int, timeout_s: float | None = None, threads: int | None = None) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed). timeout_s: this step's wait

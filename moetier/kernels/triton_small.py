@@ -303,6 +303,15 @@ def _rms_norm_q8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, N, eps, BN
     w = tl.load(w_ptr + n, mask=m, other=0.0)
     _pdl_enter(PDL)
     x = tl.load(x_ptr + n, mask=m, other=0.0)
+    _norm_q8(x, w, N, eps, out_ptr, q_ptr, dx_ptr, xs_ptr, BN)
+
+
+@triton.jit
+def _norm_q8(x, w, N, eps, out_ptr, q_ptr, dx_ptr, xs_ptr, BN: tl.constexpr):
+    """_rms_norm_q8_kernel's math on the row x [BN] and the weight w as loaded (0 past N): out, q, dx, xs stored.
+    Also kernels/doorbell.py's wait_add with the next layer's norm (the same loads, for the same sums)."""
+    n = tl.arange(0, BN)
+    m = n < N
     y = (w.to(x.dtype) * _rms(x, N, eps)).to(x.dtype)
     tl.store(out_ptr + n, y, mask=m)
     qf, dx, xs = _q8_blocks(tl.reshape(y.to(tl.float32), [BN // 32, 32]))
@@ -313,17 +322,21 @@ def _rms_norm_q8_kernel(x_ptr, w_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, N, eps, BN
     tl.store(xs_ptr + b, xs, mask=bm)
 
 
+def norm_q8_buffers(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """rms_norm_q8's outputs for a row like x [1, N]: (out like x, (q int8 [1, N], dx, xs f32 [1, N / 32]))."""
+    n = x.shape[-1]
+    dx = torch.empty(1, n // 32, dtype=torch.float32, device=x.device)
+    return x.new_empty(x.shape), (torch.empty(1, n, dtype=torch.int8, device=x.device), dx, torch.empty_like(dx))
+
+
 def rms_norm_q8(x, weight, eps: float):
     """x [1, N] contiguous (N a multiple of 32), weight [N] -> (rms_norm(x, weight, eps), (q int8 [1, N], dx, xs
     f32 [1, N / 32])): the norm and the int8 copy QuantLinear's GEMV takes (`pre`) in one launch."""
     n = x.shape[-1]
-    out = x.new_empty(x.shape)
-    q = torch.empty(1, n, dtype=torch.int8, device=x.device)
-    dx = torch.empty(1, n // 32, dtype=torch.float32, device=x.device)
-    xs = torch.empty_like(dx)
+    out, (q, dx, xs) = norm_q8_buffers(x)
     on = pdl(x)
     _rms_norm_q8_kernel[(1,)](x, weight, out, q, dx, xs, n, eps, BN=triton.next_power_of_2(n), PDL=on,
-                              num_warps=4 if n >= 1024 else 1, **_pdl_kw(on))
+                              num_warps=_norm_warps(n), **_pdl_kw(on))
     return out, (q, dx, xs)
 
 
@@ -351,7 +364,8 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.con
 
 
 def _norm_warps(n: int) -> int:
-    """add_rms_norm's warps for rows of n (its sum of squares is added in an order that depends on them)."""
+    """add_rms_norm's and rms_norm_q8's warps for rows of n (their sums of squares are added in an order that depends
+    on them)."""
     return 4 if n >= 1024 else 1
 
 

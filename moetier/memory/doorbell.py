@@ -162,7 +162,6 @@ class GraphTiers:
         self.timing = dict.fromkeys(STEP_TIMING, 0)
         self._t_served = 0.0        # when the last serve of a run of graphed steps returned (0: none yet)
         self._db = doorbell
-        self.req = doorbell.Requests(self.L, self.dim, k, pin=True)
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
         # the evicted entries' value, made once: torch.tensor(-1, device=...) per step was a pageable copy that
         # waited for the step being served (the bookkeeping thread then finished after it: account_ms)
@@ -176,6 +175,11 @@ class GraphTiers:
             raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 6 (default), 0, 1, 2, "
                             "4, 5 (3 reads the experts without computing them: bench/bench_miss_server.py only)")
         qtypes = _qtype_id(lay, interleave_bank(tiers, variant))
+        # the ring writes x's int8 copy (the C prep's, bit for bit) where the server's gate_up reads int8 activations:
+        # its thread 0 then reads nothing of x after the bell. MOETIER_RING_Q8=0: the server quantizes x (A/B)
+        q8 = (os.environ.get("MOETIER_RING_Q8", "1") != "0" and self.dim % 32 == 0
+              and doorbell.ring_q8_useful(qtypes))
+        self.req = doorbell.Requests(self.L, self.dim, k, pin=True, q8=q8)
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
         # (gpt-oss's biases as float32: views of the bank when stored so, else copies kept here)
         names = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias")
@@ -201,6 +205,10 @@ class GraphTiers:
                                           hints=any(r is not None for r in self.guess))
         self.server.ctx.variant = int(variant)
         self.share = tiers.pl.pcie_share     # 0 where the placement has no stage slots
+        # wait_add makes the next block's input norm and its int8 copy (one launch fewer a layer; _next_norm);
+        # MOETIER_WAIT_ADD_NORM=0: the block's own rms_norm_q8 launch (A/B). norm_layers: where it did
+        self.wait_add_norm = os.environ.get("MOETIER_WAIT_ADD_NORM", "1") != "0"
+        self.norm_layers: set[int] = set()
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
 
@@ -253,10 +261,11 @@ class GraphTiers:
             fast.repack_into(self.staging, self.stage_idx, rest)
 
     # ------------------------------------------------------------------ inside the graph
-    def routed(self, li: int, x: torch.Tensor, router, residual: torch.Tensor) -> torch.Tensor | None:
+    def routed(self, li: int, x: torch.Tensor, router, residual: torch.Tensor, then=None) -> torch.Tensor | None:
         """residual + the MoE layer on x with its router, in fewer launches: the router's last program rings the
-        doorbell, and wait_add adds the residual (router: a SoftmaxRouter). None where it does not apply (the
-        router kernel cannot run, or the PCIe share is on): the caller routes and calls forward."""
+        doorbell, and wait_add adds the residual (router: a SoftmaxRouter) and may make the next block's input norm
+        (then: that block's (input norm, attention), _next_norm). None where it does not apply (the router kernel
+        cannot run, or the PCIe share is on): the caller routes and calls forward."""
         from ..kernels import small_ops
         if (not self._rings_in_router(router) or not small_ops.router_kernel_ok(x, router.weight, router.k)
                 or residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
@@ -264,9 +273,10 @@ class GraphTiers:
         slots = self.slots[li]
         ids, w = self._db.route_ring(x, router.weight, router.k, router.normalize, self.tiers.cache.table[li],
                                      self.seq, slots, self.req, li, bump=li == 0)
-        return self._after_ring(li, x, slots, w, residual)
+        return self._after_ring(li, x, slots, w, residual, then)
 
-    def add_norm_routed(self, li: int, h: torch.Tensor, a: torch.Tensor, norm, router) -> torch.Tensor | None:
+    def add_norm_routed(self, li: int, h: torch.Tensor, a: torch.Tensor, norm, router,
+                        then=None) -> torch.Tensor | None:
         """routed(li, norm(s), router, s) with s = h + a, the add and the norm (an RMSNorm) made by the same launch
         (route_ring_add_norm: one launch fewer); None where it does not apply (as routed, or
         small_ops.router_add_norm_ok fails): the caller adds, norms and routes."""
@@ -278,7 +288,7 @@ class GraphTiers:
         s, x, ids, w = self._db.route_ring_add_norm(h, a, norm.weight, norm.eps, router.weight, router.k,
                                                     router.normalize, self.tiers.cache.table[li], self.seq, slots,
                                                     self.req, li, bump=li == 0)
-        return self._after_ring(li, x, slots, w, residual=s)
+        return self._after_ring(li, x, slots, w, residual=s, then=then)
 
     def _rings_in_router(self, router) -> bool:
         """The router's last program may ring this layer's doorbell: a SoftmaxRouter of our k, no PCIe share (its
@@ -295,8 +305,9 @@ class GraphTiers:
         self._db.ring(x, ids, w, self.tiers.cache.table[li], self.seq, slots, self.req, li, bump=li == 0, pcie=pcie)
         return self._after_ring(li, x, slots, w)
 
-    def _after_ring(self, li: int, x, slots, w, residual=None) -> torch.Tensor:
-        """The layer after its ring: the PCIe share, the hits, the guess of the next layer, wait_add."""
+    def _after_ring(self, li: int, x, slots, w, residual=None, then=None) -> torch.Tensor:
+        """The layer after its ring: the PCIe share, the hits, the guess of the next layer, wait_add (with the next
+        block's input norm where _next_norm gives it)."""
         k = self.k
         fmt, gu, dn = self.tiers.fast.kernel_weights(li)
         if self.n_pcie:     # this layer's PCIe share: bank -> staging rows -> stage slots
@@ -309,8 +320,31 @@ class GraphTiers:
             nxt = (self.pcie_off[li + 1], self.share, self.n_pcie) if self.n_pcie else None
             self._db.hint(self.guess[li](x)[0], self.tiers.cache.table[li + 1], self.seq, self.req, li + 1, pcie=nxt)
         out = torch.empty_like(x)
-        self._db.wait_add(hits, slots, self.seq, self.req, li, out, residual=residual)
+        norm = self._next_norm(out, then) if residual is not None else None
+        if norm is None:
+            self._db.wait_add(hits, slots, self.seq, self.req, li, out, residual=residual)
+            return out
+        from ..kernels import small_ops
+        xn, pre = self._db.wait_add_norm(hits, slots, self.seq, self.req, li, out, residual, norm.weight, norm.eps)
+        small_ops.made_norm_q8(out, norm.weight, norm.eps, xn, pre)
+        self.norm_layers.add(li)
         return out
+
+    def _next_norm(self, out, then):
+        """The next decoder block's input RMSNorm where wait_add can make it with its int8 copy in its own launch:
+        then = that block's (input norm, attention) (TieredExperts.next_input), and the block would call
+        small_ops.rms_norm_q8 on out (models.base.Block: an RMSNorm, attention.q8_input) with its kernel. Else None
+        (also with MOETIER_WAIT_ADD_NORM=0, A/B). Whatever the block does, its results are the same: rms_norm_q8
+        returns what wait_add made, or computes them."""
+        from ..kernels import small_ops
+        from ..models.layers import RMSNorm
+        if then is None or not self.wait_add_norm:
+            return None
+        norm, attn = then
+        q8 = getattr(attn, "q8_input", None)
+        if type(norm) is not RMSNorm or q8 is None or not q8(out) or not small_ops.rms_norm_q8_ok(out, norm.weight):
+            return None
+        return norm
 
     # ------------------------------------------------------------------ around the graph
     def serve_async(self) -> "_Server":
@@ -450,6 +484,10 @@ class GraphTiers:
         """Mean host milliseconds per graphed decode step."""
         tm, n = self.timing, max(1, self.timing["steps"])
         return {"steps": tm["steps"], "admitted": tm["admitted"], "threads": self.threads,
+                # the ring wrote x's int8 copy (prep_ms is then tid 0's bell work without quantizing x)
+                "ring_q8": self.req.q8,
+                # MoE layers whose wait_add made the next block's input norm (MOETIER_WAIT_ADD_NORM)
+                "wait_add_norm_layers": len(self.norm_layers),
                 "pcie_share": self.share if self.n_pcie else 0.0, "pcie_off_why": self.pcie_why,
                 "pcie_per_step": round(self.tiers.stats.pcie["decode"] / n, 3),
                 # account_ms: time the next step waited for the bookkeeping thread (0 when hidden)

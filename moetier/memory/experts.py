@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 import time
 import weakref
@@ -73,6 +74,9 @@ class TieredExperts(nn.Module):
         self.tiers, self.li = tiers, li
         self.num_experts, self.dim, self.hidden = template.num_experts, template.dim, template.hidden
         self.act = template.act
+        # (input norm, attention) of the next decoder block (install; a tuple, not submodules), or None: this layer's
+        # wait_add may make that norm in the graphed decode (GraphTiers._next_norm)
+        self.next_input = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.tiers.forward(self.li, x, ids, w, self.act)
@@ -83,7 +87,7 @@ class TieredExperts(nn.Module):
         g = self.tiers.graphed
         if g is None or not g.capturing or x.shape[0] != 1:
             return None
-        return g.routed(self.li, x, router, residual)
+        return g.routed(self.li, x, router, residual, then=self.next_input)
 
     def add_norm_routed(self, h: torch.Tensor, a: torch.Tensor, norm, router) -> torch.Tensor | None:
         """routed on x = norm(h + a) with residual h + a, the add and the norm made by the router's launch
@@ -91,7 +95,7 @@ class TieredExperts(nn.Module):
         g = self.tiers.graphed
         if g is None or not g.capturing or h.shape[0] != 1:
             return None
-        return g.add_norm_routed(self.li, h, a, norm, router)
+        return g.add_norm_routed(self.li, h, a, norm, router, then=self.next_input)
 
     def extra_repr(self) -> str:
         return f"layer={self.tiers.layout.layers[self.li]}, experts={self.num_experts}"
@@ -533,12 +537,27 @@ def install(model: nn.Module, pl: Placement, config) -> Tiers:
     routers = [_router_of(model.get_submodule(prefix)) for prefix, _ in mods]
     tiers = Tiers(pl, routers, config)
     for li, (prefix, mod) in enumerate(mods):
-        setattr(model.get_submodule(prefix), "experts", TieredExperts(tiers, li, mod))
+        experts = TieredExperts(tiers, li, mod)
+        experts.next_input = _next_input(model, prefix)
+        setattr(model.get_submodule(prefix), "experts", experts)
     tiers.fill()
     if config.save_profile:     # written at exit (or by Tiers.close); only the small profile is kept alive
         atexit.register(_save_at_exit, tiers.profile, config.save_profile)
     weakref.finalize(tiers, tiers.reader.close)
     return tiers
+
+
+def _next_input(model: nn.Module, prefix: str) -> tuple[nn.Module, nn.Module] | None:
+    """(input_layernorm, self_attn) of the decoder block after the one at `prefix` (`...layers.N.mlp`), or None."""
+    m = re.match(r"(.*layers\.)(\d+)\.", prefix + ".")
+    if m is None:
+        return None
+    try:
+        block = model.get_submodule(f"{m.group(1)}{int(m.group(2)) + 1}")
+    except AttributeError:          # the last block
+        return None
+    norm, attn = getattr(block, "input_layernorm", None), getattr(block, "self_attn", None)
+    return (norm, attn) if norm is not None and attn is not None else None
 
 
 def _save_at_exit(profile: ExpertProfile, path: str) -> None:
