@@ -160,9 +160,9 @@ for step in $STEPS; do
                                             # g8c8 / g8c16: its chunks per
                                             # thread and phase 8 / 16, MOETIER_MISS_CHUNKS;
                                             # g8t14: 8 GiB on 14 miss threads; g8stamp: 8 GiB with the GPU's
-                                            # clock stamps; g8noq8: that without x's int8 copy written by the ring,
-                                            # MOETIER_RING_Q8=0; g8nowan: that with the next block's input norm in
-                                            # its own launch, MOETIER_WAIT_ADD_NORM=0)
+                                            # clock stamps; g8q8: that with x's int8 copy written by the ring,
+                                            # MOETIER_RING_Q8=1; g8wan: that with the next block's input norm made
+                                            # by wait_add, MOETIER_WAIT_ADD_NORM=1; g8fused: both; g8base: neither)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -177,10 +177,12 @@ for step in $STEPS; do
         bench proof48_g8old ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8base) MOETIER_STAMP=1 MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0 \
         bench proof48_g8base ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
-      g8noq8) MOETIER_STAMP=1 MOETIER_RING_Q8=0 \
-        bench proof48_g8noq8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
-      g8nowan) MOETIER_STAMP=1 MOETIER_WAIT_ADD_NORM=0 \
-        bench proof48_g8nowan ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8q8) MOETIER_STAMP=1 MOETIER_RING_Q8=1 \
+        bench proof48_g8q8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8wan) MOETIER_STAMP=1 MOETIER_WAIT_ADD_NORM=1 \
+        bench proof48_g8wan ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
+        bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8nopipe) MOETIER_STAMP=1 MOETIER_PIPELINE=0 \
         bench proof48_g8nopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;

@@ -397,8 +397,8 @@ def count_calls(monkeypatch, module, names) -> dict:
 
 
 def test_ring_int8_copy_changes_no_bit(tmp_path, monkeypatch):
-    """The graphed tiered decode with the ring writing x's int8 copy for the C server (MOETIER_RING_Q8=1, the
-    default: the server's thread 0 quantizes nothing) against the server quantizing x itself (=0): the same greedy
+    """The graphed tiered decode with the ring writing x's int8 copy for the C server (MOETIER_RING_Q8=1, not
+    yet the default: the server's thread 0 quantizes nothing) against the server quantizing x itself (=0): the same greedy
     tokens and log-probabilities (top 5) bit for bit, through each ring kernel: route_ring_add_norm (the PCIe share
     off: the bank's rows interleaved by 8), route_ring (MOETIER_ROUTER_ADD_NORM=0) and ring (the PCIe share on: GGML
     rows). The kernels are counted and the graph report names the path."""
@@ -424,7 +424,7 @@ def test_ring_int8_copy_changes_no_bit(tmp_path, monkeypatch):
 
 def test_wait_add_with_the_next_norm_changes_no_bit(tmp_path, monkeypatch):
     """The graphed tiered decode with wait_add making the next block's input norm and its int8 copy (the qkv
-    QuantLinear's `pre`) in its own launch (MOETIER_WAIT_ADD_NORM=1, the default: wait_add_norm, one program) against
+    QuantLinear's `pre`) in its own launch (MOETIER_WAIT_ADD_NORM=1, not yet the default: one program) against
     wait_add then the block's rms_norm_q8 (=0): the same greedy tokens and log-probabilities (top 5) bit for bit,
     after route_ring_add_norm and after route_ring (MOETIER_ROUTER_ADD_NORM=0); the fused kernel is counted and the
     graph report gives the layers that used it (all but the last of the 3)."""

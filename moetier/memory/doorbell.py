@@ -176,8 +176,9 @@ class GraphTiers:
                             "4, 5 (3 reads the experts without computing them: bench/bench_miss_server.py only)")
         qtypes = _qtype_id(lay, interleave_bank(tiers, variant))
         # the ring writes x's int8 copy (the C prep's, bit for bit) where the server's gate_up reads int8 activations:
-        # its thread 0 then reads nothing of x after the bell. MOETIER_RING_Q8=0: the server quantizes x (A/B)
-        q8 = (os.environ.get("MOETIER_RING_Q8", "1") != "0" and self.dim % 32 == 0
+        # its thread 0 then reads nothing of x after the bell. MOETIER_RING_Q8=1 turns it on; off by default until
+        # the GPU box has timed it (session 20: the ring kernels' copies equal the C prep's there; no time was left)
+        q8 = (os.environ.get("MOETIER_RING_Q8", "0") == "1" and self.dim % 32 == 0
               and doorbell.ring_q8_useful(qtypes))
         self.req = doorbell.Requests(self.L, self.dim, k, pin=True, q8=q8)
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
@@ -206,8 +207,9 @@ class GraphTiers:
         self.server.ctx.variant = int(variant)
         self.share = tiers.pl.pcie_share     # 0 where the placement has no stage slots
         # wait_add makes the next block's input norm and its int8 copy (one launch fewer a layer; _next_norm);
-        # MOETIER_WAIT_ADD_NORM=0: the block's own rms_norm_q8 launch (A/B). norm_layers: where it did
-        self.wait_add_norm = os.environ.get("MOETIER_WAIT_ADD_NORM", "1") != "0"
+        # MOETIER_WAIT_ADD_NORM=1 turns it on; off by default (the block's own rms_norm_q8 launch) until the GPU box
+        # has timed it (the kernel equals the two launches there, session 20; not timed). norm_layers: where it did
+        self.wait_add_norm = os.environ.get("MOETIER_WAIT_ADD_NORM", "0") == "1"
         self.norm_layers: set[int] = set()
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
