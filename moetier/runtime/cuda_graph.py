@@ -114,7 +114,9 @@ class GraphStep:
         slot = self.n % self.DEPTH
         self.n += 1
         self.host[slot:slot + 1].copy_(g.next, non_blocking=True)
-        done = torch.cuda.Event()
+        # with tiers the host's thread sleeps on the event instead of spinning beside the CPU's team (session 20's
+        # suspect for the tiered pipelining's slower y reads; untimed)
+        done = torch.cuda.Event(blocking=g.tiers is not None)
         done.record()
         ticket = g.tiers.serve_queued() if g.tiers is not None else 0
         self.queue.append((slot, done, ticket))
