@@ -120,3 +120,14 @@ def test_forced_inputs_go_ahead_and_other_sampling_stays_plain(engine, prompt):
         with pytest.raises(AssertionError, match="never asks for logits"):
             stream(engine, prompt, 4, pipe=True, **kw)
     assert isinstance(plain[-1], Done)
+
+
+def test_pipeline_switch_names_its_values(monkeypatch):
+    """MOETIER_PIPELINE takes auto, 1 or 0: anything else is an error that says so (before any CUDA allocation)."""
+    from types import SimpleNamespace
+
+    from moetier.errors import UserError
+    from moetier.runtime.cuda_graph import GraphStep
+    monkeypatch.setenv("MOETIER_PIPELINE", "yes")
+    with pytest.raises(UserError, match="MOETIER_PIPELINE='yes': use auto"):
+        GraphStep(SimpleNamespace(next=torch.zeros(1), tiers=None, tokens=torch.zeros(1)))

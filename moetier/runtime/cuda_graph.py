@@ -82,11 +82,6 @@ class GraphStep:
 
     def __init__(self, graph: DecodeGraph):
         self.g = graph
-        dev = graph.tokens.device
-        self.buf = torch.zeros(1, dtype=torch.long, device=dev)
-        self.host = torch.zeros(self.DEPTH, dtype=torch.long, pin_memory=True)   # each queued replay's argmax
-        self.queue: deque = deque()      # (host slot, event, the tiers' serve ticket)
-        self.n = 0
         # MOETIER_PIPELINE: auto (default) pipelines graphs without tiers only; 1 tiered graphs too (their CPU answers
         # then come from the tiers' serving thread: at 8 GiB on the H200 box 126 tok/s against 135 served by the
         # host's thread, and wait_add's read of y took 10 us instead of 2.7, session 20: not understood yet); 0 off
@@ -94,6 +89,10 @@ class GraphStep:
         if mode not in ("auto", "0", "1"):
             raise UserError(f"MOETIER_PIPELINE={mode!r}: use auto (the default), 1 or 0")
         self.pipelined = graph.next is not None and (mode == "1" or mode == "auto" and graph.tiers is None)
+        self.buf = torch.zeros(1, dtype=torch.long, device=graph.tokens.device)
+        self.host = torch.zeros(self.DEPTH, dtype=torch.long, pin_memory=True)   # each queued replay's argmax
+        self.queue: deque = deque()      # (host slot, event, the tiers' serve ticket)
+        self.n = 0
 
     def __call__(self, tok: int) -> torch.Tensor:
         if self.queue:
