@@ -335,8 +335,8 @@ class GraphTiers:
     def _next_norm(self, out, then):
         """The next decoder block's input RMSNorm where wait_add can make it with its int8 copy in its own launch:
         then = that block's (input norm, attention) (TieredExperts.next_input), and the block would call
-        small_ops.rms_norm_q8 on out (models.base.Block: an RMSNorm, attention.q8_input) with its kernel. Else None
-        (also with MOETIER_WAIT_ADD_NORM=0, A/B). Whatever the block does, its results are the same: rms_norm_q8
+        small_ops.rms_norm_q8 on out (models.base.Block: an RMSNorm, attention.q8_input) with its kernel, and
+        MOETIER_WAIT_ADD_NORM=1 (off by default until timed). Else None. Whatever the block does, its results are the same: rms_norm_q8
         returns what wait_add made, or computes them."""
         from ..kernels import small_ops
         from ..models.layers import RMSNorm
