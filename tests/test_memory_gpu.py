@@ -243,7 +243,7 @@ def test_graphed_tiered_decode_with_expert_biases(tmp_path):
     assert got["eager"] == got["untiered"] and got["graphed"] == got["eager"] and got["graphed_cpu_moe"] == got["eager"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32-ungated"])
 def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dtype):
     """D = 1024 (the fused path's smallest; bf16: float32 on CUDA keeps two launches, whose bits the H200 did not
     reproduce in one): the residual add + post-attention norm made by the router's launch
@@ -251,7 +251,11 @@ def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dty
     for bit, and the greedy tokens of the untiered graph and of the graphed tiered step with CPU misses
     (route_ring_add_norm); the fused kernels are counted, so the path was taken."""
     from moetier import SamplingParams
-    from moetier.kernels import doorbell, triton_small
+    from moetier.kernels import doorbell, small_ops, triton_small
+    ungated = dtype == "float32-ungated"        # the one launch in float32 too (small_ops.ROUTER_ADD_NORM_FP32_CUDA)
+    if ungated:
+        monkeypatch.setattr(small_ops, "ROUTER_ADD_NORM_FP32_CUDA", True)
+        dtype = torch.float32
     path = tmp_path / "m"
     cfg = Qwen3MoeConfig(vocab_size=160, hidden_size=1024, intermediate_size=96, moe_intermediate_size=32,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -290,7 +294,7 @@ def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dty
         seen[on] = dict(calls)
     assert torch.equal(got["1", "eager"], got["0", "eager"])
     assert got["1", "untiered"] == got["0", "untiered"] and got["1", "tiered"] == got["0", "tiered"]
-    if dtype == torch.float32:      # float32 on CUDA keeps the two launches (small_ops.router_add_norm_ok)
+    if dtype == torch.float32 and not ungated:      # float32 on CUDA keeps the two launches (router_add_norm_ok)
         assert seen["1"] == seen["0"] == {"router": 0, "ring": 0}, seen
     else:
         assert seen["1"]["router"] > 0 and seen["1"]["ring"] > 0 and seen["0"] == {"router": 0, "ring": 0}, seen
