@@ -91,7 +91,11 @@ class GraphStep:
         self.pipelined = graph.next is not None and (mode == "1" or mode == "auto" and graph.tiers is None)
         self.buf = torch.zeros(1, dtype=torch.long, device=graph.tokens.device)
         self.host = torch.zeros(self.DEPTH, dtype=torch.long, pin_memory=True)   # each queued replay's argmax
-        self.queue: deque = deque()      # (host slot, event, the tiers' serve ticket)
+        # with tiers the host's thread sleeps on a step's event instead of spinning beside the CPU's team (session 20's
+        # suspect for the tiered pipelining's slower y reads; untimed)
+        self.events = [torch.cuda.Event(blocking=graph.tiers is not None) for _ in range(self.DEPTH)] \
+            if self.pipelined else []
+        self.queue: deque = deque()      # (host slot, the tiers' serve ticket)
         self.n = 0
 
     def __call__(self, tok: int) -> torch.Tensor:
@@ -113,18 +117,15 @@ class GraphStep:
         slot = self.n % self.DEPTH
         self.n += 1
         self.host[slot:slot + 1].copy_(g.next, non_blocking=True)
-        # with tiers the host's thread sleeps on the event instead of spinning beside the CPU's team (session 20's
-        # suspect for the tiered pipelining's slower y reads; untimed)
-        done = torch.cuda.Event(blocking=g.tiers is not None)
-        done.record()
+        self.events[slot].record()
         ticket = g.tiers.serve_queued() if g.tiers is not None else 0
-        self.queue.append((slot, done, ticket))
+        self.queue.append((slot, ticket))
 
     def _wait(self) -> int:
-        slot, done, ticket = self.queue.popleft()
+        slot, ticket = self.queue.popleft()
         if ticket:
             self.g.tiers.wait_served(ticket)
-        done.synchronize()
+        self.events[slot].synchronize()
         return slot
 
     def collect(self) -> int:

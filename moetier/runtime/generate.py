@@ -113,7 +113,7 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
     # pipelined greedy decoding (runtime.cuda_graph.GraphStep): each step's input is the previous one's argmax, made
     # on the GPU, so the next replay is queued before this token is read; a forcing processor (bench) gives inputs
     # known ahead instead
-    forced = getattr(logits_processor, "forced_ids", None)
+    forced = getattr(logits_processor, "forced", None)     # n -> the token after n generated ones
     pipe = step if (getattr(step, "pipelined", False) and logprobs is None and sampler.plain_greedy
                     and (logits_processor is None or forced)) else None
     t_last = None
@@ -126,7 +126,7 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
                 if pipe is not None and out:
                     tok = pipe.collect()
                     if forced:
-                        tok = forced[min(len(out), len(forced) - 1)]
+                        tok = forced(len(out))
                 else:
                     tok = sampler(logits if logits_processor is None else logits_processor(out, logits))
                 if t_first is None:
@@ -158,7 +158,7 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
                         pipe.launch(tok)
                     n = len(out) + 1        # the step after it, if its token may be wanted
                     if n < max_tokens and n < room:
-                        pipe.launch(forced[min(len(out), len(forced) - 1)] if forced else None)
+                        pipe.launch(forced(len(out)) if forced else None)
                 elif step is not None:  # e.g. a CUDA-graph replay
                     logits = step(tok)
                 else:

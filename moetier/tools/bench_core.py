@@ -97,16 +97,21 @@ def _decode_view(engine, mid):
 class Forcing:
     """A logits processor that makes greedy decoding emit `ids` in order: the model still runs every
     step, but the tokens (hence the routing) follow the topic-local stream instead of the loops
-    that greedy decoding of random weights falls into. `forced_ids` tells generate_stream's pipelined
+    that greedy decoding of random weights falls into. `forced(n)` tells generate_stream's pipelined
     greedy path the inputs ahead (the graph still makes each step's argmax, as greedy decoding does)."""
 
     def __init__(self, ids: list[int]):
-        self.forced_ids = list(ids)
+        if not ids:
+            raise ValueError("Forcing needs at least one token id")
+        self.ids = list(ids)
+
+    def forced(self, n: int) -> int:
+        """The token emitted after n generated ones (the last id repeats past the end)."""
+        return self.ids[min(n, len(self.ids) - 1)]
 
     def __call__(self, out: list[int], logits: torch.Tensor) -> torch.Tensor:
-        ids = self.forced_ids
         forced = torch.full_like(logits, float("-inf"))
-        forced[ids[min(len(out), len(ids) - 1)]] = 0.0
+        forced[self.forced(len(out))] = 0.0
         return forced
 
 
