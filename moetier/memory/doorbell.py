@@ -371,12 +371,18 @@ class GraphTiers:
         # a team one thread smaller than a serve on the host's thread: that thread, woken for each token, stays
         # runnable beside the team and the bookkeeping worker (17 runnable threads on the H200 box's 16 CPUs made
         # the 8 GiB decode 21 tok/s, session 20: a preempted team thread stalls its layer)
+        # (MOETIER_PIPE_SPARE, A/B: CPUs left out of the team, 2 by default; the host's thread now sleeps on a blocking
+        # event while the step runs, so 1 may no longer oversubscribe)
         from .bandwidth import process_cpus
         err = None
         try:
-            self.after_step(threads=max(1, min(self.threads, process_cpus() - 2)))
+            spare = int(os.environ.get("MOETIER_PIPE_SPARE", "2"))
+            self.after_step(threads=max(1, min(self.threads, process_cpus() - spare)))
         except BaseException as e:    # noqa: BLE001 - handed to wait_served
             err = e
+            if os.environ.get("MOETIER_SYNC_DEBUG") == "1":     # diagnosis: where every thread is
+                import faulthandler
+                faulthandler.dump_traceback(all_threads=True)
         with self._served_cv:
             self._served += 1
             if err is not None:
@@ -454,8 +460,18 @@ class GraphTiers:
         st[:-1] = 0
 
     def _account_thread(self, *step) -> None:
-        with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
-            self._account(*step)
+        # MOETIER_SYNC_DEBUG=1 (diagnosis): a host sync in the bookkeeping raises (torch's sync debug mode is global:
+        # the other threads' syncs meanwhile raise too). With pipelined steps such a sync waits for the queued step,
+        # which waits for the serving thread, which waits for this worker
+        debug = os.environ.get("MOETIER_SYNC_DEBUG") == "1" and torch.cuda.is_available()
+        if debug:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
+                self._account(*step)
+        finally:
+            if debug:
+                torch.cuda.set_sync_debug_mode("default")
 
     def _wait_worker(self) -> None:
         t0 = time.perf_counter()
