@@ -162,10 +162,10 @@ for step in $STEPS; do
                                             # g8c8 / g8c16: its chunks per
                                             # thread and phase 8 / 16, MOETIER_MISS_CHUNKS;
                                             # g8t14: 8 GiB on 14 miss threads; g8stamp: 8 GiB with the GPU's
-                                            # clock stamps; g8q8: that with x's int8 copy written by the ring,
-                                            # MOETIER_RING_Q8=1; g8wan: that with the next block's input norm made
-                                            # by wait_add, MOETIER_WAIT_ADD_NORM=1; g8fused: both; g8base: neither;
-                                            # g8pipe / g8pipe1: pipelined tiered steps, the team 2 / 1 CPUs short)
+                                            # clock stamps; g8q8: that with x's int8 copy written by the ring only,
+                                            # MOETIER_RING_Q8; g8wan: that with the next block's input norm made
+                                            # by wait_add only, MOETIER_WAIT_ADD_NORM; g8fused: both (the default);
+                                            # g8base: neither)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -180,19 +180,13 @@ for step in $STEPS; do
         bench proof48_g8old ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8base) MOETIER_STAMP=1 MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0 \
         bench proof48_g8base ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
-      g8q8) MOETIER_STAMP=1 MOETIER_RING_Q8=1 \
+      g8q8) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=0 \
         bench proof48_g8q8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
-      g8wan) MOETIER_STAMP=1 MOETIER_WAIT_ADD_NORM=1 \
+      g8wan) MOETIER_STAMP=1 MOETIER_WAIT_ADD_NORM=1 MOETIER_RING_Q8=0 \
         bench proof48_g8wan ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
-      g8nopipe) MOETIER_STAMP=1 MOETIER_PIPELINE=0 \
-        bench proof48_g8nopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
-      g8pipe) MOETIER_STAMP=1 MOETIER_PIPELINE=1 \
-        bench proof48_g8pipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
-      g8pipe1) MOETIER_STAMP=1 MOETIER_PIPELINE=1 MOETIER_PIPE_SPARE=1 \
-        bench proof48_g8pipe1 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
       g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;

@@ -95,7 +95,7 @@ def test_miss_server_answers_every_layer(qtype, q8, act):
             err = ((req.y[li] - want).abs().max() / want.abs().max()).item()
             assert err <= (3e-2 if q8 else 2e-5), (qtype, q8, err)
         assert int(req.done[1 * db.BELL_STRIDE]) != seq       # no misses: no answer, the GPU does not wait
-        # every layer's row as served, for the bookkeeping (a queued replay may rewrite req's rows meanwhile)
+        # every layer's row as served, for the bookkeeping (the next replay rewrites req's rows)
         assert torch.equal(srv.log_ids, req.ids) and torch.equal(srv.log_slots, req.slots)
         assert torch.equal(srv.log_w, req.w)
 
@@ -728,10 +728,10 @@ def test_step_bookkeeping_runs_during_the_next_serve():
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here
             during.append(list(seen))
             self.log_ids.fill_(seq)               # this step's rows as served
-            req.ids.fill_(-seq)                   # req's rows: a queued replay's, never read by the bookkeeping
+            req.ids.fill_(-seq)                   # req's rows: the bookkeeping reads the server's log instead
             return 0.001, 0.0, 1
     gt = object.__new__(GraphTiers)
-    gt.host_seq, gt._pending, gt._worker, gt.counting, gt._serving = 0, None, _Worker(), True, None
+    gt.host_seq, gt._pending, gt._worker, gt.counting = 0, None, _Worker(), True
     gt.server, gt.req = FakeServer(), req
     gt.timing, gt._t_served = dict.fromkeys(STEP_TIMING, 0), 0.0
     gt.tiers = SimpleNamespace(stats=SimpleNamespace(prefetch={"predicted": 0, "correct": 0, "actual": 0}))
@@ -749,51 +749,6 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     gt.after_step()
     with pytest.raises(ValueError, match="bookkeeping failed"):
         gt.after_step()
-
-
-def test_queued_serves_answer_in_order_and_hand_back_errors():
-    """Pipelined decode: serve_queued answers each launched step on the serving thread in launch order, while the
-    caller goes on; wait_served(n) returns once the n-th is answered and re-raises a serve's error (once)."""
-    import threading
-    from types import SimpleNamespace
-
-    from moetier.kernels import doorbell as db
-    from moetier.memory.doorbell import STEP_TIMING, GraphTiers, _Worker
-    req = db.Requests(2, 8, 2, pin=False)
-    served, gate = [], threading.Event()
-
-    class FakeServer:
-        detail, guesses, prefetched, first_bell, phases = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0, (0.0,) * 5
-        log_ids, log_slots, log_w = req.ids.clone(), req.slots.clone(), req.w.clone()
-
-        def serve(self, seq, timeout_s=None, threads=None):
-            assert threads is not None and 1 <= threads <= 2       # the queued serves' smaller team
-            gate.wait(5.0)
-            if seq == 2:
-                raise RuntimeError("decode step 2: the GPU stopped waiting")
-            served.append(seq)
-            self.log_ids.fill_(seq)
-            return 0.001, 0.0, 1
-    gt = object.__new__(GraphTiers)
-    gt.__dict__.update(host_seq=0, _pending=None, _worker=_Worker(), counting=True, _serving=None, _queued=0, threads=2,
-                       _served=0, _serve_errors={}, _served_cv=threading.Condition(), server=FakeServer(), req=req,
-                       timing=dict.fromkeys(STEP_TIMING, 0), _t_served=0.0,
-                       tiers=SimpleNamespace(pl=SimpleNamespace(device="cpu"),
-                                             stats=SimpleNamespace(prefetch={"predicted": 0, "correct": 0,
-                                                                             "actual": 0})))
-    accounted = []
-    gt._account = lambda ids, slots, w, busy: accounted.append(int(ids[0, 0]))
-    tickets = [gt.serve_queued() for _ in range(3)]     # the caller is not held: nothing was served yet
-    assert tickets == [1, 2, 3] and served == []
-    gate.set()
-    gt.wait_served(1)
-    assert served[:1] == [1]
-    with pytest.raises(RuntimeError, match="step 2"):
-        gt.wait_served(2)
-    gt.wait_served(3)                                    # the error was handed back once; step 3 was answered
-    assert served == [1, 3]
-    gt.close()
-    assert accounted == [1, 3]
 
 
 def test_worker_lets_go_of_finished_work_and_closes():

@@ -167,9 +167,9 @@ def test_graphed_tiered_decode_gives_the_eager_tokens(tiny, tmp_path, dtype):
 
 def test_pipelined_graph_decode_stops_and_resumes_as_eager(tiny, monkeypatch):
     """Pipelined greedy decoding (runtime.cuda_graph.GraphStep: the next replay queued before the host reads the
-    token, its input the graph's own argmax; with tiers the CPU answers on the serving thread): an EOS midway
-    discards the step queued past it, and the session's next turn replays the same graph. Tokens as the eager
-    steps give them (fp32), untiered and tiered (CPU misses); the pipelined launches are counted."""
+    token, its input the graph's own argmax): an EOS midway discards the step queued past it, and the session's next
+    turn replays the same graph. Tokens as the eager steps give them (fp32); the pipelined launches are counted.
+    Tiered graphs (CPU misses) are not pipelined: the same stop and resume, with one replay per token."""
     from moetier import SamplingParams
     from moetier.runtime import cuda_graph
     path, tokens = tiny
@@ -179,10 +179,10 @@ def test_pipelined_graph_decode_stops_and_resumes_as_eager(tiny, monkeypatch):
     launches = []
     launch = cuda_graph.GraphStep.launch
     monkeypatch.setattr(cuda_graph.GraphStep, "launch", lambda self, tok: launches.append(tok) or launch(self, tok))
-    monkeypatch.setenv("MOETIER_PIPELINE", "1")     # tiered graphs too (auto: untiered only)
     greedy = SamplingParams(temperature=0)
     for name, kw in {"untiered": {}, "tiered": dict(gpu_mem=few, ram_mem=1 << 32, pcie_share=0.0)}.items():
         got = {}
+        launches.clear()
         for graphs in (False, True):
             eng = Engine.load(path, EngineConfig(progress=False, device="cuda", max_context=CTX, cuda_graphs=graphs,
                                                  **kw))
@@ -199,7 +199,9 @@ def test_pipelined_graph_decode_stops_and_resumes_as_eager(tiny, monkeypatch):
             n0 = len(launches)
             again = eng.complete(prompt_ids=prompt + first.token_ids + [free[cut]] + prompt[:5], max_tokens=N_GREEDY,
                                  params=greedy, session=s, ignore_eos=True)
-            if graphs:
+            if graphs and name == "tiered":
+                assert launches == []       # one replay per token, its CPU answers in between
+            elif graphs:
                 assert len(launches) - n0 == N_GREEDY - 1 and launches[n0] is not None, (name, launches[n0:])
                 assert all(t is None for t in launches[n0 + 1:]), name      # inputs made by the graph itself
             got[graphs] = (free, first.token_ids, first.finish_reason, again.token_ids)
@@ -243,19 +245,14 @@ def test_graphed_tiered_decode_with_expert_biases(tmp_path):
     assert got["eager"] == got["untiered"] and got["graphed"] == got["eager"] and got["graphed_cpu_moe"] == got["eager"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32-ungated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dtype):
-    """D = 1024 (the fused path's smallest; bf16: float32 on CUDA keeps two launches, whose bits the H200 did not
-    reproduce in one): the residual add + post-attention norm made by the router's launch
+    """D = 1024 (the fused path's smallest): the residual add + post-attention norm made by the router's launch
     (MOETIER_ROUTER_ADD_NORM=1, the default) against the two launches (=0): the dense model's eager decode logits bit
     for bit, and the greedy tokens of the untiered graph and of the graphed tiered step with CPU misses
     (route_ring_add_norm); the fused kernels are counted, so the path was taken."""
     from moetier import SamplingParams
-    from moetier.kernels import doorbell, small_ops, triton_small
-    ungated = dtype == "float32-ungated"        # the one launch in float32 too (small_ops.ROUTER_ADD_NORM_FP32_CUDA)
-    if ungated:
-        monkeypatch.setattr(small_ops, "ROUTER_ADD_NORM_FP32_CUDA", True)
-        dtype = torch.float32
+    from moetier.kernels import doorbell, triton_small
     path = tmp_path / "m"
     cfg = Qwen3MoeConfig(vocab_size=160, hidden_size=1024, intermediate_size=96, moe_intermediate_size=32,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -294,10 +291,7 @@ def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dty
         seen[on] = dict(calls)
     assert torch.equal(got["1", "eager"], got["0", "eager"])
     assert got["1", "untiered"] == got["0", "untiered"] and got["1", "tiered"] == got["0", "tiered"]
-    if dtype == torch.float32 and not ungated:      # float32 on CUDA keeps the two launches (router_add_norm_ok)
-        assert seen["1"] == seen["0"] == {"router": 0, "ring": 0}, seen
-    else:
-        assert seen["1"]["router"] > 0 and seen["1"]["ring"] > 0 and seen["0"] == {"router": 0, "ring": 0}, seen
+    assert seen["1"]["router"] > 0 and seen["1"]["ring"] > 0 and seen["0"] == {"router": 0, "ring": 0}, seen
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
@@ -401,8 +395,8 @@ def count_calls(monkeypatch, module, names) -> dict:
 
 
 def test_ring_int8_copy_changes_no_bit(tmp_path, monkeypatch):
-    """The graphed tiered decode with the ring writing x's int8 copy for the C server (MOETIER_RING_Q8=1, not
-    yet the default: the server's thread 0 quantizes nothing) against the server quantizing x itself (=0): the same greedy
+    """The graphed tiered decode with the ring writing x's int8 copy for the C server (MOETIER_RING_Q8=1, the
+    default: the server's thread 0 quantizes nothing) against the server quantizing x itself (=0): the same greedy
     tokens and log-probabilities (top 5) bit for bit, through each ring kernel: route_ring_add_norm (the PCIe share
     off: the bank's rows interleaved by 8), route_ring (MOETIER_ROUTER_ADD_NORM=0) and ring (the PCIe share on: GGML
     rows). The kernels are counted and the graph report names the path."""
@@ -428,7 +422,7 @@ def test_ring_int8_copy_changes_no_bit(tmp_path, monkeypatch):
 
 def test_wait_add_with_the_next_norm_changes_no_bit(tmp_path, monkeypatch):
     """The graphed tiered decode with wait_add making the next block's input norm and its int8 copy (the qkv
-    QuantLinear's `pre`) in its own launch (MOETIER_WAIT_ADD_NORM=1, not yet the default: one program) against
+    QuantLinear's `pre`) in its own launch (MOETIER_WAIT_ADD_NORM=1, the default: one program) against
     wait_add then the block's rms_norm_q8 (=0): the same greedy tokens and log-probabilities (top 5) bit for bit,
     after route_ring_add_norm and after route_ring (MOETIER_ROUTER_ADD_NORM=0); the fused kernel is counted and the
     graph report gives the layers that used it (all but the last of the 3)."""

@@ -123,11 +123,11 @@ def test_forced_inputs_go_ahead_and_other_sampling_stays_plain(engine, prompt):
 
 
 def test_pipeline_switch_names_its_values(monkeypatch):
-    """MOETIER_PIPELINE takes auto, 1 or 0: anything else is an error that says so (before any CUDA allocation)."""
+    """MOETIER_PIPELINE takes 1 or 0: anything else is an error that says so (before any CUDA allocation)."""
     from types import SimpleNamespace
 
     from moetier.errors import UserError
     from moetier.runtime.cuda_graph import GraphStep
     monkeypatch.setenv("MOETIER_PIPELINE", "yes")
-    with pytest.raises(UserError, match="MOETIER_PIPELINE='yes': use auto"):
+    with pytest.raises(UserError, match="MOETIER_PIPELINE='yes': use 1"):
         GraphStep(SimpleNamespace(next=torch.zeros(1), tiers=None, tokens=torch.zeros(1)))

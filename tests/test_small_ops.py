@@ -239,7 +239,7 @@ def test_router_topk_add_norm_refuses_what_it_cannot_do_bit_for_bit(monkeypatch)
     from moetier.kernels import triton_small
     assert triton_small.router_add_norm_fits(128, 2048) and triton_small.router_add_norm_fits(8, 4096)
     assert not triton_small.router_add_norm_fits(128, 4096) and not triton_small.router_add_norm_fits(128, 512)
-    dt = torch.bfloat16 if DEV == "cuda" else torch.float32     # float32 on CUDA keeps two launches
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32     # (the GPU engines' usual dtype there)
     h, a, nw = _add_norm_inputs(2048, dt, seed=1)
     _, weight = _router_inputs(128, 2048, dt, seed=2)
     with pytest.raises(ValueError, match="one chunk"):
@@ -366,7 +366,7 @@ def test_decoder_block_routes_with_the_add_norm_in_the_router_launch(monkeypatch
     from moetier.kernels import triton_small
     from moetier.models.layers import Rope
     from moetier.runtime.kv_cache import KVCache
-    dt = torch.bfloat16 if DEV == "cuda" else torch.float32     # float32 on CUDA keeps two launches
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32     # (the GPU engines' usual dtype there)
     blk = _moe_block(1024, 8, 2, seed=9).to(dt)
     rope = Rope({"rope_theta": 1000.0}, 16, 512).to(DEV)
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(10)).to(DEV, dt)

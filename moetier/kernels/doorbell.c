@@ -66,8 +66,7 @@ typedef struct {
     const int32_t *hint;                  /* NULL, or [L, k]: the GPU's guess of layer li's misses (-1: none) */
     volatile int64_t *hint_flag;          /* [L * BELL_STRIDE]: hint row li belongs to step seq when == seq */
     int32_t *log_ids, *log_slots;         /* NULL, or [L, k]: each layer's request row as served (the GPU rewrites */
-    float *log_w;                         /* ids / slots / w at the next step's bell, which a queued replay may ring
-                                           * before the host has read them) */
+    float *log_w;                         /* ids / slots / w at the next step's bell) */
     const int8_t *ring_qx;                /* NULL, or [L, D]: x's int8 copy, written by the GPU's ring before the bell
                                            * (moe_quantize_q8's bits), with its scales ring_dx and sums ring_sx
                                            * [L, D / 32]: gate_up's int8 activations, so tid 0 reads nothing of x */

@@ -538,8 +538,8 @@ class MissServer:
         self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + k * dim + 272,
                                    dtype=torch.float32)
         self.timing = torch.zeros(16, dtype=torch.float64)   # doorbell.c moetier_serve_step
-        # each layer's request row as the server read it (the bookkeeping's copy: a replay queued behind the step
-        # served may ring its first layers, rewriting req's rows, before the host reads them)
+        # each layer's request row as the server read it (the bookkeeping's copy, independent of when the next
+        # replay rewrites req's rows)
         self.log_ids, self.log_slots = torch.zeros_like(req.ids), torch.zeros_like(req.slots)
         self.log_w = torch.zeros_like(req.w)
         self.detail = (0.0, 0, 0.0)

@@ -122,12 +122,6 @@ def add_rms_norm(h, y, weight, eps: float, twin):
     return kernel(h, y, weight, eps)
 
 
-# float32 on CUDA keeps the two launches: the H200 gave last-bit differences in float32 (session 19), likely from the
-# float32 prefill's index_add_ fixed since (models.layers.add_pairs); tests/test_memory_gpu.py re-tests the one launch
-# in float32 with this set (the case "float32-ungated"): if it passes on a GPU, this gate can go
-ROUTER_ADD_NORM_FP32_CUDA = False
-
-
 def router_add_norm_on() -> bool:
     """MOETIER_ROUTER_ADD_NORM=0: the decode block's residual add + norm and its router stay two launches (A/B)."""
     return os.environ.get("MOETIER_ROUTER_ADD_NORM", "1") != "0"
@@ -136,11 +130,9 @@ def router_add_norm_on() -> bool:
 def router_add_norm_ok(h, a, norm_weight, weight, k: int) -> bool:
     """router_topk_add_norm serves this call: add_rms_norm and router_topk would both run their kernels (one token)
     and one launch gives their answers bit for bit (triton_small.router_add_norm_fits: x in one chunk of the
-    router's tile, D >= 1024). Not for float32 on CUDA: there the H200 gave last-bit differences in the decode
-    logits against the two launches (session 19; bf16 was equal bit for bit), so float32 keeps them."""
+    router's tile, D >= 1024). In float32 too: session 19's last-bit differences on the H200 came with the float32
+    prefill's index_add_, fixed since (models.layers.add_pairs); session 21 found float32 equal bit for bit."""
     if not (_add_norm_kernel_ok(h, a, norm_weight) and router_kernel_ok(h, weight, k) and router_add_norm_on()):
-        return False
-    if h.is_cuda and h.dtype == torch.float32 and not ROUTER_ADD_NORM_FP32_CUDA:
         return False
     from .triton_small import router_add_norm_fits
     return router_add_norm_fits(weight.shape[0], h.shape[-1])

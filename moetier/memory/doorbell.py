@@ -154,10 +154,6 @@ class GraphTiers:
         self.counting = True
         self._pending = None        # the last served step's request rows, not yet accounted for
         self._worker = _Worker(dev)     # accounts for each step while the next one is served
-        self._serving = None            # serve_queued's thread (pipelined decode), made on first use
-        self._queued = self._served = 0
-        self._serve_errors: dict[int, BaseException] = {}    # a queued serve's error, by its ticket
-        self._served_cv = threading.Condition()
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = dict.fromkeys(STEP_TIMING, 0)
         self._t_served = 0.0        # when the last serve of a run of graphed steps returned (0: none yet)
@@ -176,9 +172,9 @@ class GraphTiers:
                             "4, 5 (3 reads the experts without computing them: bench/bench_miss_server.py only)")
         qtypes = _qtype_id(lay, interleave_bank(tiers, variant))
         # the ring writes x's int8 copy (the C prep's, bit for bit) where the server's gate_up reads int8 activations:
-        # its thread 0 then reads nothing of x after the bell. MOETIER_RING_Q8=1 turns it on; off by default until
-        # the GPU box has timed it (session 20: the ring kernels' copies equal the C prep's there; no time was left)
-        q8 = (os.environ.get("MOETIER_RING_Q8", "0") == "1" and self.dim % 32 == 0
+        # its thread 0 then reads nothing of x after the bell (its prep 0.12 -> 0.03 ms a token at 8 GiB on the H200,
+        # session 21; the same tokens bit for bit there). MOETIER_RING_Q8=0 turns it off (A/B)
+        q8 = (os.environ.get("MOETIER_RING_Q8", "1") != "0" and self.dim % 32 == 0
               and doorbell.ring_q8_useful(qtypes))
         self.req = doorbell.Requests(self.L, self.dim, k, pin=True, q8=q8)
         # the miss server reads each expert where the RAM bank holds it (the bank never moves them here)
@@ -206,10 +202,10 @@ class GraphTiers:
                                           hints=any(r is not None for r in self.guess))
         self.server.ctx.variant = int(variant)
         self.share = tiers.pl.pcie_share     # 0 where the placement has no stage slots
-        # wait_add makes the next block's input norm and its int8 copy (one launch fewer a layer; _next_norm);
-        # MOETIER_WAIT_ADD_NORM=1 turns it on; off by default (the block's own rms_norm_q8 launch) until the GPU box
-        # has timed it (the kernel equals the two launches there, session 20; not timed). norm_layers: where it did
-        self.wait_add_norm = os.environ.get("MOETIER_WAIT_ADD_NORM", "0") == "1"
+        # wait_add makes the next block's input norm and its int8 copy (one launch fewer a layer, _next_norm: the
+        # round trip 31 -> 27.5 us a layer at 8 GiB on the H200, session 21; the same tokens bit for bit there).
+        # MOETIER_WAIT_ADD_NORM=0 turns it off (the block's own rms_norm_q8 launch, A/B). norm_layers: where it did
+        self.wait_add_norm = os.environ.get("MOETIER_WAIT_ADD_NORM", "1") != "0"
         self.norm_layers: set[int] = set()
         self.n_pcie = 0     # set by _pcie_setup when the share is on
         self.pcie_why = self._pcie_setup()
@@ -336,7 +332,7 @@ class GraphTiers:
         """The next decoder block's input RMSNorm where wait_add can make it with its int8 copy in its own launch:
         then = that block's (input norm, attention) (TieredExperts.next_input), and the block would call
         small_ops.rms_norm_q8 on out (models.base.Block: an RMSNorm, attention.q8_input) with its kernel, and
-        MOETIER_WAIT_ADD_NORM=1 (off by default until timed). Else None. Whatever the block does, its results are the same: rms_norm_q8
+        MOETIER_WAIT_ADD_NORM is not 0. Else None. Whatever the block does, its results are the same: rms_norm_q8
         returns what wait_add made, or computes them."""
         from ..kernels import small_ops
         from ..models.layers import RMSNorm
@@ -357,46 +353,6 @@ class GraphTiers:
         took over 10 s from layer 0's bell to layer 1's, and the first tiered bench failed)."""
         return _Server(lambda: self.after_step(WARMUP_TIMEOUT_S))
 
-    def serve_queued(self) -> int:
-        """Pipelined decode (runtime.cuda_graph.GraphStep): answer the step just launched on the serving thread, in
-        launch order, so the host can queue the next replay before it reads this one's token. -> n: its ticket for
-        `wait_served(n)`."""
-        if self._serving is None:
-            self._serving = _Worker(self.tiers.pl.device, name="moetier-serve")
-        self._queued += 1
-        self._serving.submit(self._serve_one)
-        return self._queued
-
-    def _serve_one(self) -> None:
-        # a team one thread smaller than a serve on the host's thread: that thread, woken for each token, stays
-        # runnable beside the team and the bookkeeping worker (17 runnable threads on the H200 box's 16 CPUs made
-        # the 8 GiB decode 21 tok/s, session 20: a preempted team thread stalls its layer)
-        # (MOETIER_PIPE_SPARE, A/B: CPUs left out of the team, 2 by default; the host's thread now sleeps on a blocking
-        # event while the step runs, so 1 may no longer oversubscribe)
-        from .bandwidth import process_cpus
-        err = None
-        try:
-            spare = int(os.environ.get("MOETIER_PIPE_SPARE", "2"))
-            self.after_step(threads=max(1, min(self.threads, process_cpus() - spare)))
-        except BaseException as e:    # noqa: BLE001 - handed to wait_served
-            err = e
-            if os.environ.get("MOETIER_SYNC_DEBUG") == "1":     # diagnosis: where every thread is
-                import faulthandler
-                faulthandler.dump_traceback(all_threads=True)
-        with self._served_cv:
-            self._served += 1
-            if err is not None:
-                self._serve_errors[self._served] = err
-            self._served_cv.notify_all()
-
-    def wait_served(self, n: int) -> None:
-        """Until the first n steps of serve_queued were answered; re-raises the first error among them (once)."""
-        with self._served_cv:
-            self._served_cv.wait_for(lambda: self._served >= n)
-            errs = [self._serve_errors.pop(i) for i in sorted(self._serve_errors) if i <= n]
-        if errs:
-            raise errs[0]
-
     def after_step(self, timeout_s: float | None = None, threads: int | None = None) -> None:
         """Answer the misses of the step just launched. The previous step's bookkeeping (counters, cache policy,
         admissions) runs on the worker thread meanwhile: the serve holds no GIL, so the worker's Python never
@@ -414,8 +370,8 @@ class GraphTiers:
             self.req.err[0] = 0
             raise RuntimeError(f"decode step {bad}: the GPU stopped waiting for the CPU's expert results")
         if self.counting:
-            # the rows as the server read them (a queued replay may already be rewriting req's), copied before the
-            # next serve, so an error of the worker loses no step
+            # the rows as the server read them, copied before the next serve, so an error of the worker loses no
+            # step
             sv = self.server
             self._pending = (sv.log_ids.numpy().copy(), sv.log_slots.numpy().copy(), sv.log_w.numpy().copy(), busy)
             self._wait_worker()
@@ -460,18 +416,8 @@ class GraphTiers:
         st[:-1] = 0
 
     def _account_thread(self, *step) -> None:
-        # MOETIER_SYNC_DEBUG=1 (diagnosis): a host sync in the bookkeeping raises (torch's sync debug mode is global:
-        # the other threads' syncs meanwhile raise too). With pipelined steps such a sync waits for the queued step,
-        # which waits for the serving thread, which waits for this worker
-        debug = os.environ.get("MOETIER_SYNC_DEBUG") == "1" and torch.cuda.is_available()
-        if debug:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
-                self._account(*step)
-        finally:
-            if debug:
-                torch.cuda.set_sync_debug_mode("default")
+        with torch.inference_mode():   # thread-local: buffers made under inference mode are updated here
+            self._account(*step)
 
     def _wait_worker(self) -> None:
         t0 = time.perf_counter()
@@ -479,10 +425,8 @@ class GraphTiers:
         self.timing["account_s"] += time.perf_counter() - t0
 
     def drain(self) -> None:
-        """Finish the graphed steps' bookkeeping (before anything else reads or changes the tiers): the serving
-        thread's queued answers, the worker's, then the last step's, here."""
-        if self._serving is not None:
-            self._serving.wait()
+        """Finish the graphed steps' bookkeeping (before anything else reads or changes the tiers): the worker's,
+        then the last step's, here."""
         self._wait_worker()
         self._t_served = 0.0            # the next step starts a new run of steps (outside_ms counts within runs)
         pending, self._pending = self._pending, None
@@ -495,8 +439,6 @@ class GraphTiers:
             self.drain()
         finally:
             self._worker.close()
-            if self._serving is not None:
-                self._serving.close()
 
     def report(self) -> dict:
         """Mean host milliseconds per graphed decode step."""

@@ -4,9 +4,9 @@ Eager PyTorch launches cost more than the whole token on a GPU (LESSONS.md §10:
 layers vs ~3 ms graphed). The graph covers embedding -> all layers -> logits; sampling stays
 outside (one host sync per token, which streaming needs anyway).
 
-A one-token graph also makes its greedy next token (argmax) and feeds it to its own input, so `GraphStep` can queue
-the next replay before the host reads this one's token (pipelined greedy decoding): the host's sampling, streaming
-and launches overlap the GPU's step instead of sitting between two steps.
+A one-token graph without memory tiers also makes its greedy next token (argmax) and feeds it to its own input, so
+`GraphStep` can queue the next replay before the host reads this one's token (pipelined greedy decoding): the host's
+sampling, streaming and launches overlap the GPU's step instead of sitting between two steps.
 """
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ class DecodeGraph:
             with torch.inference_mode(), torch.cuda.graph(self.graph):
                 self.logits = model(self.tokens, cache, pos=self.pos)
                 self.next = None
-                if t == 1:      # greedy's next input, made here: a replay queued behind this one needs no host token
+                # greedy's next input, made here: a replay queued behind this one needs no host token (GraphStep
+                # pipelines one-token graphs without tiers)
+                if t == 1 and tiers is None:
                     self.next = torch.argmax(self.logits[-1]).view(1)
                     self.tokens.copy_(self.next)
         finally:
@@ -72,30 +74,26 @@ class DecodeGraph:
 
 class GraphStep:
     """A DecodeGraph as generate_stream's decode step. `step(tok) -> logits [V]`: one replay, read by the host.
-    Pipelined greedy decoding (one-token graphs): `launch(tok)` queues a replay without waiting (tok None: its input
-    is the previous replay's argmax, made in the graph), `collect() -> token id` waits for the oldest queued replay
-    (and, with tiers, for the CPU's answers to it, given on the tiers' serving thread) and advances the cache,
-    `discard()` waits for the rest without advancing it (a step queued past a stop: its KV row lies beyond the
-    cache's length, where the next step writes)."""
+    Pipelined greedy decoding (one-token graphs without memory tiers): `launch(tok)` queues a replay without waiting
+    (tok None: its input is the previous replay's argmax, made in the graph), `collect() -> token id` waits for the
+    oldest queued replay and advances the cache, `discard()` waits for the rest without advancing it (a step queued
+    past a stop: its KV row lies beyond the cache's length, where the next step writes).
+    Tiered graphs are not pipelined: their CPU answers would come from a serving thread, and that was measured no
+    faster at 8 GiB (125.0 tok/s against 127.5 on one H200 box) and stalled a GPU test twice (session 21)."""
 
     DEPTH = 2       # replays queued at once: the one the host waits for, and the next
 
     def __init__(self, graph: DecodeGraph):
         self.g = graph
-        # MOETIER_PIPELINE: auto (default) pipelines graphs without tiers only; 1 tiered graphs too (their CPU answers
-        # then come from the tiers' serving thread: at 8 GiB on the H200 box 126 tok/s against 135 served by the
-        # host's thread, and wait_add's read of y took 10 us instead of 2.7, session 20: not understood yet); 0 off
-        mode = os.environ.get("MOETIER_PIPELINE", "auto")
-        if mode not in ("auto", "0", "1"):
-            raise UserError(f"MOETIER_PIPELINE={mode!r}: use auto (the default), 1 or 0")
-        self.pipelined = graph.next is not None and (mode == "1" or mode == "auto" and graph.tiers is None)
+        # MOETIER_PIPELINE: 1 (default) pipelines graphs without tiers, 0 none (A/B)
+        mode = os.environ.get("MOETIER_PIPELINE", "1")
+        if mode not in ("0", "1"):
+            raise UserError(f"MOETIER_PIPELINE={mode!r}: use 1 (the default) or 0")
+        self.pipelined = graph.next is not None and graph.tiers is None and mode == "1"
         self.buf = torch.zeros(1, dtype=torch.long, device=graph.tokens.device)
         self.host = torch.zeros(self.DEPTH, dtype=torch.long, pin_memory=True)   # each queued replay's argmax
-        # with tiers the host's thread sleeps on a step's event instead of spinning beside the CPU's team (session 20's
-        # suspect for the tiered pipelining's slower y reads; untimed)
-        self.events = [torch.cuda.Event(blocking=graph.tiers is not None) for _ in range(self.DEPTH)] \
-            if self.pipelined else []
-        self.queue: deque = deque()      # (host slot, the tiers' serve ticket)
+        self.events = [torch.cuda.Event() for _ in range(self.DEPTH)] if self.pipelined else []
+        self.queue: deque = deque()      # host slots of the queued replays
         self.n = 0
 
     def __call__(self, tok: int) -> torch.Tensor:
@@ -118,13 +116,10 @@ class GraphStep:
         self.n += 1
         self.host[slot:slot + 1].copy_(g.next, non_blocking=True)
         self.events[slot].record()
-        ticket = g.tiers.serve_queued() if g.tiers is not None else 0
-        self.queue.append((slot, ticket))
+        self.queue.append(slot)
 
     def _wait(self) -> int:
-        slot, ticket = self.queue.popleft()
-        if ticket:
-            self.g.tiers.wait_served(ticket)
+        slot = self.queue.popleft()
         self.events[slot].synchronize()
         return slot
 
@@ -134,11 +129,5 @@ class GraphStep:
         return int(self.host[slot])
 
     def discard(self) -> None:
-        err = None
         while self.queue:
-            try:
-                self._wait()
-            except BaseException as e:    # noqa: BLE001 - the rest still waited for, then raised
-                err = err or e
-        if err is not None:
-            raise err
+            self._wait()
