@@ -13,7 +13,6 @@ calls (the engine's mode; per call) and triton.testing.do_bench (eager launches,
                                                                # format, Qwen3-30B-A3B T=1 (< 2 min)
     python bench/bench_gpu_kernels.py --variants --only v2,v5pdl --fmt MXFP4   # those variants only
     python bench/bench_gpu_kernels.py --profile-pair --only v5pdl,v5q --fmt Q4_0  # where each pair's time goes
-    python bench/bench_gpu_kernels.py --variants --only v5q,v5pdl,v5half --fmt Q4_0,Q4_K,Q6_K,MXFP4  # the halves
     python bench/bench_gpu_kernels.py [--out results.json] [--fmt dense,Q4_0] [--quick]
     python bench/bench_gpu_kernels.py --sweep [decode|grouped] [--fmt Q4_0]   # best tiles per kernel
     python bench/bench_gpu_kernels.py --interpret              # CPU smoke test of this script (tiny)
@@ -244,10 +243,9 @@ def rel_err(a, b) -> float:
 
 
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
-    """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q / v5half, else decode_calls'
-    gate_up then down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
-    if variant in ("v4", "v5q", "v5half"):   # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down;
-                                             # v5half: x quantizer and four (triton_decode_half)
+    """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
+    down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
+    if variant in ("v4", "v5q"):          # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
         rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
@@ -359,9 +357,6 @@ PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [No
 # v5q at wider gate_up tiles (--only v5qtiles): from 32 rows each program quantizes its own 32-blocks of h in registers
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
 PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8, 0, 4)]
-# v5half at other gate_up tiles (--only v5halftiles): (first half A, second half B); the shipped pair is v5q's tile
-# for A and v5pdl's for B. B small: its programs fit beside down(A)'s; B = A: as v5q
-PAIR_TILES_V5HALF = [((32, 0, 8), (32, 0, 8)), ((32, 0, 8), (8, 0, 4)), ((16, 0, 4), (4, 0, 2)), ((8, 0, 4), (4, 0, 1))]
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -447,8 +442,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
-        for v in ("v5", "v5pdl", "v5q", "v5half") if v5(c.fmt) else ():   # v5q: h quantized inside gate_up
-            pair(c, v)                                                      # (session 10); v5half: in two halves
+        for v in ("v5", "v5pdl", "v5q") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session 10)
+            pair(c, v)
     for c in cases.values():                      # --only v5tiles: the v5pdl pair at combinations of tiles
         for gt in PAIR_TILES_V5["gate_up"] if "v5tiles" in wanted and v5(c.fmt) else ():
             for dt in PAIR_TILES_V5["down"]:
@@ -457,9 +452,6 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qtiles: v5q at wider gate_up tiles (h in registers)
         for gt in PAIR_TILES_V5Q if "v5qtiles" in wanted and v5(c.fmt) else ():
             pair(c, "v5q", (gt, None), "v5qtiles")
-    for c in cases.values():                      # --only v5halftiles: v5half at other gate_up tiles
-        for tiles in PAIR_TILES_V5HALF if "v5halftiles" in wanted and v5(c.fmt) else ():
-            pair(c, "v5half", (tiles, None), "v5halftiles")
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):
@@ -624,7 +616,7 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
                        sync, v2.ONE_BITS),
                       dict(P=p, I=i, D=d, KTOP=k, FMT=gu.code, BS=bsz, BI=v4.ITEM_ROWS[fmt], G1=g1, G2=g2, KC=kc, BR=br,
                            N1=n1, N2=n2, PHASES=3, SPIN=v4.SPIN_LIMIT, HCG=v4.H_CG, num_warps=v4.WARPS), 0)]
-        if fmt in tm.v5.FORMATS:                          # v5 / v5q / v5half (PDL on: sm_90)
+        if fmt in tm.v5.FORMATS:                          # v5 / v5q (PDL on: sm_90)
             jobs += v5_jobs(fmt, gu, dn, d, i, k)
         jobs += [("grouped_gate_up", tm._grouped_gate_up_kernel,
                   (x, d, sp, bs, *gu.args(), *gu.extra_args(), x, 0, hh, 1000, 1.0, 7.0),
@@ -662,34 +654,28 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
 
 def v5_jobs(fmt: str, gu, dn, d: int, i: int, k: int) -> list:
     """compile_sm90's jobs for the v5 kernels at their shipped tiles: v5pdl's gate_up and down, v5q's gate_up (h
-    quantized), v5half's four launches (gate_up over h's rows of the first / second piece, down over each piece)."""
-    q8, half = tm.v5, tm.v5half
+    quantized)."""
+    q8 = tm.v5
     xw, xd = torch.empty(1, d // 4, dtype=torch.int32), torch.empty(1, d // 32)
     ids, wt = torch.zeros(k, dtype=torch.int32), torch.empty(k, dtype=torch.bfloat16)
-    h, part = torch.empty(k, i), torch.empty(k, d)
+    h = torch.empty(k, i)
     hq, hd = torch.empty(k, i, dtype=torch.int8), torch.empty(k, i // 32)
     out = torch.empty(1, d, dtype=torch.bfloat16)
     gp, dp = tm.v2.v3_pieces(d, fmt), tm.v2.v3_pieces(i, fmt)
     base = dict(FMT=gu.code, HAS_BIAS=False, BS=tm.v2.STEP_BLOCK[fmt], PDL=True, EMU=False)
     gu_args = (xw, xd, xd, ids, *q8._planes(gu), h, 0, h, 1.0, 7.0, hq, hd, hd, ids)
-    dn_args = (hq.view(torch.int32), hd, hd, ids, wt, *q8._planes(dn), out, 0, out, d, part)
+    dn_args = (hq.view(torch.int32), hd, hd, ids, wt, *q8._planes(dn), out, 0, out, d)
 
-    def gate_up(name, tile, qh, n0=0, split=0):
+    def gate_up(name, tile, qh):
         return (name, q8._gate_up_kernel, gu_args, dict(base, I=i, D=d, KTOP=k, ACT=0, BN=tile.bn, NB1=gp[0],
-                NB2=gp[1], ROUND=1, QH=qh, N0=n0, SPLIT=split, num_warps=tile.warps), 0)
+                NB2=gp[1], ROUND=1, QH=qh, num_warps=tile.warps), 0)
 
-    def down(name, tile, split=0):
+    def down(name, tile):
         return (name, q8._down_kernel, dn_args, dict(base, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=tile.bn,
-                NB1=dp[0], NB2=dp[1], TRIGGER=True, SPLIT=split, num_warps=tile.warps), 0)
+                NB1=dp[0], NB2=dp[1], TRIGGER=True, num_warps=tile.warps), 0)
     t5, tq, td = (tm.v2.Tile(*c[:4]) for c in (q8.GATE_UP5[fmt], q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt]),
                                                q8.DOWN5[fmt]))
-    jobs = [gate_up("v5_gate_up", t5, 0), gate_up("v5q_gate_up", tq, q8.h_quantizer(tq.bn)), down("v5_down", td)]
-    n1 = half.first_rows(dn)
-    if n1:
-        ta, tb = half.tiles(fmt)
-        jobs += [gate_up("v5half_gate_up_a", ta, q8.h_quantizer(ta.bn), 0, 1), down("v5half_down_a", td, 1),
-                 gate_up("v5half_gate_up_b", tb, q8.h_quantizer(tb.bn), n1, 2), down("v5half_down_b", td, 2)]
-    return jobs
+    return [gate_up("v5_gate_up", t5, 0), gate_up("v5q_gate_up", tq, q8.h_quantizer(tq.bn)), down("v5_down", td)]
 
 
 def sass_loop(sass: str) -> dict:

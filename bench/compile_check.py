@@ -4,8 +4,7 @@ so CUDA-only compile errors (the interpreter accepts more: a `return` inside a b
 constexpr) show up before a device call.
 
     python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
-                                     # v5 format; v5half's split launches for Q4_0), the embedding gather,
-                                     # the decode step's small kernels with PDL
+                                     # v5 format), the embedding gather, the decode step's small kernels with PDL
                                      # (the router with and without the add + norm), the doorbell's ring, route+ring
                                      # (with and without the add + norm; with x's int8 copy), hint and wait_add
                                      # (with the next layer's norm) kernels; the PDL ones again for sm_80 with PDL
@@ -27,7 +26,7 @@ from moetier.kernels.triton_decode import STEP_BLOCK, v3_pieces  # noqa: E402
 from moetier.kernels.triton_weights import FMT_CODES  # noqa: E402
 
 INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr"}
-FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr", "part_ptr"}
+FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
 
 
 def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90) -> str | None:
@@ -69,10 +68,9 @@ def main() -> int:
     for fmt in q8.FORMATS:
         d, i = 2048, 768
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
-        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
-                  N0=0, SPLIT=0)
+        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1)
         dn = dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True, NB1=v3_pieces(i, fmt)[0],
-                  NB2=v3_pieces(i, fmt)[1], SPLIT=0)
+                  NB2=v3_pieces(i, fmt)[1])
         cases = {
             "gate_up": (q8._gate_up_kernel, dict(gu, BN=4, QH=0)),
             "gate_up+qh": (q8._gate_up_kernel, dict(gu, BN=4, QH=1)),
@@ -81,21 +79,14 @@ def main() -> int:
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
                                                        NB2=v3_pieces(d, fmt)[1])),
         }
-        half = {     # v5half's launches (triton_decode_half), sm_90 only, one format (CI time)
-            "half gate_up A": (q8._gate_up_kernel, dict(gu, BN=32, QH=2, SPLIT=1)),
-            "half gate_up B": (q8._gate_up_kernel, dict(gu, BN=4, QH=1, N0=512, SPLIT=2)),
-            "half down A": (q8._down_kernel, dict(dn, SPLIT=1)),
-            "half down B": (q8._down_kernel, dict(dn, SPLIT=2)),
-        } if fmt == "Q4_0" else {}
-        for kind, (fn, const) in {**cases, **half}.items():
+        for kind, (fn, const) in cases.items():
             types = {"hq_ptr": "*i8", "cnt_ptr": "*i32", **({"m_ptr": "*i32"} if fmt == "IQ3_XXS" else {})}
             err = compile_for_sm90(fn, const, types)
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")
             # without PDL for Ampere / Ada (pdl.supported keeps it off there)
             off = dict(const, PDL=False, **({"TRIGGER": False} if "TRIGGER" in const else {}))
-            if kind in cases:
-                ampere.append((f"{fmt} {kind}", fn, off, types))
+            ampere.append((f"{fmt} {kind}", fn, off, types))
     from moetier.kernels import triton_embed
     err = compile_for_sm90(triton_embed._gather_rows_kernel, dict(D=2048, BLOCK=triton_embed.BLOCK),
                            {"w_ptr": "*bf16", "tok_ptr": "*i64", "out_ptr": "*bf16", "V": "i32"})

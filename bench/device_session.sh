@@ -37,8 +37,6 @@
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
-#   halves      v5half (h's rows in two halves whose gate_up / down chains overlap) beside v5q and v5pdl (HFMT, HONLY:
-#               add v5halftiles for its tile pairs), then its GPU tests (HTSECS=0: none)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
@@ -361,17 +359,6 @@ PY
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \
       --budget ${TLBUDGET:-250} --out "$OUT/v5tiles.json" 2> "$OUT/v5tiles.err" > /dev/null
     grep "gate_up + down" "$OUT/v5tiles.err" | grep -oE "^ *[A-Z0-9_]+ v5pdl gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
-  halves)
-    # the pairs first (the measurement), interleaved per format; then v5half's bit-equality and graph tests on CUDA
-    timeout ${HSECS:-300} python3 bench/bench_gpu_kernels.py --variants --only ${HONLY:-v5q,v5pdl,v5half} \
-      --fmt ${HFMT:-Q4_0,Q4_K,Q6_K,MXFP4} --budget ${HBUDGET:-270} --out "$OUT/halves.json" 2> "$OUT/halves.err" \
-      > /dev/null
-    grep -E "HBM copy|gate_up \+ down" "$OUT/halves.err" | cut -c1-260
-    if [ "${HTSECS:-200}" != 0 ]; then
-      timeout ${HTSECS:-200} python3 -m pytest -v -o addopts="" -p no:cacheprovider tests/test_decode_half.py \
-        --tb=short > "$OUT/halves_tests.txt" 2>&1          # -v: a line a test, so a timeout still says which passed
-      grep -E "^E |PASSED|FAILED|passed|failed" "$OUT/halves_tests.txt" | cut -c1-160 | tail -24
-    fi ;;
   pairprof)
     # where the T=1 decode pair's time goes: each kernel's device time, the gaps, one launch's read ceiling
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \

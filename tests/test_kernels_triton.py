@@ -316,6 +316,8 @@ def test_decode_variant_errors_say_what_reads_what():
     assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v5 kernels too (triton_decode_q8)
     with pytest.raises(ValueError):
         tm.variant_of("dense", "v3")
+    with pytest.raises(ValueError, match="the variants are"):          # v5half: measured slower than v5q, removed
+        tm.variant_of("Q4_0", "v5half")
 
 
 @pytest.mark.parametrize("fmt,t", [("dense", 3), ("dense", 17), ("Q8_0", 17), ("Q4_0", 17), ("Q4_K", 9), ("Q5_K", 9),

@@ -404,47 +404,35 @@ def _q6_math(wa, wb, wh, d, s0, s1, s2, s3, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, N
 @triton.jit
 def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NBK: tl.constexpr,
             xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
-            PDL_WAIT: tl.constexpr, EMU: tl.constexpr, G1: tl.constexpr = 0):
-    """[A, B] dot products of whole rows (from step block G1 on): the weight loads of both pieces, (PDL_WAIT: the
-    wait for the activations' grid, _after_loads), then the math. Planes beyond q, d: dmin, sc, mn (Q4_K; Q5_K + h),
-    sc, h (Q6_K), the grid in dmin's slot, sc, h (IQ3_XXS)."""
+            PDL_WAIT: tl.constexpr, EMU: tl.constexpr):
+    """[A, B] dot products of whole rows: the weight loads of both pieces, (PDL_WAIT: the wait for the
+    activations' grid), then the math. Planes beyond q, d: dmin, sc, mn (Q4_K; Q5_K + h), sc, h (Q6_K), the grid
+    in dmin's slot, sc, h (IQ3_XXS)."""
     if FMT == Q6_K:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, G1, NBK,
+        a0, a1, a2, a3, a4, a5, a6, a7 = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK,
                                                   NB1)
         if NB2 > 0:
-            b0, b1, b2, b3, b4, b5, b6, b7 = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, G1 + NB1,
+            b0, b1, b2, b3, b4, b5, b6, b7 = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NB1,
                                                       NBK, NB2)
-        _after_loads(PDL_WAIT)
-        acc = _q6_math(a0, a1, a2, a3, a4, a5, a6, a7, G1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB1, EMU)
+        if PDL_WAIT:
+            tl.extra.cuda.gdc_wait()
+        acc = _q6_math(a0, a1, a2, a3, a4, a5, a6, a7, 0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB1, EMU)
         if NB2 > 0:
-            acc += _q6_math(b0, b1, b2, b3, b4, b5, b6, b7, G1 + NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2, EMU)
+            acc += _q6_math(b0, b1, b2, b3, b4, b5, b6, b7, NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2, EMU)
     else:
         a0, a1, a2, a3, a4, a5, a6, a7 = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn,
-                                                  rh, mask, G1, NBK, FMT, NB1)
+                                                  rh, mask, 0, NBK, FMT, NB1)
         if NB2 > 0:
             b0, b1, b2, b3, b4, b5, b6, b7 = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc,
-                                                      rmn, rh, mask, G1 + NB1, NBK, FMT, NB2)
-        _after_loads(PDL_WAIT)
-        acc = _v5_step(a0, a1, a2, a3, a4, a5, a6, a7, G1, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1,
+                                                      rmn, rh, mask, NB1, NBK, FMT, NB2)
+        if PDL_WAIT:
+            tl.extra.cuda.gdc_wait()
+        acc = _v5_step(a0, a1, a2, a3, a4, a5, a6, a7, 0, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1,
                        EMU)
         if NB2 > 0:
-            acc += _v5_step(b0, b1, b2, b3, b4, b5, b6, b7, G1 + NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
-                            FMT, NB2, EMU)
+            acc += _v5_step(b0, b1, b2, b3, b4, b5, b6, b7, NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT,
+                            NB2, EMU)
     return acc
-
-
-@triton.jit
-def _after_loads(WAIT: tl.constexpr):
-    """Between the weight loads and the math: WAIT 1 (or True) the wait for the grid before (PDL); 2 that wait, then
-    this grid's dependents may be scheduled (they may then read what the grid before wrote without a wait of their
-    own); 3 a barrier only, so that the loads stay ahead of the math as before a wait (without one the compiler
-    interleaves them: Q4_0 gate_up, sm_90, 6 instead of 10 KB in flight at the first use)."""
-    if WAIT == 1 or WAIT == 2:
-        tl.extra.cuda.gdc_wait()
-    if WAIT == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-    if WAIT == 3:
-        tl.debug_barrier()
 
 
 @triton.jit
@@ -453,21 +441,16 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                     b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr,
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
-                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr,
-                    N0: tl.constexpr = 0, SPLIT: tl.constexpr = 0):
+                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
     tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH: h also quantized for down
     (`quantize`'s q, dx, xs, bit-equal), so down needs no quantizer launch. QH 1 (BN divides 32): the last of a
     32-block's 32 / BN programs to finish (an acq_rel counter per block, reset by that program for the next launch)
-    quantizes the block; QH 2 (32 divides BN): each program owns whole blocks and quantizes them in registers.
-    N0: the rows from N0 on (a multiple of 32). SPLIT (with PDL, triton_decode_half): 1, the first half, lets its
-    dependents be scheduled once its wait is over; 2, the second half, does not wait before its math (what it reads
-    was written before the first half's wait) and waits at its end (its grid's end then implies the one before)."""
-    if PDL and SPLIT != 1:
+    quantizes the block; QH 2 (32 divides BN): each program owns whole blocks and quantizes them in registers."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    WAIT: tl.constexpr = 0 if not PDL else 3 if SPLIT == 2 else 2 if SPLIT == 1 else 1     # _after_loads
     p = tl.program_id(0)
-    n = tl.program_id(1) * BN + tl.arange(0, BN) + N0
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
     s = tl.load(ids_ptr + p).to(tl.int64)
     gu = tl.arange(0, 2)[None, :]
     r = tl.minimum(n, I - 1).to(tl.int64)[:, None] + gu * I
@@ -479,9 +462,9 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
         xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 32)
         acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
                       s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                      r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, WAIT, EMU)
-    elif WAIT:
-        _after_loads(WAIT)
+                      r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
+    elif PDL:
+        tl.extra.cuda.gdc_wait()
     m2 = m2 & (s >= 0)
     s = tl.maximum(s, 0)
     if HAS_BIAS:
@@ -495,19 +478,17 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
         h = h.to(tl.float16).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * I + n, h, mask=n < I)
     if QH == 2:
-        b = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32) + N0 // 32
+        b = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
         _h_q8_store(tl.reshape(h, [BN // 32, 32]), p.to(tl.int64), b, b < I // 32, hq_ptr, hd_ptr, hs_ptr, I)
     if QH == 1:
         tl.debug_barrier()                   # every thread's h stores happen before the release below
-        cb = cnt_ptr + p.to(tl.int64) * (I // 32) + N0 // 32 + (tl.program_id(1) * BN) // 32
+        cb = cnt_ptr + p.to(tl.int64) * (I // 32) + (tl.program_id(1) * BN) // 32
         if tl.atomic_add(cb, 1, sem="acq_rel") == 32 // BN - 1:     # the block's last program: all of it visible
             tl.atomic_xchg(cb, 0)
-            b = tl.zeros([1], dtype=tl.int64) + N0 // 32 + (tl.program_id(1) * BN) // 32
+            b = tl.zeros([1], dtype=tl.int64) + (tl.program_id(1) * BN) // 32
             hb = tl.load(out_ptr + p.to(tl.int64) * I + b[:, None] * 32 + tl.arange(0, 32)[None, :],
                          cache_modifier=".cg")
             _h_q8_store(hb, p.to(tl.int64), b, b >= 0, hq_ptr, hd_ptr, hs_ptr, I)
-    if PDL and SPLIT == 2:
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -523,16 +504,13 @@ def _h_q8_store(h, row, b, bm, hq_ptr, hd_ptr, hs_ptr, I: tl.constexpr):
 @triton.jit
 def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr,
                  sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
-                 b_ptr, sb_s, out_ptr, stride_o, part_ptr,
+                 b_ptr, sb_s, out_ptr, stride_o,
                  D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KP: tl.constexpr, FMT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
-                 NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, TRIGGER: tl.constexpr,
-                 SPLIT: tl.constexpr = 0):
+                 NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, TRIGGER: tl.constexpr):
     """grid (T, D/BN): out[t, n] = sum_j w[t, j] * (down_j row n . h[t, j] (+ bias)), h as int8 words; tile
     [I, k, BN] (v3's), no atomics. TRIGGER: a dependent launch may be scheduled from the start (it waits for this
-    grid's writes before reading them). SPLIT (triton_decode_half): 1, the dots over the first piece's NB1 blocks of
-    h only, stored to part [T*k, D] float32; 2, those over the second piece's NB2 added to them (the sum of the two
-    pieces as one launch adds them), then the rest."""
+    grid's writes before reading them)."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
@@ -545,36 +523,14 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
     s = tl.maximum(s, 0)[:, None]
     r = tl.minimum(n, D - 1).to(tl.int64)[None, :]
     pj = (t * KTOP + tl.minimum(j, KTOP - 1)).to(tl.int64)[:, None]    # pair of h (lanes past k: a real one)
-    # the pieces of h's blocks this launch dots: both, the first, the second (from block NB1)
-    P1: tl.constexpr = NB2 if SPLIT == 2 else NB1
-    P2: tl.constexpr = NB2 if SPLIT == 0 else 0
     acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
                   s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n, mask,
-                  I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32), FMT, P1, P2, PDL, EMU,
-                  NB1 if SPLIT == 2 else 0)
-    if SPLIT == 1:                  # every lane of a real pair: SPLIT 2 reads them all (masked-off ones discarded)
-        tl.store(part_ptr + pj * D + r, acc, mask=jm[:, None] & nm[None, :])
-    else:
-        if SPLIT == 2:
-            acc = _load_l2(part_ptr + pj * D + r, EMU) + acc
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + s * sb_s + r, mask=mask, other=0.0).to(tl.float32)
-        wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)
-        y = tl.sum(tl.where(mask, acc, 0.0) * wj[:, None], axis=0)
-        tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
-
-
-@triton.jit
-def _load_l2(ptr, EMU: tl.constexpr):
-    """float32 values at ptr (in bounds) read from L2, past L1 (written by a grid before the one waited for), by an
-    elementwise op: it takes the register layout of its user, where a tl.load would bring a layout of its own, which
-    the sum after it could follow (down's SPLIT 2: the k lanes then summed in another order than in one launch)."""
-    if EMU:
-        v = tl.load(ptr)
-    else:
-        v = tl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=f,l", [ptr], dtype=tl.float32, is_pure=False,
-                                      pack=1)
-    return v
+                  I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32), FMT, NB1, NB2, PDL, EMU)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + s * sb_s + r, mask=mask, other=0.0).to(tl.float32)
+    wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)
+    y = tl.sum(tl.where(mask, acc, 0.0) * wj[:, None], axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
 # Tiles (Tile.bn rows, warps). Timed on the H200 (session 8, bench --variants, graph replays, per call with
@@ -655,19 +611,19 @@ def h_int8(h) -> tuple:
 
 
 def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx, tile, qh: int, pdl: bool,
-                   rnd: int, n0: int = 0, rows: int | None = None, split: int = 0):
-    """One _gate_up_kernel launch: h's rows n0 .. n0 + rows (None: to I) of every pair from x's int8 copy xq, h's
-    int8 copy into hx where qh, rounded as x's dtype (rnd: ROUND), split: its SPLIT."""
+                   rnd: int):
+    """One _gate_up_kernel launch: h of every pair from x's int8 copy xq, h's int8 copy into hx where qh, rounded as
+    x's dtype (rnd: ROUND)."""
     xw, xd, xs = xq
     t, d = xw.shape
     k, i = ids.numel() // t, w.n // 2
     b, sb = (bias, bias.stride(0)) if bias is not None else (h, 0)
     nb1, nb2 = v3_pieces(d, w.fmt)
     cnt = arrival_counters(h.device, t * k * (i // 32), "gate_up_h") if qh == 1 else xd
-    _gate_up_kernel[(t * k, triton.cdiv(i - n0 if rows is None else rows, tile.bn))](
+    _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
         xw.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, *hx, cnt,
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
-        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, N0=n0, SPLIT=split,
+        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh,
         num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
 
 
@@ -697,19 +653,17 @@ def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False, pre: tuple |
     return launch_down(hq, ids, wt, w, bias, out, tile, pdl)
 
 
-def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool, part=None, split: int = 0):
-    """One _down_kernel launch from h's int8 copy hq (q, dx, xs); split: its SPLIT, part its [T*k, D] float32
-    partial dots."""
+def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool):
+    """One _down_kernel launch from h's int8 copy hq (q, dx, xs)."""
     t, d = out.shape
     k, i = ids.numel() // t, w.k
     b, sb = (bias, bias.stride(0)) if bias is not None else (out, 0)
     nb1, nb2 = v3_pieces(i, w.fmt)
     _down_kernel[(t, triton.cdiv(d, tile.bn))](
         hq[0].view(torch.int32), *hq[1:], ids, wt, *_planes(w), b, sb, out, out.stride(0),
-        out if part is None else part,
         D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), FMT=w.code, HAS_BIAS=bias is not None,
         BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), TRIGGER=pdl and PDL_CHAIN,
-        SPLIT=split, num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+        num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from . import triton_decode as v2
-from . import triton_decode_half as v5half
 from . import triton_decode_q8 as v5
 from . import triton_decode_v4 as v4
 from .pdl import supported as pdl_supported
@@ -440,7 +439,7 @@ def _bias(b, like: torch.Tensor):
 # Q5_K 15.09 vs 36.61, IQ3_XXS 25.88 vs 62.53
 DEFAULT_VARIANT = {"Q4_0": "v5q", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
-VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q", "v5half")
+VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q")
 
 
 def variant_of(fmt: str, variant: str | None) -> str:
@@ -451,20 +450,20 @@ def variant_of(fmt: str, variant: str | None) -> str:
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
-    Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5half" (opt-in, moe_decode
-    only: v5q in two halves of h's rows whose gate_up / down chains overlap, triton_decode_half; v5q where down's K is
-    one piece) or "v4" (opt-in: the whole layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases,
-    triton_decode_v4; anything else, and decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch
-    whose programs spin on counters, was slower than v5pdl and raced on the H200: docs/perf-log.md, session 15; v7,
-    the pair in one launch of programs that each own 32 rows of h and add their share of down by float32 atomics,
-    was slower too: session 16; gate_up's programs asking L2 for down's bytes gained nothing: session 18.)"""
+    Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl) or "v4" (opt-in: the whole
+    layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases, triton_decode_v4; anything else, and
+    decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch whose programs spin on counters,
+    was slower than v5pdl and raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of
+    programs that each own 32 rows of h and add their share of down by float32 atomics, was slower too: session 16;
+    gate_up's programs asking L2 for down's bytes gained nothing: session 18; v5half, v5q in two halves of h's rows
+    whose gate_up / down chains overlap, was slower than v5q in every format and was removed: docs/perf-log.md.)"""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
     default = "v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or DEFAULT_VARIANT.get(fmt, "v2")
     v = variant or default
     if v not in VARIANTS or (v == "v1" and fmt not in V1_FORMATS) or (v != "v1" and fmt == "dense"):
         raise ValueError(f"decode variant {variant!r} does not read {fmt}: the variants are {', '.join(VARIANTS)}; "
                          f"v1 reads {', '.join(V1_FORMATS)}, v2 every quantized format ({', '.join(v2.STEP_BLOCK)}), "
-                         f"v3 .. v5half the quantized ones too (those without kernels of their own run v2 / v3)")
+                         f"v3 .. v5q the quantized ones too (those without kernels of their own run v2 / v3)")
     return v
 
 
@@ -472,7 +471,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    v = "v5pdl" if v in ("v5q", "v5half") else v
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
         return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -494,7 +493,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    v = "v5pdl" if v in ("v5q", "v5half") else v
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -522,11 +521,6 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     v = variant_of(gate_up.fmt, variant)                 # v2, v3: h in float32 (values rounded to x's dtype)
     if v == "v4" and v4.supports(x, gate_up, down, act, biases):
         return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
-    if v == "v5half" and v5half.supports(gate_up, down, x.shape[1], cfg_gate_up):
-        return v5half.moe_half(x, ids, w, gate_up, down, act, alpha, limit, biases,
-                               torch.empty_like(x) if out is None else out, pdl_supported(x), cfg_gate_up, cfg_down)
-    if v == "v5half":                                  # down's K in one piece: nothing to split; v5q at A's tile
-        v, cfg_gate_up = "v5q", cfg_gate_up and v5half.tiles(gate_up.fmt, cfg_gate_up)[0]
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
     if v == "v5q" and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
