@@ -30,6 +30,15 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 # The interpreter computes masked-off lanes too: numpy's overflow / invalid-value warnings there meant a kernel read
 # past a buffer (the down kernels' expert lanes past k read beyond h, found in session 15), so they fail a test
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    """The inputs drawn from torch's global generator are the same every run (a run once failed a twin's bound on
+    an unseeded x that 150 other seeds passed: a fixed seed makes any such failure reproducible)."""
+    torch.manual_seed(20261202)
+
+
 # interpreter-friendly tiles (few programs); the defaults are exercised by test_default_tiles
 SMALL_DECODE = {"cfg_gate_up": (512, 256, 4), "cfg_down": (512, 256, 4)}   # rows masked, K tail masked
 SMALL_GROUPED = {"cfg": (64, 256, 4, 1)}
@@ -228,7 +237,7 @@ def test_decode_v5_matches_its_twin(fmt, gpt_oss):
     gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
     act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
     ids, w = routing(3, 3, 6)
-    x = torch.randn(3, d, device=DEV) * (3.0 if gpt_oss else 1.0)
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(11)).to(DEV) * (3.0 if gpt_oss else 1.0)
     want = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt, act_q8=True)
     exact = ops.moe_native(x, ids, w, gu, dn, act, biases, fmt)
     assert 1e-4 < rel_err(want, exact) < 3e-2                           # the int8 activations change something
@@ -255,8 +264,9 @@ def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
     tiles = {"cfg_gate_up": (16, 0, 4), "cfg_down": V3_WIDE["cfg_down"]}
     # v5pdl at the same tiles (on the GPU a tile's sum order is its own); a new x each time, so an int8 h block left
     # unwritten cannot pass with the bits of the run before
+    g = torch.Generator().manual_seed(12)
     for cfg in (tiles, tiles, {**tiles, "cfg_gate_up": (32, 0, 4)}, V3_WIDE):
-        x = torch.randn(1, d, device=DEV) * (3.0 if gpt_oss else 1.0)
+        x = torch.randn(1, d, generator=g).to(DEV) * (3.0 if gpt_oss else 1.0)
         want = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5pdl", **cfg)
         got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5q", **cfg)
         assert torch.equal(got, want), (cfg, (got - want).abs().max().item())
