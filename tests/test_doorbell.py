@@ -724,7 +724,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
         detail, guesses, prefetched, first_bell, phases = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0, (0.0,) * 5
         log_ids, log_slots, log_w = req.ids.clone(), req.slots.clone(), req.w.clone()
 
-        def serve(self, seq, timeout_s=None, threads=None):
+        def serve(self, seq, timeout_s=None):
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here
             during.append(list(seen))
             self.log_ids.fill_(seq)               # this step's rows as served

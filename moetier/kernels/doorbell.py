@@ -559,19 +559,16 @@ class MissServer:
                         self.log_ids.data_ptr(), self.log_slots.data_ptr(), self.log_w.data_ptr(),
                         *((t.data_ptr() for t in (req.qx, req.dx, req.sx)) if req.q8 else (None,) * 3))
 
-    def serve(self, seq: int, timeout_s: float | None = None, threads: int | None = None) -> tuple[float, float, int]:
+    def serve(self, seq: int, timeout_s: float | None = None) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed). timeout_s: this step's wait
-        for all its bells instead of the server's (an eager warm-up step compiles kernels between bells);
-        threads: this step's team instead of the server's."""
-        ns, nt = self.ctx.timeout_ns, self.ctx.nthreads
+        for all its bells instead of the server's (an eager warm-up step compiles kernels between bells)."""
+        ns = self.ctx.timeout_ns
         if timeout_s is not None:
             self.ctx.timeout_ns = int(timeout_s * 1e9)
-        if threads is not None:
-            self.ctx.nthreads = threads
         try:
             rc = self.lib.moetier_serve_step(ctypes.byref(self.ctx), seq)
         finally:
-            timeout, self.ctx.timeout_ns, self.ctx.nthreads = self.ctx.timeout_ns / 1e9, ns, nt
+            timeout, self.ctx.timeout_ns = self.ctx.timeout_ns / 1e9, ns
         if rc:
             raise RuntimeError(_why(rc, timeout))
         t = self.timing.tolist()

@@ -353,7 +353,7 @@ class GraphTiers:
         took over 10 s from layer 0's bell to layer 1's, and the first tiered bench failed)."""
         return _Server(lambda: self.after_step(WARMUP_TIMEOUT_S))
 
-    def after_step(self, timeout_s: float | None = None, threads: int | None = None) -> None:
+    def after_step(self, timeout_s: float | None = None) -> None:
         """Answer the misses of the step just launched. The previous step's bookkeeping (counters, cache policy,
         admissions) runs on the worker thread meanwhile: the serve holds no GIL, so the worker's Python never
         delays the main thread's sampling and next launch, as a thread started after the serve did (its Python
@@ -363,7 +363,7 @@ class GraphTiers:
             pending, self._pending = self._pending, None
             self._worker.submit(lambda: self._account_thread(*pending))
         t0 = time.perf_counter()
-        busy, wait, n_miss = self.server.serve(self.host_seq, timeout_s, threads)
+        busy, wait, n_miss = self.server.serve(self.host_seq, timeout_s)
         t1 = time.perf_counter()
         if int(self.req.err[0]):
             bad = int(self.req.err[0])
@@ -553,7 +553,7 @@ class _Worker:
     """One daemon thread running submitted functions in order; `wait()` blocks until all are done and re-raises
     the first error."""
 
-    def __init__(self, device=None, name: str = "moetier-accounting"):
+    def __init__(self, device=None):
         self._q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.closed = False
@@ -561,7 +561,7 @@ class _Worker:
         self.device = None                  # a CUDA device index ("cuda" alone: the caller's current GPU)
         if d is not None and d.type == "cuda":
             self.device = d.index if d.index is not None else torch.cuda.current_device()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="moetier-accounting")
         self._thread.start()
 
     def _run(self) -> None:
