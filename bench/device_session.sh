@@ -2,6 +2,8 @@
 # One call on the GPU machine (30 device-minutes a session: plan the steps). Each step is time-limited
 # and writes under $OUT as it goes, so a call cut short still returns what finished. Run from the repository root
 # with `carry: [".whl"]` (bench/device_wheels.sh fills .whl/ with gguf, transformers and what they need).
+# Everything comes back as $OUT/session.tgz, packed at the end (do not pack $OUT again after it: session 21 lost two
+# calls' files that way).
 #   STEPS="tests bench48 uniform12 longctx doorbell12"  (default: all but doorbell12, in that order)
 #   tests       GPU tests of the graphed tier step, GGUF tiers, packed GGUF experts, Triton DeltaNet
 #   bench48     synthetic Qwen3-30B-A3B Q4_0 GGUF, all 48 layers (17 GB): all on GPU / --gpu-mem 8GiB /
@@ -163,7 +165,8 @@ for step in $STEPS; do
                                             # clock stamps; g8q8: that with x's int8 copy written by the ring only,
                                             # MOETIER_RING_Q8; g8wan: that with the next block's input norm made
                                             # by wait_add only, MOETIER_WAIT_ADD_NORM; g8fused: both (the default);
-                                            # g8base: neither)
+                                            # g8base: neither; g8ab: default / neither / default / neither in one
+                                            # process, --compare's MOETIER_* switches)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -176,6 +179,11 @@ for step in $STEPS; do
       g8stamp) MOETIER_STAMP=1 bench proof48_g8stamp ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8old) MOETIER_STAMP=1 MOETIER_ROUTER_ADD_NORM=0 \
         bench proof48_g8old ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8ab)   # the default against neither fusion, interleaved in one process (the box's RAM rate drifts between
+              # processes more than the fusions' ~3%): default / neither / default / neither
+        N="MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0"
+        MOETIER_STAMP=1 bench proof48_g8ab ${P48ABSECS:-480} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB \
+          --compare "neither:$N" --compare "default2:" --compare "neither2:$N" ;;
       g8base) MOETIER_STAMP=1 MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0 \
         bench proof48_g8base ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8q8) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=0 \

@@ -86,6 +86,27 @@ def test_bench_compare_reloads_each_configuration(model, capsys):
     assert tiered["time_split"]["source"].startswith("memory tiers")
 
 
+def test_compare_sets_its_switches_for_its_own_run_only(model, capsys, monkeypatch):
+    """--compare 'LABEL:FLAGS' takes MOETIER_NAME=VALUE words beside the engine flags: set while that configuration
+    loads and runs (A/B of an environment switch in one process), put back after; the JSON names them."""
+    import os
+
+    from moetier.commands import bench
+    monkeypatch.setenv("MOETIER_PIPELINE", "1")
+    monkeypatch.delenv("MOETIER_RING_Q8", raising=False)
+    seen = []
+    one = bench._one_config
+    monkeypatch.setattr(bench, "_one_config", lambda *a: seen.append(
+        (a[2], os.environ.get("MOETIER_PIPELINE"), os.environ.get("MOETIER_RING_Q8"))) or one(*a))
+    rep = run_json(capsys, ["bench", str(model), "--device", "cpu", "--prompt-len", "16", "--gen", "3",
+                            "--warmup", "0", "--json", "--compare", "ab:MOETIER_PIPELINE=0 MOETIER_RING_Q8=0 "
+                            "--ram-mem 64MiB", "--compare", "again:"])
+    assert seen == [("base", "1", None), ("ab", "0", "0"), ("again", "1", None)]
+    assert [c["env"] for c in rep["configs"]] == [{}, {"MOETIER_PIPELINE": "0", "MOETIER_RING_Q8": "0"}, {}]
+    assert rep["configs"][0]["decode_memory"] is None and rep["configs"][1]["decode_memory"] is not None  # tiers
+    assert os.environ["MOETIER_PIPELINE"] == "1" and "MOETIER_RING_Q8" not in os.environ
+
+
 def test_bench_table_for_people(model, capsys):
     assert cli(["bench", str(model), "--device", "cpu", "--prompt-len", "12", "--gen", "3", "--warmup", "0"]) == 0
     out = capsys.readouterr().out

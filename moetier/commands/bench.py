@@ -3,8 +3,11 @@ byte-budget bound of each (what the tiers' bandwidths allow)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
+import re
 import shlex
 import sys
 import time
@@ -31,7 +34,8 @@ def add_parser(sub) -> None:
                         "the JSON as decode_tok_s_runs; default 1)")
     p.add_argument("--compare", action="append", default=[], metavar="'LABEL:FLAGS'",
                    help="another configuration, e.g. 'offload:--gpu-mem 8GiB' (repeatable); FLAGS are engine "
-                        "flags added to the ones given here")
+                        "flags added to the ones given here, and MOETIER_NAME=VALUE switches set for this "
+                        "configuration only (A/B runs in one process, e.g. 'noq8:MOETIER_RING_Q8=0')")
     p.add_argument("--decode", choices=("auto", "greedy", "stream"), default="auto",
                    help="decoded tokens: greedy = the model's argmax; stream = forced topic-local ids (the model "
                         "still runs every step) so random-weight models do not loop on one token; auto = stream "
@@ -56,8 +60,13 @@ class _RaisingParser(argparse.ArgumentParser):
         raise UserError(message)
 
 
+ENV_SWITCH = re.compile(r"MOETIER_[A-Z0-9_]+=")     # a --compare word that sets an environment switch
+
+
 def config_namespaces(args) -> list[tuple[str, str, argparse.Namespace]]:
-    """(label, flags, namespace) of the base configuration and each --compare one."""
+    """(label, flags, namespace) of the base configuration and each --compare one; a namespace's `env` holds the
+    MOETIER_* switches its FLAGS set (the base's: none)."""
+    args.env = {}
     out = [("base", "", args)]
     parser = _RaisingParser(prog="moetier bench --compare", add_help=False)
     add_model_args(parser)
@@ -66,13 +75,32 @@ def config_namespaces(args) -> list[tuple[str, str, argparse.Namespace]]:
         if not sep or not label.strip():
             raise UserError(f"--compare {spec!r}: write it as 'LABEL:FLAGS', e.g. 'offload:--gpu-mem 8GiB'")
         ns = copy.deepcopy(args)
+        words = shlex.split(flags)
+        ns.env = dict(w.split("=", 1) for w in words if ENV_SWITCH.match(w))
         try:
-            parser.parse_args([str(args.model or "default")] + shlex.split(flags), namespace=ns)
+            parser.parse_args([str(args.model or "default")] + [w for w in words if not ENV_SWITCH.match(w)],
+                              namespace=ns)
         except UserError as e:
-            raise UserError(f"--compare {spec!r}: {e} (only engine flags; see moetier bench --help)") from None
+            raise UserError(f"--compare {spec!r}: {e} (only engine flags and MOETIER_NAME=VALUE switches; see "
+                            "moetier bench --help)") from None
         ns.model = args.model
         out.append((label.strip(), flags, ns))
     return out
+
+
+@contextlib.contextmanager
+def switches(env: dict):
+    """The environment with `env` set (a --compare configuration's MOETIER_* switches), as it was afterwards."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(args) -> int:
@@ -90,7 +118,8 @@ def main(args) -> int:
     results, bw, failed = [], None, []
     for label, flags, ns in configs:
         try:
-            bw = _one_config(args, path, label, flags, ns, lens, mode, bw, results, log)
+            with switches(ns.env):
+                bw = _one_config(args, path, label, flags, ns, lens, mode, bw, results, log)
         except (UserError, RuntimeError, MemoryError) as e:
             if len(configs) == 1:
                 raise
@@ -131,7 +160,7 @@ def _one_config(args, path, label, flags, ns, lens, mode, bw, results, log):
         log("measuring bandwidths (cached in ~/.cache/moetier/bandwidth.json) ...")
         bw = measure_bandwidths(engine.device, path, use_cache=not args.remeasure)
     r = bench_config(engine, path, fit, args.gen, args.warmup, bw, mode, log, repeat=args.repeat)
-    results.append({"label": label, "flags": flags, "load_s": round(load_s, 3), **r})
+    results.append({"label": label, "flags": flags, "env": dict(ns.env), "load_s": round(load_s, 3), **r})
     log(f"[{label}] " + summary_line(results[-1]))   # a run cut short still shows the finished configs
     release(engine)
     engine = None
