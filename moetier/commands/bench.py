@@ -76,10 +76,10 @@ def config_namespaces(args) -> list[tuple[str, str, argparse.Namespace]]:
             raise UserError(f"--compare {spec!r}: write it as 'LABEL:FLAGS', e.g. 'offload:--gpu-mem 8GiB'")
         ns = copy.deepcopy(args)
         words = shlex.split(flags)
-        ns.env = dict(w.split("=", 1) for w in words if ENV_SWITCH.match(w))
+        env = [w for w in words if ENV_SWITCH.match(w)]
+        ns.env = dict(w.split("=", 1) for w in env)
         try:
-            parser.parse_args([str(args.model or "default")] + [w for w in words if not ENV_SWITCH.match(w)],
-                              namespace=ns)
+            parser.parse_args([str(args.model or "default")] + [w for w in words if w not in env], namespace=ns)
         except UserError as e:
             raise UserError(f"--compare {spec!r}: {e} (only engine flags and MOETIER_NAME=VALUE switches; see "
                             "moetier bench --help)") from None

@@ -89,7 +89,7 @@ class GraphStep:
         mode = os.environ.get("MOETIER_PIPELINE", "1")
         if mode not in ("0", "1"):
             raise UserError(f"MOETIER_PIPELINE={mode!r}: use 1 (the default) or 0")
-        self.pipelined = graph.next is not None and graph.tiers is None and mode == "1"
+        self.pipelined = graph.next is not None and mode == "1"     # (next: made by graphs without tiers only)
         self.buf = torch.zeros(1, dtype=torch.long, device=graph.tokens.device)
         self.host = torch.zeros(self.DEPTH, dtype=torch.long, pin_memory=True)   # each queued replay's argmax
         self.events = [torch.cuda.Event() for _ in range(self.DEPTH)] if self.pipelined else []
