@@ -223,18 +223,77 @@ def byte_bound(engine, bw: dict, context: int) -> dict:
 SMALL_WORKING_SET = 128 << 20   # CPU bytes per token below which the bound uses a read of that size
 
 
+def rests_on_ram(engine, bw: dict, bound: dict) -> bool:
+    """The bound rests on the RAM rate: memory tiers with routes from RAM."""
+    return bool(getattr(engine, "tiers", None) is not None and bw.get("ram_gbs")
+                and bound.get("source") == "memory.plan.decode_ceiling" and bound["bytes_per_token"].get("ram"))
+
+
+class RunReadings:
+    """The RAM read rate on both sides of each decode run, where the bound rests on it. A shared H200 box read 82
+    then 117 GB/s minutes apart (docs/perf-log.md, session 12) and 90 before / 122 after one configuration's runs
+    (session 21): one reading before the runs (cached) or after them can flatter or sink the fraction; a reading
+    next to each run tells what the machine could do while it ran. measure_ram reads a fresh 1 GiB buffer: each
+    reading resets the kernel's peak-RSS mark after it (/proc/self/clear_refs) and peak_rss() is the peak without
+    them. make() -> None where that reset is refused (then only one reading, after the runs)."""
+
+    def __init__(self):
+        self.pairs: list[tuple[float, float]] = []
+        self._peak = 0
+
+    @classmethod
+    def make(cls) -> "RunReadings | None":
+        w = cls()
+        w._peak = peak_rss()
+        return w if w._reset() else None
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def read(self) -> float:
+        from ..memory.bandwidth import measure_ram
+        self._peak = max(self._peak, peak_rss())
+        rate = measure_ram()
+        self._reset()
+        return rate
+
+    def around(self, run):
+        """run() with a reading on each side; -> its result."""
+        before = self.read()
+        r = run()
+        self.pairs.append((before, self.read()))
+        return r
+
+    def peak_rss(self) -> int:
+        return max(self._peak, peak_rss())
+
+    def check(self, bw: dict) -> dict:
+        """-> the readings: before (the bandwidths' reading), runs [[before, after] per run], run_gbs (the median over
+        the runs of the faster reading next to each: the bound's rate), fastest (of all readings), spread
+        (fastest / slowest - 1)."""
+        every = [bw["ram_gbs"]] + [r for p in self.pairs for r in p]
+        return {"before": round(bw["ram_gbs"], 2), "runs": [[round(a, 2), round(b, 2)] for a, b in self.pairs],
+                "run_gbs": round(float(np.median([max(p) for p in self.pairs])), 2), "fastest": round(max(every), 2),
+                "spread": round(max(every) / min(every) - 1, 3)}
+
+
 def ram_recheck(engine, bw: dict, bound: dict) -> dict | None:
-    """The RAM read rate again, after the runs, where the bound rests on it (memory tiers with routes from RAM): a
-    shared H200 box read 82 then 117 GB/s minutes apart (docs/perf-log.md, session 12), so one reading taken before
-    the runs (and cached) can flatter or sink the fraction. -> {"before", "after" GB/s, "spread": |after / before - 1|}
-    (the bound then takes the faster one), or None where the bound does not rest on the RAM rate."""
-    if (getattr(engine, "tiers", None) is None or not bw.get("ram_gbs")
-            or bound.get("source") != "memory.plan.decode_ceiling" or not bound["bytes_per_token"].get("ram")):
+    """The RAM read rate again after the runs, where the bound rests on it and RunReadings could not read next to
+    each run: -> {"before", "after" GB/s, "run_gbs" (the faster one: the bound's rate), "fastest", "spread"}, or
+    None where the bound does not rest on the RAM rate."""
+    if not rests_on_ram(engine, bw, bound):
         return None
     from ..memory.bandwidth import measure_ram
     after = measure_ram()
-    return {"before": round(bw["ram_gbs"], 2), "after": round(after, 2),
-            "spread": round(abs(after / bw["ram_gbs"] - 1), 3)}
+    fast = max(after, bw["ram_gbs"])
+    return {"before": round(bw["ram_gbs"], 2), "after": round(after, 2), "run_gbs": round(fast, 2),
+            "fastest": round(fast, 2), "spread": round(abs(after / bw["ram_gbs"] - 1), 3)}
 
 
 # ---------------------------------------------------------------- one configuration
@@ -260,22 +319,28 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
     # counts, and a 32-token warm-up left those compiles in the first figure (all on the GPU: 571 tok/s for 5,100)
     for i in range(warmup):
         request(min(prompt_lens[0], 512) if prompt_lens else 32, min(gen, 8), 10_000 + i)
+    # the decode runs that give decode_tok_s, each between two RAM readings where the bound rests on the RAM rate
+    watch = RunReadings.make() if rests_on_ram(engine, bw, byte_bound(engine, bw, prompt_lens[0] + gen // 2)) \
+        else None
+    measured = watch.around if watch is not None else (lambda run: run())
     runs = []
-    for n in prompt_lens:
+    for j, n in enumerate(prompt_lens):
         log(f"  prompt {n} tokens + {gen} decode ({mode}) ...")
-        runs.append(request(n, gen, n))
+        runs.append(measured(lambda: request(n, gen, n)) if j == 0 else request(n, gen, n))
     first = runs[0]
     again = []
     for i in range(1, repeat):
         log(f"  prompt {prompt_lens[0]} tokens + {gen} decode ({mode}), repeat {i + 1} of {repeat} ...")
-        again.append(request(prompt_lens[0], gen, prompt_lens[0] + i))
+        again.append(measured(lambda: request(prompt_lens[0], gen, prompt_lens[0] + i)))
     decodes = [first["decode_tok_s"]] + [r["decode_tok_s"] for r in again]
     context = first["prompt_tokens"] + gen // 2
     bound = byte_bound(engine, bw, context)
-    rss, vram = peak_rss(), peak_vram(engine.device)     # before the re-check's 1 GiB read
-    ram = ram_recheck(engine, bw, bound)
-    if ram is not None and ram["after"] > bw["ram_gbs"]:     # the faster reading is what the machine can do
-        bound = byte_bound(engine, dict(bw, ram_gbs=ram["after"]), context)
+    rss, vram = (watch.peak_rss() if watch is not None else peak_rss()), peak_vram(engine.device)
+    ram = watch.check(bw) if watch is not None else ram_recheck(engine, bw, bound)     # (after the peak RSS)
+    fastest = None
+    if ram is not None:     # the bound at the RAM rate of the runs; the one at the fastest reading beside it
+        bound = byte_bound(engine, dict(bw, ram_gbs=ram["run_gbs"]), context)
+        fastest = byte_bound(engine, dict(bw, ram_gbs=ram["fastest"]), context)["bound_tok_s"]
     dec = float(np.median(decodes))
     bound_tok_s = bound["bound_tok_s"]
     return {
@@ -290,6 +355,8 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
         "time_split": first["time_split"],
         "bound_tok_s": float(f"{bound_tok_s:.5g}"),
         "fraction_of_bound": float(f"{dec / bound_tok_s:.4g}") if bound_tok_s else None,
+        "fastest_bound_tok_s": float(f"{fastest:.5g}") if fastest else None,
+        "fraction_of_fastest_bound": float(f"{dec / fastest:.4g}") if fastest else None,
         "bound": bound, "ram_gbs_check": ram, "distinct_token_frac": first["distinct_token_frac"], "runs": runs,
         "device": engine.device, "dtype": str(engine.dtype).removeprefix("torch."), "decode_mode": mode,
     }
