@@ -182,8 +182,9 @@ def summary_line(c: dict) -> str:
     ram = c.get("ram_gbs_check")
     if ram and ram["spread"] > RAM_SPREAD_WARN:
         low = min([ram["before"]] + [r for p in ram.get("runs", []) for r in p] + [ram.get("after", ram["before"])])
-        frac += (f" [RAM read {low:.0f}-{ram['fastest']:.0f} GB/s: the bound uses {ram['run_gbs']:.0f}, the runs' rate; "
-                 f"{c['fraction_of_fastest_bound']:.0%} of {c['fastest_bound_tok_s']:.1f} at the fastest reading]")
+        frac += (f" [RAM read {low:.0f}-{ram['fastest']:.0f} GB/s: the bound uses {ram['run_gbs']:.0f}, "
+                 f"the runs' rate; {c['fraction_of_fastest_bound']:.0%} of {c['fastest_bound_tok_s']:.1f} at the "
+                 "fastest reading]")
     return (f"decode {c['decode_tok_s']:.2f} tok/s{frac}; prefill tok/s {pre}; hits {hit_summary(c['memory'])}; "
             f"ms/token gpu {t['gpu_ms']:.2f} cpu {t['cpu_ms']:.2f} copy {t['copy_ms']:.2f} other {t['idle_ms']:.2f}; "
             f"peak VRAM {_gib(c['peak_vram_bytes'])}" + _over(c))
