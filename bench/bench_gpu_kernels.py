@@ -780,6 +780,32 @@ def qlinear_bench(fmts, gen, copy_bw: float, budget_s: float, shapes=None) -> li
     return out
 
 
+def qkv_mixed_bench(gen, n_qk: int = 4608, n_v: int = 512, k: int = 2048) -> dict:
+    """Q4_K_M's qkv in its layers with a Q6_K attn_v (Qwen3-30B-A3B: q + k [4608, 2048] Q4_K, v [512, 2048] Q6_K),
+    T=1, graph replays over rotated weight copies: each part's GEMV with its own quantizer and a cat (before session
+    22) against ops.qlinear_parts (one quantizer, both GEMVs into one buffer) and against it with x's int8 copy given
+    (what the fused norm hands it)."""
+    from types import SimpleNamespace
+
+    from moetier.kernels import triton_decode_q8 as q8
+    from moetier.kernels import triton_qlinear as tq
+    per = nbytes(make_weights("Q4_K", 1, n_qk, k, gen)) + nbytes(make_weights("Q6_K", 1, n_v, k, gen))
+    sets = [[SimpleNamespace(planes=make_weights(f, 1, n, k, gen), fmt=f, bias=None, out_features=n)
+             for f, n in (("Q4_K", n_qk), ("Q6_K", n_v))] for _ in range(1 if DEV == "cpu" else -(-120_000_000 // per))]
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEV, XDT)
+    pre = q8.quantize(x)
+    ways = {"own quantizers + cat": lambda ps: torch.cat([tq.gemv(x, p.planes, p.fmt) for p in ps], dim=-1),
+            "qlinear_parts": lambda ps: ops.qlinear_parts(x, ps),
+            "qlinear_parts, x's copy given": lambda ps: ops.qlinear_parts(x, ps, pre)}
+    want = ways["own quantizers + cat"](sets[0])
+    res = {"bytes": per}
+    for name, way in ways.items():
+        us = graph_us([lambda ps=ps, way=way: way(ps) for ps in sets])
+        res[name] = {"us": round(us, 2), "same_bits": bool(torch.equal(way(sets[0]), want))}
+        log(f"  qkv mixed (Q4_K [{n_qk}, {k}] + Q6_K [{n_v}, {k}]) {name}: {res[name]}")
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fmt", default="dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS")
@@ -826,6 +852,7 @@ def main():
                 if supports(f, 4096)]
         res["qlinear"] = qlinear_bench(fmts, cgen, copy_bw, a.budget,
                                        {"tiny": (40, 256)} if a.interpret else None)
+        res["qkv_mixed"] = qkv_mixed_bench(cgen, *((64, 32, 256) if a.interpret else ()))
         a.models = ""
     if a.profile_pair:
         fmts = ("Q4_0,Q8_0,Q4_K,Q6_K" if a.fmt == ap.get_default("fmt") else a.fmt).split(",")

@@ -320,10 +320,11 @@ PY
     timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
     grep -E "shipped tiles|best|v5|variants:" "$OUT/gpu_kernels.err" | tail -40 ;;
   qlinear)
-    # dense GEMVs on GGUF blocks (QuantLinear) at the attention / lm_head shapes vs cuBLAS bf16, tiles
-    timeout ${QSECS:-120} python3 bench/bench_gpu_kernels.py --qlinear --budget ${QBUDGET:-90} --fmt ${QFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
+    # dense GEMVs on GGUF blocks (QuantLinear) at the attention / lm_head shapes vs cuBLAS bf16, tiles; then Q4_K_M's
+    # mixed qkv (Q4_K q + k, Q6_K v): a quantizer + GEMV per part and a cat vs ops.qlinear_parts (session 22)
+    timeout ${QSECS:-180} python3 bench/bench_gpu_kernels.py --qlinear --budget ${QBUDGET:-90} --fmt ${QFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
       > "$OUT/qlinear.json" 2> "$OUT/qlinear.err"
-    grep -E "qlinear" "$OUT/qlinear.err" | tail -40 ;;
+    grep -E "qlinear|qkv mixed" "$OUT/qlinear.err" | tail -40 ;;
   missbench)
     # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read taken around each round.
     # MVARIANTS (default 6,0): 0 the phases with barriers, 1 the old loops, 2 down over the experts' rows, 3 variant

@@ -79,6 +79,42 @@ def test_fused_qkv_is_one_stacked_layer():
         assert rel_err(att._qkv(x), want) <= (1e-4 if gemv else 1e-6)
 
 
+@pytest.mark.parametrize("with_pre", [False, True])
+def test_qkv_runs_of_formats_share_one_int8_copy_of_x(with_pre):
+    """Q4_K_M-like q / k (one format) and v (another): ops.qlinear_parts runs each part's GEMV from one int8 copy of
+    x (pre, as the norm makes it, or one quantizer launch) into its columns of one buffer: each part's own GEMV's
+    values bit for bit (the quantizer launches and the cat saved, not a value changed). Decode rows go through
+    Attention._qkv alike."""
+    import os
+
+    pytest.importorskip("triton")
+    from moetier.config import ModelArgs
+    from moetier.kernels import triton_decode_q8 as q8
+    from moetier.kernels import triton_qlinear
+    from moetier.models.layers import Attention
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs Triton's interpreter or CUDA")
+    prev = ops.backend()
+    ops.set_backend("triton")
+    try:
+        args = ModelArgs(model_type="qwen3_moe", vocab_size=100, num_hidden_layers=1, hidden_size=96,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True)
+        att = Attention(args)
+        att.q_proj, att.k_proj, att.v_proj = (layer(f, n, 96, True, seed=s)
+                                              for s, (f, n) in enumerate(zip(("Q8_0", "Q8_0", "Q4_0"), (64, 32, 32))))
+        att.fuse_qkv()
+        assert len(att.qkv_q) == 2
+        x = torch.randn(1, 96, generator=torch.Generator().manual_seed(4)).to(DEV)
+        want = torch.cat([triton_qlinear.gemv(x, p.planes, p.fmt, p.bias) for p in att.qkv_q], dim=-1)
+        pre = q8.quantize(x) if with_pre else None
+        got = ops.qlinear_parts(x, list(att.qkv_q), pre)
+        assert got.shape == (1, 128) and torch.equal(got, want)
+        assert torch.equal(att._qkv(x, pre), want)
+        assert att.q8_input(x) == x.is_cuda            # the Block hands it x's int8 copy on CUDA
+    finally:
+        ops.set_backend(prev)
+
+
 def test_loader_pieces_on_a_synth_gguf(tmp_path):
     """gpu_blocks picks the attention and lm_head weights of a Q4_0 file (not the embeddings, norms, router or
     experts), and install() swaps their nn.Linear for QuantLinear on the same values: each layer's output equals

@@ -244,21 +244,46 @@ DENSE_CHUNK_BYTES = 64 << 20        # bound on the float rows of W a qlinear wit
 
 
 def qlinear(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch.Tensor | None = None,
-            pre: tuple | None = None) -> torch.Tensor:
+            pre: tuple | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W [N, K] in GGML planes ([1, N, K'] each, quant.repack) -> [..., N] in x's
     dtype. Up to MAX_GEMV_ROWS rows on CUDA: x quantized to int8 per 32-block and one dp4a GEMV (no host sync,
     CUDA-graph capturable); otherwise W is dequantized to x's dtype in row chunks of at most DENSE_CHUNK_BYTES
     and multiplied by torch. pre: x's int8 copy (q, dx, xs) made by the kernel that produced x (the GEMV then
-    skips its quantizer)."""
+    skips its quantizer). out: [T, N] (unit last stride; a column slice of a wider buffer is fine) to write into,
+    x 2-D then."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    if backend() == "triton" and (x.is_cuda or _interpret) and 0 < x2.shape[0] <= MAX_GEMV_ROWS:
+    if gemv_applies(x2, fmt):
         from . import triton_qlinear
-        if triton_qlinear.supports(fmt, x2.shape[1]):
-            with _on_device(x):
-                return triton_qlinear.gemv(x2, planes, fmt, bias, pre=pre).reshape(*shape[:-1], -1)
-    return qlinear_chunked(x2, planes, fmt, bias).reshape(*shape[:-1], -1)
+        with _on_device(x):
+            return triton_qlinear.gemv(x2, planes, fmt, bias, pre=pre, out=out).reshape(*shape[:-1], -1)
+    y = qlinear_chunked(x2, planes, fmt, bias)
+    return y.reshape(*shape[:-1], -1) if out is None else out.copy_(y)
+
+
+def gemv_applies(x2: torch.Tensor, fmt: str) -> bool:
+    """qlinear runs the int8 GEMV for these rows x2 [T, K] of a weight in fmt (else the dequantized chunks)."""
+    if not (backend() == "triton" and (x2.is_cuda or _interpret) and 0 < x2.shape[0] <= MAX_GEMV_ROWS):
+        return False
+    from . import triton_qlinear
+    return triton_qlinear.supports(fmt, x2.shape[1])
+
+
+def qlinear_parts(x: torch.Tensor, parts: list, pre: tuple | None = None) -> torch.Tensor:
+    """x [T, K] @ [W_1; W_2; ...]^T for QuantLinear parts of different formats (Q4_K_M's q / k in Q4_K and v in Q6_K)
+    -> [T, sum N_i], each part's GEMV writing its columns of one buffer from one int8 copy of x (pre, or one quantizer
+    launch): two launches fewer per extra part than a quantizer + GEMV per part and a cat. Bit for bit the same."""
+    out = x.new_empty(x.shape[0], sum(p.out_features for p in parts))
+    if pre is None and all(gemv_applies(x, p.fmt) for p in parts):
+        from . import triton_qlinear
+        with _on_device(x):
+            pre = triton_qlinear.x_int8(x)
+    a = 0
+    for p in parts:
+        qlinear(x, p.planes, p.fmt, p.bias, pre=pre, out=out[:, a:a + p.out_features])
+        a += p.out_features
+    return out
 
 
 def qlinear_chunked(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias=None) -> torch.Tensor:

@@ -46,6 +46,18 @@ def _gemv_kernel(xw_ptr, xd_ptr, xs_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_
     tl.store(out_ptr + t * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
 
 
+def use_pdl(x: torch.Tensor) -> bool:
+    """The GEMV and its quantizer as programmatic dependents (CUDA); MOETIER_QLINEAR_PDL=0: plain launches (A/B and
+    diagnosis)."""
+    return os.environ.get("MOETIER_QLINEAR_PDL", "1") != "0" and pdl_supported(x)
+
+
+def x_int8(x: torch.Tensor) -> tuple:
+    """x's int8 copy for gemv's `pre` (as gemv makes it when it has none): one quantizer launch for GEMVs that share
+    x (ops.qlinear_parts)."""
+    return q8.quantize(x, trigger=use_pdl(x))
+
+
 def supports(fmt: str, k: int) -> bool:
     """The GEMV reads the v5 formats with whole blocks per row."""
     return fmt in q8.FORMATS and k % BLOCK[fmt] == 0
@@ -59,9 +71,7 @@ def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch
     w = Weights(planes, fmt)
     if w.k != k:
         raise ValueError(f"x has {k} columns, the {fmt} weight [{w.n}, {w.k}]")
-    if pdl is None:     # MOETIER_QLINEAR_PDL=0: plain launches (A/B and diagnosis)
-        pdl = os.environ.get("MOETIER_QLINEAR_PDL", "1") != "0"
-    pdl = pdl and pdl_supported(x)
+    pdl = use_pdl(x) if pdl is None else pdl and pdl_supported(x)
     out = torch.empty(t, w.n, dtype=x.dtype, device=x.device) if out is None else out
     xq, xd, xs = pre if pre is not None else q8.quantize(x, trigger=pdl)
     words_per_row = k // STEP_BLOCK[fmt] * {"Q4_0": 4, "MXFP4": 4, "IQ3_XXS": 2}.get(fmt, 8)

@@ -244,17 +244,21 @@ class Attention(nn.Module):
             w.ggml_blocks = (torch.cat([b[0] for b in blocks]), blocks[0][1], w._version)
 
     def q8_input(self, x: torch.Tensor) -> bool:
-        """forward takes `pre`, x's int8 copy, for its one qkv GEMV (Block then norms and quantizes in one launch)."""
-        return (type(self).forward is Attention.forward and self.qkv_q is not None and len(self.qkv_q) == 1
-                and x.shape[0] == 1 and x.is_cuda)
+        """forward takes `pre`, x's int8 copy, for its qkv GEMVs (Block then norms and quantizes in one launch)."""
+        return (type(self).forward is Attention.forward and self.qkv_q is not None and x.shape[0] == 1
+                and x.is_cuda)
 
     def _qkv(self, x: torch.Tensor, pre: tuple | None = None) -> torch.Tensor:
-        """x @ [Wq; Wk; Wv]^T (+ biases) after fuse_qkv (pre: x's int8 copy for a single QuantLinear)."""
+        """x @ [Wq; Wk; Wv]^T (+ biases) after fuse_qkv (pre: x's int8 copy for the QuantLinear GEMVs; runs of
+        different formats share it and write one buffer: ops.qlinear_parts)."""
         if self.qkv_q is None:
             return F.linear(x, self.qkv_weight, self.qkv_bias)
         if len(self.qkv_q) == 1:
             return self.qkv_q[0](x, pre=pre)
-        return torch.cat([lin(x) for lin in self.qkv_q], dim=-1)
+        from ..kernels import ops
+        x2 = x.reshape(-1, x.shape[-1])
+        return ops.qlinear_parts(x2 if x2.stride(-1) == 1 else x2.contiguous(), list(self.qkv_q), pre
+                                 ).reshape(*x.shape[:-1], -1)
 
     def _fused_qkv(self, x: torch.Tensor, rope: tuple) -> tuple:
         """The forward's q/k/v after fuse_qkv: one GEMM, and q and k (adjacent heads of its output,
