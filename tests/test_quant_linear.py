@@ -80,7 +80,7 @@ def test_fused_qkv_is_one_stacked_layer():
 
 
 @pytest.mark.parametrize("with_pre", [False, True])
-def test_qkv_runs_of_formats_share_one_int8_copy_of_x(with_pre):
+def test_qkv_runs_of_formats_share_one_int8_copy_of_x(with_pre, monkeypatch):
     """Q4_K_M-like q / k (one format) and v (another): ops.qlinear_parts runs each part's GEMV from one int8 copy of
     x (pre, as the norm makes it, or one quantizer launch) into its columns of one buffer: each part's own GEMV's
     values bit for bit (the quantizer launches and the cat saved, not a value changed). Decode rows go through
@@ -111,6 +111,8 @@ def test_qkv_runs_of_formats_share_one_int8_copy_of_x(with_pre):
         assert got.shape == (1, 128) and torch.equal(got, want)
         assert torch.equal(att._qkv(x, pre), want)
         assert att.q8_input(x) == x.is_cuda            # the Block hands it x's int8 copy on CUDA
+        monkeypatch.setenv("MOETIER_QKV_PARTS", "0")   # the path before: each part's own quantizer, then a cat
+        assert torch.equal(att._qkv(x), want) and not att.q8_input(x)
     finally:
         ops.set_backend(prev)
 

@@ -270,6 +270,12 @@ def gemv_applies(x2: torch.Tensor, fmt: str) -> bool:
     return triton_qlinear.supports(fmt, x2.shape[1])
 
 
+def parts_share_x() -> bool:
+    """QuantLinear parts of different formats over one x (q / k / v) go through qlinear_parts (session 22, not yet timed
+    on a GPU); MOETIER_QKV_PARTS=0: each part quantizes x itself, then a cat (the path before)."""
+    return os.environ.get("MOETIER_QKV_PARTS", "1") != "0"
+
+
 def qlinear_parts(x: torch.Tensor, parts: list, pre: tuple | None = None) -> torch.Tensor:
     """x [T, K] @ [W_1; W_2; ...]^T for QuantLinear parts of different formats (Q4_K_M's q / k in Q4_K and v in Q6_K)
     -> [T, sum N_i], each part's GEMV writing its columns of one buffer from one int8 copy of x (pre, or one quantizer

@@ -246,7 +246,7 @@ class Attention(nn.Module):
     def q8_input(self, x: torch.Tensor) -> bool:
         """forward takes `pre`, x's int8 copy, for its qkv GEMVs (Block then norms and quantizes in one launch)."""
         return (type(self).forward is Attention.forward and self.qkv_q is not None and x.shape[0] == 1
-                and x.is_cuda)
+                and x.is_cuda and (len(self.qkv_q) == 1 or ops.parts_share_x()))
 
     def _qkv(self, x: torch.Tensor, pre: tuple | None = None) -> torch.Tensor:
         """x @ [Wq; Wk; Wv]^T (+ biases) after fuse_qkv (pre: x's int8 copy for the QuantLinear GEMVs; runs of
@@ -255,7 +255,8 @@ class Attention(nn.Module):
             return F.linear(x, self.qkv_weight, self.qkv_bias)
         if len(self.qkv_q) == 1:
             return self.qkv_q[0](x, pre=pre)
-        from ..kernels import ops
+        if not ops.parts_share_x():
+            return torch.cat([lin(x) for lin in self.qkv_q], dim=-1)
         x2 = x.reshape(-1, x.shape[-1])
         return ops.qlinear_parts(x2 if x2.stride(-1) == 1 else x2.contiguous(), list(self.qkv_q), pre
                                  ).reshape(*x.shape[:-1], -1)
