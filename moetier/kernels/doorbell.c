@@ -772,6 +772,12 @@ static int touch(const uint8_t *p, int64_t n, volatile int64_t *bell, int64_t se
     return *budget <= 0;
 }
 
+/* touch the gate rows i0 .. i0 + n of an expert's gate_up matrix g (rows of rb bytes, I gate rows), then its up rows */
+static int touch_gate_up(const uint8_t *g, int64_t I, int64_t rb, int64_t i0, int64_t n, volatile int64_t *bell,
+                         int64_t seq, int64_t *budget) {
+    return touch(g + i0 * rb, n * rb, bell, seq, budget) || touch(g + (I + i0) * rb, n * rb, bell, seq, budget);
+}
+
 /* Bytes a thread prefetches per layer at most: 3/4 of this core's L2 (gate/up rows come first and must still be there
  * when the layer starts), 1 MiB where the size is unknown. */
 static int64_t prefetch_budget(void) {
@@ -829,21 +835,17 @@ static void prefetch_rows(const serve_ctx *c, int li, int64_t seq, int t, int nt
     const int64_t gu_rb = layer_row_bytes(c, li, 0), dn_rb = layer_row_bytes(c, li, 1);
     int64_t lo, hi;
     const int64_t ug = unit_of(layer_type(c, li, 0)), ud = unit_of(layer_type(c, li, 1));   /* as layer_runs' */
+    const uint8_t *const *gu = c->gate_up + li * (int64_t)c->E;
     if (c->variant == 7) {      /* the thread's share of each guessed expert, expert after expert (spread_chunk) */
         split(I, ug, t, nt, &lo, &hi);
-        for (int r = 0; r < m && lo < hi; r++) {
-            const uint8_t *g = c->gate_up[li * (int64_t)c->E + e[r]];
-            if (touch(g + lo * gu_rb, (hi - lo) * gu_rb, bell, seq, budget)
-                || touch(g + (I + lo) * gu_rb, (hi - lo) * gu_rb, bell, seq, budget)) return;
-        }
+        for (int r = 0; r < m && lo < hi; r++)
+            if (touch_gate_up(gu[e[r]], I, gu_rb, lo, hi - lo, bell, seq, budget)) return;
     } else {
         home((int64_t)m * I, ug, t, nt, &lo, &hi);
         for (int64_t p = lo; p < hi;) {
             int64_t r, i0, n;
             flat_run(p, hi, I, &r, &i0, &n);
-            const uint8_t *g = c->gate_up[li * (int64_t)c->E + e[r]];
-            if (touch(g + i0 * gu_rb, n * gu_rb, bell, seq, budget)
-                || touch(g + (I + i0) * gu_rb, n * gu_rb, bell, seq, budget)) return;
+            if (touch_gate_up(gu[e[r]], I, gu_rb, i0, n, bell, seq, budget)) return;
             p += n;
         }
     }
