@@ -166,8 +166,7 @@ for step in $STEPS; do
                                             # MOETIER_RING_Q8; g8wan: that with the next block's input norm made
                                             # by wait_add only, MOETIER_WAIT_ADD_NORM; g8fused: both (the default);
                                             # g8base: neither; g8ab: default / neither / default / neither in one
-                                            # process, --compare's MOETIER_* switches; g8ab3: its first three;
-                                            # g8v7ab: the miss server's variant 6 / 7 / 6 / 7)
+                                            # process, --compare's MOETIER_* switches; g8ab3: its first three)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -189,10 +188,6 @@ for step in $STEPS; do
         N="MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0"
         MOETIER_STAMP=1 bench proof48_g8ab3 ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB \
           --compare "neither:$N" --compare "default2:" ;;
-      g8v7ab)   # the miss server's variant 7 against 6 (the default), interleaved: 6 / 7 / 6 / 7 (P48ABSECS)
-        V=MOETIER_MISS_VARIANT
-        MOETIER_STAMP=1 bench proof48_g8v7ab ${P48ABSECS:-480} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB \
-          --compare "v7:$V=7" --compare "v6b:$V=6" --compare "v7b:$V=7" ;;
       g8base) MOETIER_STAMP=1 MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0 \
         bench proof48_g8base ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8q8) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=0 \

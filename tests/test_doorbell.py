@@ -452,7 +452,7 @@ def served_y(req, srv, ring_li) -> torch.Tensor:
 
 
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
-@pytest.mark.parametrize("variant", [0, 1, 6, 7])
+@pytest.mark.parametrize("variant", [0, 1, 6])
 @pytest.mark.parametrize("qtype,x8", [("Q4_0", False), ("Q5_1", False), ("Q4_K+Q6_K", False), ("IQ4_XS", False),
                                       ("Q4_0", True), ("Q4_K", True)])
 def test_miss_server_on_the_ring_int8_copy_changes_no_bit(monkeypatch, qtype, x8, variant):
@@ -589,7 +589,7 @@ def test_ring_pcie_share_round_trip(monkeypatch, share, n_p):
         torch.testing.assert_close(outs[li][0], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("variant", [0, 2, 5, 6, 7])
+@pytest.mark.parametrize("variant", [0, 2, 5, 6])
 @pytest.mark.parametrize("qtype,q8,threads", [("Q4_0", True, 2), ("Q4_K+Q6_K", True, 3), ("F32", False, 2)])
 def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads, variant):
     """The GPU's guess of each layer's misses (hint rows, flagged with the step): the server loads the guessed rows
@@ -861,16 +861,13 @@ def test_chunked_runs_match_the_row_loops(qtype, dim, hidden, q8, misses, thread
     arithmetic and order of additions), for odd miss counts and shapes that split unevenly; and the reference
     within the usual tolerances. Variant 2 (down over the m x D rows into per-expert partials, summed in expert
     order after a barrier), variant 4 (guided chunks: halving parts of each thread's home), variant 5 (phase 3's
-    rows prefetched during phase 1), variant 6 (no barriers: each expert's h ready as its rows end) and variant 7 (6
-    with each thread's gate_up rows a share of every expert) too."""
-    new, old, v2, v4, v5, v6, v7, want = odd_case(qtype, dim, hidden, misses, threads, q8,
-                                                  variants=(0, 1, 2, 4, 5, 6, 7))
+    rows prefetched during phase 1) and variant 6 (no barriers: each expert's h ready as its rows end) too."""
+    new, old, v2, v4, v5, v6, want = odd_case(qtype, dim, hidden, misses, threads, q8, variants=(0, 1, 2, 4, 5, 6))
     assert torch.equal(new, old), (new - old).abs().max().item()
     assert torch.equal(v2, new), (v2 - new).abs().max().item()
     assert torch.equal(v4, new), (v4 - new).abs().max().item()
     assert torch.equal(v5, new), (v5 - new).abs().max().item()
     assert torch.equal(v6, new), (v6 - new).abs().max().item()
-    assert torch.equal(v7, new), (v7 - new).abs().max().item()
     err = ((new - want).abs().max() / want.abs().max()).item()
     assert err <= (3e-2 if q8 else 2e-5), err
 
@@ -940,7 +937,7 @@ def test_interleaved_rows_answer_as_the_ggml_rows(qtype, dim, hidden, misses, th
     """The same experts with their Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K / MXFP4 / IQ4_XS rows interleaved in place
     and the interleaved type ids: the x8 kernels' float sums differ from the row kernels' (one lane per row), and h is
     rounded to int8 after gate_up, so a value may land on the other side of a rounding: y within 5e-3 of the
-    GGML rows' y (measured ~1e-4), the float reference within the int8 tolerance; variants 2, 4-7 give variant 0's y
+    GGML rows' y (measured ~1e-4), the float reference within the int8 tolerance; variants 2, 4, 5, 6 give variant 0's y
     bit for bit, as with GGML rows. A type without an interleaved kernel (F32, Q6_K) keeps its rows."""
     from moetier.kernels import cpu
     if not cpu.interleaved_supported(get_format("Q4_0").type_id):
@@ -959,8 +956,8 @@ def test_interleaved_rows_answer_as_the_ggml_rows(qtype, dim, hidden, misses, th
             t = cpu.INTERLEAVED[t]
         x8_tid.append(t)
     srv = db.MissServer(req, s_gu, s_dn, tuple(x8_tid), dim, hidden, Act(), threads=threads, q8_act=True)
-    v0, v2, v4, v5, v6, v7 = serve_both(srv, req, (0, 2, 4, 5, 6, 7))
-    assert all(torch.equal(v, v0) for v in (v2, v4, v5, v6, v7))
+    v0, v2, v4, v5, v6 = serve_both(srv, req, (0, 2, 4, 5, 6))
+    assert torch.equal(v2, v0) and torch.equal(v4, v0) and torch.equal(v5, v0) and torch.equal(v6, v0)
     assert ((v0 - rows).abs().max() / rows.abs().max()).item() <= 5e-3
     want = odd_reference(req, f_gu, f_dn)
     assert ((v0 - want).abs().max() / want.abs().max()).item() <= 3e-2

@@ -656,29 +656,6 @@ static int flow_down(const serve_layer *ly, const serve_scratch *s, flow_ctr *f,
     return 1;
 }
 
-/* Variant 7: phase 1's chunk ch (owner u = ch / CHUNKS, part k = ch % CHUNKS) over the owner's share of every
- * expert instead of one contiguous home: the owner's rows [*rlo, *rhi) of each expert's I (split in units of g),
- * taken expert after expert (phase 1's order); the chunk is part k of those m * S rows, [*vlo, *vhi) (virtual row v:
- * expert v / S, row rlo + v % S). Every thread then works on expert 0 first, so the experts' h complete one after
- * another through the phase, where contiguous homes complete them all near its end (phase 3's chunks waited for
- * them: 11-14 us a layer of ~155 in bench_miss_server on the H200 box, variant 6, session 22). */
-static void spread_chunk(int64_t m, int64_t I, int64_t g, int64_t ch, int nt, int64_t *rlo, int64_t *rhi,
-                         int64_t *vlo, int64_t *vhi) {
-    split(I, g, ch / CHUNKS, nt, rlo, rhi);
-    split(m * (*rhi - *rlo), g, ch % CHUNKS, CHUNKS, vlo, vhi);
-}
-
-/* Variant 7's rows [vlo, vhi) of a chunk (spread_chunk), run by run: gate_up_run of each and the expert's count */
-static void spread_rows(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, flow_ctr *f, int64_t rlo,
-                        int64_t rhi, int64_t vlo, int64_t vhi) {
-    const int64_t I = c->I, S = rhi - rlo;
-    for (int64_t q = vlo; q < vhi;) {
-        const int64_t r = q / S, i0 = rlo + q % S, n = vhi - q < S - q % S ? vhi - q : S - q % S;
-        flow_rows_done(ly, s, f, I, gate_up_run(c, ly, s, r, i0, n, r * I + rhi), n);   /* prefetch: to rhi */
-        q += n;
-    }
-}
-
 /* chunk i out of the n set aside, the order of the others kept */
 static void aside_drop(flow_chunk *a, int *n, int i) {
     for (int u = i + 1; u < *n; u++) a[u - 1] = a[u];
@@ -695,12 +672,6 @@ static void layer_flow(const serve_ctx *c, const serve_layer *ly, const serve_sc
     int64_t lo, hi, home_lo, home_hi, ch;
     int v;
     while ((ch = claim(cl, nt, t, *ph, &v)) >= 0) {
-        if (c->variant == 7) {
-            int64_t rlo, rhi, vlo, vhi;
-            spread_chunk(m, I, ug, ch, nt, &rlo, &rhi, &vlo, &vhi);
-            spread_rows(c, ly, s, f, rlo, rhi, vlo, vhi);
-            continue;
-        }
         chunk_of((int64_t)m * I, ug, ch, nt, 0, &lo, &hi);
         home((int64_t)m * I, ug, v, nt, &home_lo, &home_hi);
         for (int64_t p = lo; p < hi;) {
@@ -836,18 +807,12 @@ static void prefetch_rows(const serve_ctx *c, int li, int64_t seq, int t, int nt
     int64_t lo, hi;
     const int64_t ug = unit_of(layer_type(c, li, 0)), ud = unit_of(layer_type(c, li, 1));   /* as layer_runs' */
     const uint8_t *const *gu = c->gate_up + li * (int64_t)c->E;
-    if (c->variant == 7) {      /* the thread's share of each guessed expert, expert after expert (spread_chunk) */
-        split(I, ug, t, nt, &lo, &hi);
-        for (int r = 0; r < m && lo < hi; r++)
-            if (touch_gate_up(gu[e[r]], I, gu_rb, lo, hi - lo, bell, seq, budget)) return;
-    } else {
-        home((int64_t)m * I, ug, t, nt, &lo, &hi);
-        for (int64_t p = lo; p < hi;) {
-            int64_t r, i0, n;
-            flat_run(p, hi, I, &r, &i0, &n);
-            if (touch_gate_up(gu[e[r]], I, gu_rb, i0, n, bell, seq, budget)) return;
-            p += n;
-        }
+    home((int64_t)m * I, ug, t, nt, &lo, &hi);
+    for (int64_t p = lo; p < hi;) {
+        int64_t r, i0, n;
+        flat_run(p, hi, I, &r, &i0, &n);
+        if (touch_gate_up(gu[e[r]], I, gu_rb, i0, n, bell, seq, budget)) return;
+        p += n;
     }
     if (c->variant == 2) {      /* layer_runs' down homes over the m x D rows */
         home((int64_t)m * D, ud, t, nt, &lo, &hi);
@@ -913,8 +878,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     }
     claim_ctr cl[c->nthreads > 0 ? c->nthreads : 1];
     for (int t = 0; t < c->nthreads; t++) cl[t].n = 0;
-    const int flows = c->variant == 6 || c->variant == 7;
-    flow_ctr flow[flows ? Ln : 1];                  /* variant 6's (and 7's) per-layer expert counts and ready flags */
+    flow_ctr flow[c->variant == 6 ? Ln : 1];        /* variant 6's per-layer expert counts and ready flags */
     memset(flow, 0, sizeof flow);
     double phase_sum[5] = {0.0, 0.0, 0.0, 0.0, 0.0};    /* layer_runs' pt, summed over threads and layers */
     #pragma omp parallel num_threads(c->nthreads)
@@ -1007,7 +971,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             } else {
                 /* the last thread to finish its rows of y raises done: no barrier before the next bell (the
                  * next layer's phases start after its bell barrier, which every thread reaches after this) */
-                if (flows) layer_flow(c, &ly, &s, cl, &flow[li], tid, nt, &ph, pt);
+                if (c->variant == 6) layer_flow(c, &ly, &s, cl, &flow[li], tid, nt, &ph, pt);
                 else layer_runs(c, &ly, &s, cl, tid, nt, &ph, pt);
                 mine[li] = now_s();
                 if (__atomic_add_fetch(&finished[li], 1, __ATOMIC_ACQ_REL) == nt) {
