@@ -210,3 +210,39 @@ def test_run_note_names_the_background_build(tiny_model_dir, background, capsys)
     assert main(["run", str(tiny_model_dir), "--prompt-ids", "3,4,5", "-n", "2", "--device", "cpu", "-v"]) == 0
     err = capsys.readouterr().err
     assert "being built in the background (pid 4242" in err and str(cpu_compile.CACHE_DIR) in err
+
+
+# ---- a package that kills the process that loads it (torch 2.11 on the H200 box): found by a child first ----
+
+def test_loads_safely_records_a_crash_and_a_load(tmp_path, monkeypatch):
+    pkg = tmp_path / "m.pt2"
+    pkg.write_bytes(b"not a package")
+    monkeypatch.setattr(cpu_compile, "_LOAD_CHECK", "import os\nos.abort()\n")
+    with pytest.raises(RuntimeError, match="crashed a test process"):
+        cpu_compile.loads_safely(pkg)
+    assert pkg.with_suffix(".crashes").read_text().startswith("exit status -6")
+    monkeypatch.setattr(cpu_compile.subprocess, "run", lambda *a, **k: pytest.fail("checked twice"))
+    with pytest.raises(RuntimeError, match="crashed"):
+        cpu_compile.loads_safely(pkg)                       # the record answers
+    monkeypatch.undo()
+    pkg.with_suffix(".crashes").unlink()
+    monkeypatch.setattr(cpu_compile, "_LOAD_CHECK", "raise SystemExit(3)\n")
+    cpu_compile.loads_safely(pkg)                           # an error, not a crash: the load in-process tells
+    assert not pkg.with_suffix(".crashes").exists() and not pkg.with_suffix(".loads").exists()
+    monkeypatch.setattr(cpu_compile, "_LOAD_CHECK", "import sys\nassert sys.argv[1].endswith('m.pt2')\n")
+    cpu_compile.loads_safely(pkg)
+    assert pkg.with_suffix(".loads").exists()
+    monkeypatch.setattr(cpu_compile.subprocess, "run", lambda *a, **k: pytest.fail("checked twice"))
+    cpu_compile.loads_safely(pkg)
+
+
+def test_a_package_that_crashes_its_loader_leaves_the_engine_eager(tiny_model_dir, tmp_path, monkeypatch):
+    pkg = tmp_path / "m.pt2"
+    pkg.write_bytes(b"not a package")
+    monkeypatch.setattr(cpu_compile, "package_path", lambda model: pkg)
+    monkeypatch.setattr(cpu_compile, "_LOAD_CHECK", "import os\nos.abort()\n")
+    monkeypatch.setattr(cpu_compile.torch._inductor, "aoti_load_package",
+                        lambda p: pytest.fail("loaded in the engine's process"))
+    eng = _engine(tiny_model_dir, "on")
+    with pytest.warns(UserWarning, match="crashed a test process"):
+        assert _decode_path(eng) == "eager"

@@ -312,3 +312,36 @@ def test_quantized_copies_skip_views_and_drop():
     assert [n for n, _ in model.named_buffers()] == ["0.weight_q"]
     cpu_compile._drop_quantized_copies(model)
     assert not list(model.named_buffers())
+
+
+@needs_c
+def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
+    """Without the compiled step (--cpu-compile off) a GGUF file's one-token linears (stacked q/k/v, o, lm_head)
+    multiply on its blocks too (cpu_compile.eager_blocks): the logits follow the float copies' up to the int8
+    activations, and the bench's byte count is the blocks'."""
+    from moetier.tools.bench_core import bytes_per_token
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
+    cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
+    ours, ref = Engine.load(path, cfg), Engine.load(path, cfg)
+    float_bytes = bytes_per_token(ours, 16)["dense"]
+    calls = []
+    inner = cpu.qlinear
+    monkeypatch.setattr(cpu, "qlinear", lambda *a, **k: calls.append(a[0]) or inner(*a, **k))
+    prompt, n = [5, 17, 33, 2, 90, 41, 7], 12
+    done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
+    layers = len(ours.model.model.layers)
+    # every decode step (the first token comes from the prefill): q/k/v and o of each layer, the lm_head
+    assert done.stats["decode_path"] == "eager" and len(calls) >= (n - 1) * (2 * layers + 1)
+    assert bytes_per_token(ours, 16)["dense"] < float_bytes / 3
+    def kl(a, b):
+        return torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="sum")
+    c1, c2 = ours.new_session().cache, ref.new_session().cache
+    agree = []
+    with torch.inference_mode():
+        ours.model(torch.tensor(prompt), c1)
+        ref.model(torch.tensor(prompt), c2)      # ref never decoded through the engine: its float copies
+        for tok in done.token_ids:
+            a, b = ours.model(torch.tensor([tok]), c1)[-1], ref.model(torch.tensor([tok]), c2)[-1]
+            assert kl(a, b) < 0.01
+            agree.append(int(a.argmax() == b.argmax()))
+    assert sum(agree) >= 0.9 * n

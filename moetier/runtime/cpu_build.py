@@ -129,7 +129,6 @@ def start_background_build(model: torch.nn.Module, model_path: Path, config) -> 
         return None
     try:
         path = cpu_compile.package_path(model)
-        cpu_compile._drop_quantized_copies(model)     # this process decodes eagerly until the package lands
         if path.exists():
             return None                               # cached but would not load (CpuDecode.get warned)
         if _report_failure(path):

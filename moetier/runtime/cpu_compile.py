@@ -28,6 +28,8 @@ import hashlib
 import inspect
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -198,23 +200,42 @@ EAGER_QLINEAR_ROWS = 1
 
 
 def _eager_quant_linears(model: torch.nn.Module) -> None:
-    """Linear modules with a quantized copy (_quantized_copies) run eager calls on few rows as the compiled step
-    runs them (moetier::qlinear on the blocks, Q8_ACTIVATIONS), so the prefill's logits match the decode's
-    arithmetic; tracing and larger x keep the float weight. Installed once per module instance."""
+    """Linear modules with a quantized copy (_quantized_copies), and attention's stacked q/k/v (fuse_qkv's
+    qkv_weight), run eager calls on few rows as the compiled step runs them (moetier::qlinear on the blocks,
+    Q8_ACTIVATIONS), so the prefill's logits match the decode's arithmetic and an eager decode reads the blocks,
+    not the float copy; tracing and larger x keep the float weight. Installed once per module instance."""
     for m in model.modules():
-        if not isinstance(m, torch.nn.Linear) or "forward" in m.__dict__ \
-                or "weight" not in getattr(m, "_quant_copies", {}):
-            continue
-        eager = m.forward
+        copies = getattr(m, "_quant_copies", {})
+        if isinstance(m, torch.nn.Linear) and "forward" not in m.__dict__ and "weight" in copies:
+            m.forward = types.MethodType(_on_blocks(m.forward, "weight", "bias"), m)
+        elif "qkv_weight" in copies and "_qkv" not in m.__dict__:
+            m._qkv = types.MethodType(_on_blocks(m._qkv, "qkv_weight", "qkv_bias"), m)
 
-        def forward(self, x, eager=eager):
-            qtype, blocks = getattr(self, "_quant_copies", {}).get("weight"), getattr(self, "weight_q", None)
-            if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu" \
-                    or x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
-                return eager(x)
-            y = cpu_kernels.qlinear(qtype, blocks, x, q8=Q8_ACTIVATIONS).to(x.dtype)
-            return y if self.bias is None else y + self.bias
-        m.forward = types.MethodType(forward, m)
+
+def _on_blocks(eager, attr: str, bias: str):
+    """A method f(self, x, *rest) that computes x @ W^T (+ b) on W's quantized copy (`<attr>_q`) for an eager call on
+    at most EAGER_QLINEAR_ROWS rows of x on the CPU, else calls `eager` (the bound float method)."""
+    def forward(self, x, *rest, **kw):
+        qtype, blocks = getattr(self, "_quant_copies", {}).get(attr), getattr(self, f"{attr}_q", None)
+        if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu" \
+                or x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
+            return eager(x, *rest, **kw)
+        y = cpu_kernels.qlinear(qtype, blocks, x, q8=Q8_ACTIVATIONS).to(x.dtype)
+        b = getattr(self, bias, None)
+        return y if b is None else y + b
+    return forward
+
+
+def eager_blocks(model: torch.nn.Module) -> None:
+    """An eager CPU decode (no compiled step: --cpu-compile off, or while it is being built) multiplies one-token
+    linears on the GGML blocks as the compiled step does (_quantized_copies, _eager_quant_linears). Measured (dev
+    box, 2 threads, synthetic Qwen3-30B-A3B Q4_0 of 2 layers): the float32 copies read ~1.3 GB a token (the lm_head
+    alone 1.2 GB) and decoded at 12 tok/s against llama.cpp's 90 on the same file. Once per model."""
+    if getattr(model, "_eager_blocks_done", False):
+        return
+    model._eager_blocks_done = True
+    _quantized_copies(model)
+    _eager_quant_linears(model)
 
 
 # Eager prefill of packed experts (QuantExperts.forward_grouped) with int8 activations when both of a layer's formats
@@ -315,6 +336,38 @@ def package_path(model: torch.nn.Module) -> Path:
     return CACHE_DIR / f"{type(model).__module__.rsplit('.', 1)[-1]}-{package_key(model)}.pt2"
 
 
+# A package is first loaded by a child process (once: `<package>.loads` records it). On the H200 box (torch 2.11 +
+# CUDA 13, CUDA hidden or not) aoti_load_package ended the process with a segmentation fault for every package, the
+# default model's included (docs/perf-log.md, session 23): a crash no `except` can catch, so it must happen elsewhere.
+_LOAD_CHECK = ("import sys, torch\nfrom moetier.kernels import cpu\ncpu.load_native_ops()\n"
+               "torch._inductor.aoti_load_package(sys.argv[1])\n")
+
+
+def loads_safely(path: Path) -> None:
+    """Raise RuntimeError when loading `path` kills a child process (a signal, or no answer in 300 s). Checked once
+    per package: `.loads` beside it when the child loaded it, `.crashes` with the exit status when it died."""
+    ok, bad = path.with_suffix(".loads"), path.with_suffix(".crashes")
+    if ok.exists():
+        return
+    if not bad.exists():
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        try:
+            r = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(path)], env=env, capture_output=True,
+                               text=True, timeout=300)
+            status, tail = r.returncode, r.stderr.strip().splitlines()[-1:] or [""]
+        except subprocess.TimeoutExpired:
+            status, tail = "timeout", ["no answer in 300 s"]
+        if status == 0:
+            ok.touch()
+            return
+        if status != "timeout" and status > 0:
+            return          # an error, not a crash: loading here raises it too, and is caught
+        bad.write_text(f"exit status {status}: {tail[0][:300]}\n")
+    raise RuntimeError(f"loading the package crashed a test process ({bad.read_text().strip()}; {bad}). "
+                       "This torch cannot load it here")
+
+
 class CpuDecode:
     """One AOT-compiled one-token decode step bound to a model's weights."""
 
@@ -339,13 +392,13 @@ class CpuDecode:
             path = package_path(model)
             if not path.exists():
                 if not build:
-                    _drop_quantized_copies(model)     # eager decode does not use them
                     return None
                 from .cpu_build import locked
                 with locked(path, wait=True):         # a background build of it may be running: wait
                     if not path.exists():
                         _build(model, path)
                 path.with_suffix(".failed").unlink(missing_ok=True)
+            loads_safely(path)
             cpu_kernels.load_native_ops()   # the package's moetier:: op calls skip Python (~6 us each)
             runner = torch._inductor.aoti_load_package(str(path))
             names = dict(_Step(model).named_parameters())
@@ -402,6 +455,8 @@ def _build(model: torch.nn.Module, path: Path) -> None:
             torch._inductor.aoti_compile_and_package(
                 ep, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
             os.replace(tmp, path)   # atomic: another process never sees half a package
+            for mark in (".loads", ".crashes"):     # loads_safely's word on an earlier package of this name
+                path.with_suffix(mark).unlink(missing_ok=True)
         finally:
             tmp.unlink(missing_ok=True)
     log.warning("cpu_compile: built in %.1f s", time.perf_counter() - t0)

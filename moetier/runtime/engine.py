@@ -325,6 +325,8 @@ class Engine:
             if self._cpu_decode:
                 cpu_step, cache = self._cpu_decode, session.cache
                 return lambda tok: cpu_step(cache, tok)[-1]
+        if self.device == "cpu":
+            cpu_compile.eager_blocks(self.model)    # the eager step reads the GGML blocks too
             return None
         if not (self.device.startswith("cuda") and self.config.cuda_graphs) \
                 or self.config.kv_offload:  # offloaded KV is written on the host: not capturable

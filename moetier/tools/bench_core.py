@@ -158,16 +158,26 @@ def time_split(device: str, decode_tok_s: float, view: dict | None) -> dict:
 # ---------------------------------------------------------------- the byte budget
 def bytes_per_token(engine, context: int) -> dict:
     """Bytes a decode token reads with every weight on the model's device: dense weights (one
-    embedding row), top-k experts of every MoE layer, and the KV cache at `context` positions."""
+    embedding row; a float weight's GGML copy where the CPU step multiplies on it), top-k experts of every MoE layer,
+    and the KV cache at `context` positions."""
     model, args = engine.model, engine.args
     dense = experts = 0
     seen = set()
     embed = model.model.embed_tokens.weight
+    # float weights with a GGML copy that the CPU step reads instead (runtime.cpu_compile._quantized_copies): storage ->
+    # the copy's bytes, counted once per storage (fuse_qkv's q, k, v are views of one)
+    copies = {getattr(m, a).untyped_storage().data_ptr(): getattr(m, f"{a}_q").nbytes
+              for m in model.modules() for a in getattr(m, "_quant_copies", {}) if hasattr(m, f"{a}_q")}
     for name, p in model.named_parameters():
         if id(p) in seen or p.device.type == "meta":
             continue
         seen.add(id(p))
         n = p.numel() * p.element_size()
+        key = p.untyped_storage().data_ptr()
+        if key in copies and not (p is embed and not args.tie_word_embeddings):
+            dense += copies[key] if key not in seen else 0
+            seen.add(key)
+            continue
         if ".experts." in name:
             experts += n
         elif p is embed and not args.tie_word_embeddings:
