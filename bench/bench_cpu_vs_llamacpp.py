@@ -1,7 +1,7 @@
 """moetier vs llama.cpp (xllamacpp, CPU) on the same GGUF file: decode and prefill tok/s.
 
     python bench/bench_cpu_vs_llamacpp.py [--model DIR] [--types F32,Q8_0] [--threads N] [--gen 128]
-                                          [--cpu-compile auto|on|off] [--rounds 3]
+                                          [--cpu-compile auto|on|off] [--rounds 3] [--gguf FILE,...]
 
 Converts MODEL (default: the embedded default model) with `moetier quantize`, then runs the same
 prompt through llama.cpp's server (greedy, EOS ignored) and through moetier on that GGUF file.
@@ -9,7 +9,8 @@ Both use the same thread count: by default the one `moetier run` picks (engine.d
 and moetier runs with the EngineConfig defaults (`--cpu-compile auto`: the AOT-compiled decode step
 when it is cached, else eager), i.e. what a user gets. Prints one JSON object with both rates, the
 moetier/llama.cpp ratios (best of --rounds interleaved rounds each), which moetier decode path ran,
-and the load average (the dev box is shared).
+and the load average (the dev box is shared). --gguf: those GGUF files as they are (e.g. a `moetier synth`
+model), no conversion; --model and --types are then unused.
 """
 from __future__ import annotations
 
@@ -72,18 +73,24 @@ def main():
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per engine (best reported)")
+    ap.add_argument("--gguf", default=None, help="GGUF files to compare on as they are (comma-separated)")
     a = ap.parse_args()
     from moetier.runtime.engine import default_model_path, default_threads
     src = Path(a.model) if a.model else default_model_path()
+    files = [Path(f) for f in a.gguf.split(",")] if a.gguf else []
+    for f in files:
+        if not f.is_file():
+            sys.exit(f"--gguf {f}: no such file")
     threads = a.threads or default_threads()
     load0 = os.getloadavg()[0]
     prompt = [(i * 7919) % 8000 + 100 for i in range(a.prompt_len)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for qt in a.types.split(","):
-            gguf = Path(tmp) / f"model-{qt}.gguf"
-            subprocess.run([sys.executable, "-m", "moetier", "quantize", str(src), "--type", qt, "--out", str(gguf)],
-                           check=True, capture_output=True)
+        for qt, gguf in [(f.name, f) for f in files] or [(t, None) for t in a.types.split(",")]:
+            if gguf is None:
+                gguf = Path(tmp) / f"model-{qt}.gguf"
+                subprocess.run([sys.executable, "-m", "moetier", "quantize", str(src), "--type", qt, "--out",
+                                str(gguf)], check=True, capture_output=True)
             server, run_ref = llama_cpp(gguf, threads)
             t0 = time.perf_counter()
             eng, run_ours = moetier(gguf, threads, a.cpu_compile)
@@ -98,10 +105,12 @@ def main():
             ref, ours = best(refs), best(ours)
             ours |= {"decode_path": "aoti" if getattr(eng, "_cpu_decode", None) else "eager",
                      "load_and_first_request_s": first_s}
+            del eng
             rows.append({"type": qt, "llama_cpp": ref, "moetier": ours,
                          "decode_ratio": round(ours["decode_tok_s"] / ref["decode_tok_s"], 3),
                          "prefill_ratio": round(ours["prefill_tok_s"] / ref["prefill_tok_s"], 3)})
-    print(json.dumps({"model": str(src), "threads": threads, "cpu_compile": a.cpu_compile, "prompt_len": a.prompt_len,
+    model = ",".join(map(str, files)) or str(src)
+    print(json.dumps({"model": model, "threads": threads, "cpu_compile": a.cpu_compile, "prompt_len": a.prompt_len,
                       "gen": a.gen, "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "results": rows}))
 
 

@@ -42,6 +42,10 @@
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
+#   cpuyard     no GPU: moetier vs llama.cpp (xllamacpp) on the CPU, the same 48-layer Q4_0 GGUF, 16 threads
+#               (bench/bench_cpu_vs_llamacpp.py --gguf; CYCOMPILE="off on": the eager step, then the compiled one;
+#               CYLAYERS other layer counts; CYPROF=16,8 first bench/profile_cpu_decode.py at those thread counts;
+#               carry .whl-xl, not .whl)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-tests bench48 uniform12 longctx}
@@ -50,6 +54,12 @@ REPEAT=${REPEAT:-3}     # decode runs per configuration (median reported): the b
 # models outside the repository copy: a warm machine keeps them for the next call (KEEP48=1)
 DATA=${DATA:-/tmp/moetier-data}; mkdir -p "$DATA"
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+# the CPU yardstick (step cpuyard): `bench/device_wheels.sh xl` fills .whl-xl with llama.cpp (xllamacpp, its library
+# stripped: 10 MB) and the few wheels moetier's CPU path imports; carry .whl-xl instead of .whl (a call carries 64 MiB)
+if [ -d .whl-xl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-xl/*.whl
+  tar xJf .whl-xl/xllamacpp.tar.xz -C /tmp/site
+fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 synth() {  # NAME QUANT LAYERS SKEW OUT SECONDS
   timeout "$6" python3 -m moetier synth "$1" --quant "$2" --layers "$3" --skew "$4" --out "$5" 2>&1 | tail -1
@@ -77,6 +87,22 @@ PY
 for step in $STEPS; do
   echo "== $step"
   case $step in
+  cpuyard)
+    M=$DATA/q30-Q4_0-${CYLAYERS:-48}.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 ${CYLAYERS:-48} ${SKEW48:-0} $M 120
+    if [ -n "${CYPROF:-}" ]; then   # where an eager CPU-only token's time goes, at 16 and 8 threads
+      CUDA_VISIBLE_DEVICES= timeout ${CYSECS:-240} python3 -X faulthandler bench/profile_cpu_decode.py $M \
+        --threads ${CYPROF} --gen 24 > "$OUT/cpuprof.json" 2> "$OUT/cpuprof.err"
+      grep -v "^WARNING" "$OUT/cpuprof.err" | tail -3 | cut -c1-1500
+    fi
+    for C in ${CYCOMPILE:-off}; do
+      CUDA_VISIBLE_DEVICES= timeout ${CYSECS:-240} python3 -X faulthandler bench/bench_cpu_vs_llamacpp.py --gguf $M \
+        --threads ${CYTHREADS:-16} \
+        --rounds ${CYROUNDS:-3} --gen ${CYGEN:-48} --prompt-len ${CYPROMPT:-512} --cpu-compile $C \
+        > "$OUT/cpuyard_$C.json" 2> "$OUT/cpuyard_$C.err"
+      grep -v "^[0-9.]* [IWD] \|^WARNING" "$OUT/cpuyard_$C.err" | tail -4; cat "$OUT/cpuyard_$C.json"
+    done
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
   pcie)
     timeout ${PSECS:-120} python3 bench/bench_pcie_read.py > "$OUT/pcie.json" 2> "$OUT/pcie.err"
     tail -3 "$OUT/pcie.err"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, d[k]) for k in d if k not in ('gather','gather_base')]" "$OUT/pcie.json" ;;

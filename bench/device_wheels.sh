@@ -14,3 +14,17 @@ python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform ma
 python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: \
   libgguf
 du -sh .whl
+# `bench/device_wheels.sh xl`: .whl-xl for the cpuyard step instead: llama.cpp's CPU build (xllamacpp) with its
+# library stripped of debug info (106 -> 26 MB, 10 MB packed; the wheel is 33 MB) as a tar, and the wheels moetier's
+# CPU path and synth import (gguf, tokenizers, pyyaml, tqdm)
+if [ "${1:-}" = xl ]; then
+  rm -rf .whl-xl && mkdir -p .whl-xl && t=$(mktemp -d)
+  python3 -m pip download -q -d "$t" --no-deps --python-version 3.12 --platform manylinux2014_x86_64 \
+    --only-binary=:all: xllamacpp gguf tokenizers pyyaml tqdm
+  mv "$t"/gguf-*.whl "$t"/tokenizers-*.whl "$t"/pyyaml-*.whl "$t"/tqdm-*.whl .whl-xl/
+  python3 -m zipfile -e "$t"/xllamacpp-*.whl "$t/pkg"
+  strip --strip-unneeded "$t"/pkg/xllamacpp/*.so
+  tar cJf .whl-xl/xllamacpp.tar.xz -C "$t/pkg" xllamacpp
+  rm -rf "$t"
+  du -sh .whl-xl
+fi
