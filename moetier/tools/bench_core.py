@@ -168,6 +168,7 @@ def bytes_per_token(engine, context: int) -> dict:
     # the copy's bytes, counted once per storage (fuse_qkv's q, k, v are views of one)
     copies = {getattr(m, a).untyped_storage().data_ptr(): getattr(m, f"{a}_q").nbytes
               for m in model.modules() for a in getattr(m, "_quant_copies", {}) if hasattr(m, f"{a}_q")}
+    counted = set()
     for name, p in model.named_parameters():
         if id(p) in seen or p.device.type == "meta":
             continue
@@ -175,8 +176,8 @@ def bytes_per_token(engine, context: int) -> dict:
         n = p.numel() * p.element_size()
         key = p.untyped_storage().data_ptr()
         if key in copies and not (p is embed and not args.tie_word_embeddings):
-            dense += copies[key] if key not in seen else 0
-            seen.add(key)
+            dense += copies[key] if key not in counted else 0
+            counted.add(key)
             continue
         if ".experts." in name:
             experts += n
