@@ -317,8 +317,8 @@ def test_quantized_copies_skip_views_and_drop():
 @needs_c
 def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     """Without the compiled step (--cpu-compile off) a GGUF file's one-token linears (stacked q/k/v, o, lm_head)
-    multiply on its blocks too (cpu_compile.eager_blocks): the logits follow the float copies' up to the int8
-    activations, and the bench's byte count is the blocks'."""
+    multiply on its blocks too, and its experts on their copies interleaved by 8 (cpu_compile.eager_blocks): the
+    logits follow the float copies' up to the int8 activations, and the bench's byte count is the blocks'."""
     from moetier.tools.bench_core import bytes_per_token
     path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
     cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
@@ -333,6 +333,8 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     # every decode step (the first token comes from the prefill): q/k/v and o of each layer, the lm_head
     assert done.stats["decode_path"] == "eager" and len(calls) >= (n - 1) * (2 * layers + 1)
     assert bytes_per_token(ours, 16)["dense"] < float_bytes / 3
+    experts = [m for m in ours.model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all(m._x8_types == (cpu.INTERLEAVED[2],) * 2 for m in experts)   # Q4_0 rows in lanes
     def kl(a, b):
         return torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="sum")
     c1, c2 = ours.new_session().cache, ref.new_session().cache
@@ -345,3 +347,29 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
             assert kl(a, b) < 0.01
             agree.append(int(a.argmax() == b.argmax()))
     assert sum(agree) >= 0.9 * n
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", ("Q4_K", "Q8_0")])
+def test_moe_tokens_on_experts_interleaved_by_8(qtype):
+    """moetier_moe_tokens on expert banks interleaved by 8 rows (x8 ids) gives the row kernels' layer up to the order
+    of the float sums; poisoned outputs fully written; a bank with only one side interleaved is refused."""
+    gq, dq = qtype if isinstance(qtype, tuple) else (qtype, qtype)
+    gate, up, down = random_layer(qtype, i=512)
+    x, ids, w = random_route(3)
+    tid = {q: get_format(q).type_id for q in (gq, dq)}
+    x8 = [torch.stack([cpu.interleave_rows(b[e].contiguous(), tid[q]) for e in range(b.shape[0])])
+          for b, q in ((gate, gq), (up, gq), (down, dq))]
+    ref = cpu._moe_tokens_op(x, ids, w, gate, up, down, tid[gq], tid[dq], True)
+    y = torch.full((3, 256), float("nan"))
+    rc = cpu._lib.moetier_moe_tokens(cpu.INTERLEAVED[tid[gq]], cpu.INTERLEAVED[tid[dq]], x8[0].data_ptr(),
+                                     x8[1].data_ptr(), x8[0].stride(0), x8[0].stride(1), x8[2].data_ptr(),
+                                     x8[2].stride(0), x8[2].stride(1), 6, 256, 512, 3, 2, ids.contiguous().data_ptr(),
+                                     w.contiguous().data_ptr(), x.contiguous().data_ptr(), y.data_ptr(), 1, 2)
+    assert rc == 0 and not y.isnan().any()
+    assert max_rel_err(y, ref) < 1e-5
+    bad = cpu._lib.moetier_moe_tokens(cpu.INTERLEAVED[tid[gq]], tid[dq], x8[0].data_ptr(), x8[1].data_ptr(),
+                                      x8[0].stride(0), x8[0].stride(1), down.data_ptr(), down.stride(0),
+                                      down.stride(1), 6, 256, 512, 3, 2, ids.contiguous().data_ptr(),
+                                      w.contiguous().data_ptr(), x.contiguous().data_ptr(), y.data_ptr(), 1, 2)
+    assert bad == -1

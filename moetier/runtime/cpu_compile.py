@@ -40,6 +40,8 @@ import torch
 
 from ..kernels import cpu as cpu_kernels
 from ..models.layers import DenseExperts
+from ..models.quant_experts import FUSED_CPU_TOKENS
+from ..quant.formats import get_format
 from .kv_cache import Cache, KVCache
 
 log = logging.getLogger(__name__)
@@ -69,15 +71,9 @@ class _KVView(KVCache):
 def _graph_friendly_experts(model: torch.nn.Module) -> None:
     """While tracing, DenseExperts take fused_gather_experts (no `.tolist()` host sync); eager calls
     keep their own path. Installed once per model, per instance (model code untouched)."""
+    _fused_quant_experts(model)
     for m in model.modules():
-        if getattr(m, "fused_cpu", False) and "forward" not in m.__dict__:   # QuantExperts: one torch op
-            eager = m.forward
-
-            def forward(self, x, ids, w, eager=eager):
-                if torch.compiler.is_compiling():
-                    return self.forward_fused(x, ids, w, q8=Q8_ACTIVATIONS)
-                return eager(x, ids, w)
-            m.forward = types.MethodType(forward, m)
+        if getattr(m, "fused_cpu", False):
             continue
         if type(m) is not DenseExperts and isinstance(m, DenseExperts) and not hasattr(m, "gate_up_proj"):
             raise NotImplementedError(f"{type(m).__name__} ({m.extra_repr()}) has no graph path on the CPU "
@@ -91,6 +87,29 @@ def _graph_friendly_experts(model: torch.nn.Module) -> None:
                     return fused_gather_experts(x, ids, w, self)
                 return eager(x, ids, w)
             m.forward = types.MethodType(forward, m)
+
+
+def _fused_quant_experts(model: torch.nn.Module) -> None:
+    """QuantExperts with the fused CPU call (one torch op) run it while tracing and for eager calls of few tokens on the
+    CPU (fused_experts). Installed once per instance."""
+    for m in model.modules():
+        if getattr(m, "fused_cpu", False) and "forward" not in m.__dict__:
+            eager = m.forward
+
+            def forward(self, x, ids, w, eager=eager):
+                if torch.compiler.is_compiling() or (ids.shape[0] <= FUSED_CPU_TOKENS and x.device.type == "cpu"):
+                    return fused_experts(self, x, ids, w)
+                return eager(x, ids, w)
+            m.forward = types.MethodType(forward, m)
+
+
+def fused_experts(m, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A QuantExperts layer for few tokens in one C call with int8 activations (Q8_ACTIVATIONS), on its x8 copies
+    where _x8_experts made them: what the compiled step and an eager decode step run."""
+    x8 = getattr(m, "_x8_types", None)
+    if not (x8 and Q8_ACTIVATIONS):
+        return m.forward_fused(x, ids, w, q8=Q8_ACTIVATIONS)
+    return torch.ops.moetier.moe_tokens(x, ids, w.float(), m.gate_x8, m.up_x8, m.down_x8, x8[0], x8[1], True)
 
 
 def fused_gather_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts) -> torch.Tensor:
@@ -182,6 +201,45 @@ def _quantized_copies(model: torch.nn.Module) -> None:
                 blocks, tid = cpu_kernels.interleave_rows(blocks, tid), cpu_kernels.INTERLEAVED[tid]    # rows in lanes
             m.register_buffer(f"{a}_q", blocks, persistent=False)
             m._quant_copies[a] = tid
+    _x8_experts(model)
+
+
+# Packed experts (QuantExperts, the file's rows) get a copy interleaved by 8 rows for the one-token C call
+# (moetier_moe_tokens with x8 ids), as the dense copies: Qwen3-30B-A3B's layer of 8 Q4_0 experts from RAM on the 2-core
+# Zen 4 box read 8.5 -> 10.8 GB/s on 1 thread and 15.4 -> 22.0 on 2 (Q8_0 8.1 -> 14.2 and 16.3 -> 22.3; session 23).
+# The copy costs the experts' bytes again in RAM (the file's rows stay for the prefill's tile): made only where
+# MemAvailable holds twice the experts. MOETIER_X8_EXPERTS=0: never.
+X8_EXPERTS = os.environ.get("MOETIER_X8_EXPERTS", "1") != "0"
+
+
+def _x8_experts(model: torch.nn.Module) -> None:
+    """QuantExperts with the fused CPU call, formats with an x8 kernel and rows in multiples of 8: `gate_x8`, `up_x8`,
+    `down_x8` buffers (cpu_kernels.interleave_inplace of copies) and `_x8_types` (their INTERLEAVED ids)."""
+    if not (X8_EXPERTS and Q8_ACTIVATIONS):
+        return
+    todo = [m for m in model.modules() if getattr(m, "fused_cpu", False) and getattr(m, "gate_raw", None) is not None
+            and all(cpu_kernels.interleaved_supported(get_format(f).type_id) for f in (m.fmt, m.down_fmt))
+            and m.gate_raw.shape[1] % 8 == 0 and m.down_raw.shape[1] % 8 == 0]
+    need = sum(t.nbytes for m in todo for t in (m.gate_raw, m.up_raw, m.down_raw))
+    if not todo or _available_ram() < 2 * need:
+        return
+    for m in todo:
+        ids = []
+        for name, f in (("gate", m.fmt), ("up", m.fmt), ("down", m.down_fmt)):
+            raw, tid = getattr(m, f"{name}_raw"), get_format(f).type_id
+            x8 = raw.contiguous().clone()
+            cpu_kernels.interleave_inplace(x8.view(-1, raw.shape[-1]), tid)   # groups of 8 rows stay in one expert
+            m.register_buffer(f"{name}_x8", x8, persistent=False)
+            ids.append(cpu_kernels.INTERLEAVED[tid])
+        m._x8_types = (ids[0], ids[2])
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def _drop_quantized_copies(model: torch.nn.Module) -> None:
@@ -189,6 +247,10 @@ def _drop_quantized_copies(model: torch.nn.Module) -> None:
         for a in getattr(m, "_quant_copies", {}):
             delattr(m, f"{a}_q")
         m._quant_copies = {}
+        if getattr(m, "_x8_types", None):
+            for name in ("gate", "up", "down"):
+                delattr(m, f"{name}_x8")
+            m._x8_types = None
     model._quant_copies_done = False
 
 
@@ -236,6 +298,7 @@ def eager_blocks(model: torch.nn.Module) -> None:
     model._eager_blocks_done = True
     _quantized_copies(model)
     _eager_quant_linears(model)
+    _fused_quant_experts(model)        # packed experts: one C call on their x8 copies, int8 activations
 
 
 # Eager prefill of packed experts (QuantExperts.forward_grouped) with int8 activations when both of a layer's formats
@@ -322,6 +385,7 @@ def package_key(model: torch.nn.Module) -> str:
     h.update(" ".join(sorted({type(m).__qualname__ for m in model.modules()})).encode())
     # the quantized copies' type ids are constants of the built code (Q4_0 / Q8_0 copies interleaved or not: same shapes)
     h.update(repr([sorted(getattr(m, "_quant_copies", {}).items()) for m in model.modules()]).encode())
+    h.update(repr([getattr(m, "_x8_types", None) for m in model.modules()]).encode())
     h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{torch.get_num_threads()}".encode())
     sources = {inspect.getsourcefile(type(m)) for m in model.modules() if type(m).__module__.startswith("moetier.")}
     sources |= {inspect.getsourcefile(KVCache), __file__, cpu_kernels.__file__}   # the latter: moetier::moe_tokens

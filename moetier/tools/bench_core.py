@@ -190,8 +190,9 @@ def bytes_per_token(engine, context: int) -> dict:
     for m in model.modules():          # GGUF blocks kept as buffers: dense layers and packed experts
         if isinstance(m, QuantLinear):
             dense += m.nbytes
-        elif isinstance(m, QuantExperts):
-            experts += sum(b.numel() * b.element_size() for b in m.buffers() if b.device.type != "meta")
+        elif isinstance(m, QuantExperts):   # (not the CPU step's x8 copies of the same experts)
+            experts += sum(b.numel() * b.element_size() for n, b in m.named_buffers()
+                           if b.device.type != "meta" and not n.endswith("_x8"))
     n_moe = sum(1 for blk in model.model.layers if hasattr(getattr(blk, "mlp", None), "experts"))
     E, k = max(1, args.num_experts), args.num_experts_per_tok
     cache = engine.new_session(max_context=2).cache    # KV bytes per position, without a big allocation
