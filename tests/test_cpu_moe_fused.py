@@ -373,3 +373,23 @@ def test_moe_tokens_on_experts_interleaved_by_8(qtype):
                                       down.stride(1), 6, 256, 512, 3, 2, ids.contiguous().data_ptr(),
                                       w.contiguous().data_ptr(), x.contiguous().data_ptr(), y.data_ptr(), 1, 2)
     assert bad == -1
+
+
+@needs_c
+def test_x8_experts_follow_ram_or_the_asking_process(tmp_path, monkeypatch):
+    """The experts' x8 copies are made where MemAvailable holds twice the experts, or as the process whose background
+    build this is decided (cpu_compile.x8_decided): the package key names them, so both processes must agree."""
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
+    model = Engine.load(path, EngineConfig(device="cpu", threads=1, progress=False, max_context=64,
+                                           cpu_compile="off")).model
+    experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+    assert experts
+    keys = {}
+    for ram, decided, made in ((0, None, False), (1 << 40, None, True), (0, True, True), (1 << 40, False, False)):
+        monkeypatch.setattr(cpu_compile, "_available_ram", lambda ram=ram: ram)
+        monkeypatch.setattr(cpu_compile, "x8_decided", decided)
+        cpu_compile._drop_quantized_copies(model)
+        cpu_compile._quantized_copies(model)
+        assert all(bool(getattr(m, "_x8_types", None)) == made and hasattr(m, "gate_x8") == made for m in experts)
+        keys.setdefault(made, set()).add(cpu_compile.package_key(model))
+    assert len(keys[True]) == len(keys[False]) == 1 and keys[True] != keys[False]

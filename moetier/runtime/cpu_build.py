@@ -141,7 +141,8 @@ def start_background_build(model: torch.nn.Module, model_path: Path, config) -> 
             return None
         cfg = dataclasses.replace(config, device="cpu", threads=torch.get_num_threads(), progress=False,
                                   prompt_cache=None)  # threads: baked into the package (and its key)
-        spec = {"model": str(model_path), "config": dataclasses.asdict(cfg), "path": str(path)}
+        spec = {"model": str(model_path), "config": dataclasses.asdict(cfg), "path": str(path),
+                "x8_experts": any(getattr(m, "_x8_types", None) for m in model.modules())}
         proc = _spawn(spec, path.with_suffix(".log"))
     except Exception as e:  # noqa: BLE001 - a background nicety must never end the run
         log.warning("cpu_compile: could not start the background build (%s: %s); decoding eagerly",
@@ -207,6 +208,7 @@ def build_from_spec(spec: dict) -> int:
             stale.unlink(missing_ok=True)
         try:
             cfg = {**spec["config"], "override_tensor": tuple(tuple(r) for r in spec["config"]["override_tensor"])}
+            cpu_compile.x8_decided = spec.get("x8_experts")     # the experts' x8 copies as the asking process has
             engine = Engine.load(spec["model"], EngineConfig(**cfg))
             got = cpu_compile.package_path(engine.model)
             if got.name != path.name:

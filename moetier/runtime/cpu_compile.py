@@ -210,18 +210,21 @@ def _quantized_copies(model: torch.nn.Module) -> None:
 # The copy costs the experts' bytes again in RAM (the file's rows stay for the prefill's tile): made only where
 # MemAvailable holds twice the experts. MOETIER_X8_EXPERTS=0: never.
 X8_EXPERTS = os.environ.get("MOETIER_X8_EXPERTS", "1") != "0"
+# The decision of the process whose background build this process runs (cpu_build.build_from_spec): the package's
+# key names the copies, so the build makes them exactly where that process did, whatever RAM is free here
+x8_decided: bool | None = None
 
 
 def _x8_experts(model: torch.nn.Module) -> None:
     """QuantExperts with the fused CPU call, formats with an x8 kernel and rows in multiples of 8: `gate_x8`, `up_x8`,
     `down_x8` buffers (cpu_kernels.interleave_inplace of copies) and `_x8_types` (their INTERLEAVED ids)."""
-    if not (X8_EXPERTS and Q8_ACTIVATIONS):
+    if not (X8_EXPERTS and Q8_ACTIVATIONS) or x8_decided is False:
         return
     todo = [m for m in model.modules() if getattr(m, "fused_cpu", False) and getattr(m, "gate_raw", None) is not None
             and all(cpu_kernels.interleaved_supported(get_format(f).type_id) for f in (m.fmt, m.down_fmt))
             and m.gate_raw.shape[1] % 8 == 0 and m.down_raw.shape[1] % 8 == 0]
     need = sum(t.nbytes for m in todo for t in (m.gate_raw, m.up_raw, m.down_raw))
-    if not todo or _available_ram() < 2 * need:
+    if not todo or (x8_decided is None and _available_ram() < 2 * need):
         return
     for m in todo:
         ids = []
