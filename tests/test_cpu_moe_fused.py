@@ -386,7 +386,7 @@ def test_x8_experts_follow_ram_or_the_asking_process(tmp_path, monkeypatch):
     assert experts
     keys = {}
     for ram, decided, made in ((0, None, False), (1 << 40, None, True), (0, True, True), (1 << 40, False, False)):
-        monkeypatch.setattr(cpu_compile, "_available_ram", lambda ram=ram: ram)
+        monkeypatch.setattr(cpu_compile, "ram_info", lambda ram=ram: (ram, ram))
         monkeypatch.setattr(cpu_compile, "x8_decided", decided)
         cpu_compile._drop_quantized_copies(model)
         cpu_compile._quantized_copies(model)

@@ -180,9 +180,7 @@ sys.exit(_child_main(sys.argv[1]))
 
 def _spawn(spec: dict, log_path: Path) -> subprocess.Popen:
     """`build_from_spec(spec)` in a new session (it survives this process and the terminal's Ctrl-C)."""
-    root = str(Path(__file__).resolve().parents[2])   # the directory holding the moetier package
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-           NO_BACKGROUND_ENV: "1"}
+    env = cpu_compile.child_env(**{NO_BACKGROUND_ENV: "1"})
     with open(log_path, "w") as out:
         return subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(spec), str(os.getpid())],
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..memory.budget import ram_info
 from ..models.layers import DenseExperts
 from ..models.quant_experts import FUSED_CPU_TOKENS
 from ..quant.formats import get_format
@@ -224,7 +225,7 @@ def _x8_experts(model: torch.nn.Module) -> None:
             and all(cpu_kernels.interleaved_supported(get_format(f).type_id) for f in (m.fmt, m.down_fmt))
             and m.gate_raw.shape[1] % 8 == 0 and m.down_raw.shape[1] % 8 == 0]
     need = sum(t.nbytes for m in todo for t in (m.gate_raw, m.up_raw, m.down_raw))
-    if not todo or (x8_decided is None and _available_ram() < 2 * need):
+    if not todo or (x8_decided is None and ram_info()[0] < 2 * need):
         return
     for m in todo:
         ids = []
@@ -236,13 +237,6 @@ def _x8_experts(model: torch.nn.Module) -> None:
             ids.append(cpu_kernels.INTERLEAVED[tid])
         m._x8_types = (ids[0], ids[2])
 
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return 0
 
 
 def _drop_quantized_copies(model: torch.nn.Module) -> None:
@@ -410,6 +404,12 @@ _LOAD_CHECK = ("import sys, torch\nfrom moetier.kernels import cpu\ncpu.load_nat
                "torch._inductor.aoti_load_package(sys.argv[1])\n")
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a Python child that imports this moetier (its package directory first on PYTHONPATH)."""
+    root = str(Path(__file__).resolve().parents[2])   # the directory holding the moetier package
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **extra}
+
+
 def loads_safely(path: Path) -> None:
     """Raise RuntimeError when loading `path` kills a child process (a signal, or no answer in 300 s). Checked once
     per package: `.loads` beside it when the child loaded it, `.crashes` with the exit status when it died."""
@@ -417,10 +417,8 @@ def loads_safely(path: Path) -> None:
     if ok.exists():
         return
     if not bad.exists():
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         try:
-            r = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(path)], env=env, capture_output=True,
+            r = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(path)], env=child_env(), capture_output=True,
                                text=True, timeout=300)
             status, tail = r.returncode, r.stderr.strip().splitlines()[-1:] or [""]
         except subprocess.TimeoutExpired:
