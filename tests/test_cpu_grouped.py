@@ -59,6 +59,28 @@ def reference(qtype, gate, up, down, x, ids, w):
     return y.float()
 
 
+def rounded_reference(qtype, gate, up, down, x, ids, w, block):
+    """float64 on an integer tile's rounding: x and each pair's float32 activation rounded to int8 per `block` values
+    (round(v / d), d = max |v| / 127), times the dequantized weights. One format for all three matrices."""
+    fmt = get_format(qtype)
+    e, i, d = gate.shape[0], gate.shape[1], down.shape[1]
+
+    def q8(v):
+        blocks = v.double().reshape(-1, block)
+        dk = blocks.abs().amax(-1, keepdim=True) / 127
+        return (torch.round(blocks / torch.where(dk > 0, dk, 1)) * dk).reshape(v.shape)
+    wg, wu = (dequantize(r.contiguous(), fmt, (e, i, d)).double() for r in (gate, up))
+    wd = dequantize(down.contiguous(), fmt, (e, d, i)).double()
+    ref = torch.zeros(x.shape[0], d, dtype=torch.float64)
+    for tt in range(x.shape[0]):
+        xq = q8(x[tt])
+        for j in range(ids.shape[1]):
+            ex = int(ids[tt, j])
+            h = (F.silu(wg[ex] @ xq) * (wu[ex] @ xq)).float()          # the kernel's float32 activation
+            ref[tt] += w[tt, j].double() * (wd[ex] @ q8(h))
+    return ref.float()
+
+
 def run(qtype, gate, up, down, x, ids, w, **kw):
     out = torch.full((x.shape[0], down.shape[1]), float("nan"))     # every element must be written
     y = cpu.moe_grouped(qtype, gate, up, down, x, ids, w, out=out, **kw)
@@ -128,26 +150,32 @@ def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k, march, build):
     if not cpu.grouped_int8_tile(qtype, lib):
         pytest.skip("no integer tile for this type in this build (needs AVX2)")
 
-    def q8k(v):
-        blocks = v.double().reshape(-1, 256)
-        dk = blocks.abs().amax(-1, keepdim=True) / 127
-        return (torch.round(blocks / torch.where(dk > 0, dk, 1)) * dk).reshape(v.shape)
-    d, i = 512, 256
-    fmt = get_format(qtype)
-    gate, up, down = layer(qtype, 9, d, i, seed=3)
-    x, ids, w = skewed_route(t, 9, k, d, seed=4)
-    wg, wu = (dequantize(r.contiguous(), fmt, (9, i, d)).double() for r in (gate, up))
-    wd = dequantize(down.contiguous(), fmt, (9, d, i)).double()
-    ref = torch.zeros(t, d, dtype=torch.float64)
-    for tt in range(t):
-        xq = q8k(x[tt])
-        for j in range(k):
-            e = int(ids[tt, j])
-            h = (F.silu(wg[e] @ xq) * (wu[e] @ xq)).float()          # the kernel's float32 activation
-            ref[tt] += w[tt, j].double() * (wd[e] @ q8k(h))
+    gate, up, down = layer(qtype, 9, 512, 256, seed=3)
+    x, ids, w = skewed_route(t, 9, k, 512, seed=4)
+    ref = rounded_reference(qtype, gate, up, down, x, ids, w, 256)
     y = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1, lib=lib)
-    assert max_rel_err(y, ref.float()) < 1e-3
+    assert max_rel_err(y, ref) < 1e-3
     assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
+
+
+@pytest.mark.parametrize("t,k", [(5, 3), (40, 4)])
+def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, build):
+    """Q4_0 rows x int8 activations per 32 values with 8 rows in the lanes (grp_tile8_nib: AVX-512 VNNI's dpbusd, or
+    AVX2's maddubs summed in int16; an expert with >= 16 pairs, here expert 0 at 40 tokens, unpacked once:
+    grp_rows8_q4_0_avx2) against float64 on the same rounding (round(v / d), d = max |v| / 127 per 32 values). The
+    integer sums are exact and the float order is one, so the AVX2 build and this machine's own give the same bits."""
+    lib = build("haswell")
+    if not cpu.grouped_int8_tile("Q4_0", lib):
+        pytest.skip("no integer tile for Q4_0 in the AVX2 build")
+
+    gate, up, down = layer("Q4_0", 9, 96, 160, seed=5)
+    x, ids, w = skewed_route(t, 9, k, 96, seed=6)
+    ref = rounded_reference("Q4_0", gate, up, down, x, ids, w, 32)
+    y = run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=1, lib=lib)
+    assert max_rel_err(y, ref) < 1e-3
+    assert torch.equal(run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
+    if cpu.backend() == "c" and cpu.grouped_int8_tile("Q4_0"):
+        assert torch.equal(run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=1), y)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", ("Q4_K", "Q6_K")])

@@ -238,7 +238,7 @@ def compiled_follows_eager(path, kl_max: float = 0.01):
         return torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="sum")
     with torch.inference_mode():
         ref = engs["off"].model(torch.tensor(prompt), ref_cache)[-1]
-        ours = fast.model(torch.tensor(prompt), cache)[-1]      # eager prefill: int8 where _prefill_int8_experts says
+        ours = fast.model(torch.tensor(prompt), cache)[-1]      # eager prefill: int8 where prefill_int8_experts says
         assert kl(ours, ref) < 0.01 and ours.argmax() == ref.argmax()
         for tok in toks:                       # teacher-forced on one sequence
             ref = engs["off"].model(torch.tensor([tok]), ref_cache)[-1]

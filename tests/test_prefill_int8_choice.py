@@ -31,7 +31,7 @@ def test_forced_choice_sets_q8_act_and_stays_close(mode, monkeypatch):
     monkeypatch.setattr(cpu_compile, "PREFILL_INT8", mode)
     monkeypatch.setattr(bandwidth, "measure_prefill_int8", lambda fmt: pytest.fail("forced: nothing is timed"))
     layers = torch.nn.ModuleList([experts("Q4_0"), experts(("Q4_0", "Q8_0"), seed=1), experts(("Q4_0", "MXFP4"), seed=3)])
-    cpu_compile._prefill_int8_experts(layers)
+    cpu_compile.prefill_int8_experts(layers)
     tile = cpu.grouped_int8_tile("Q4_0") and cpu.grouped_int8_tile("Q8_0")
     assert layers[0].q8_act == layers[1].q8_act == (mode == "on" and tile)     # Q8_0 is timed too
     assert not layers[2].q8_act              # MXFP4 is neither timed nor fixed: float activations

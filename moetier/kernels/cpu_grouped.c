@@ -9,7 +9,8 @@
  *   4. tasks (expert, block of down rows): o[s] = down_e a[s];
  *   5. y[t] = sum_j w[t, j] o[pos(t, j)] in j order (results do not depend on the thread count).
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
- * weights widened to int8 once for all pairs; Q4_0 with AVX-512 VNNI 8 rows in lanes x 8 pairs, grp_tile8_nib); Q4_K / Q6_K the Q8_K tile (AVX-512BW: GRP_QR rows x GRP_QP pairs in
+ * weights widened to int8 once for all pairs; Q4_0 8 rows in lanes x 8 pairs, grp_tile8_nib, with AVX-512 VNNI or
+ * AVX2, and on AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); Q4_K / Q6_K the Q8_K tile (AVX-512BW: GRP_QR rows x GRP_QP pairs in
  * registers; AVX2: rows unpacked per super-block, pairs looped over them; activations int8 per 256 values as
  * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block); other moe_q8_type
  * rows the q8 row dot per (row, pair); float activations: the 4 rows dequantized to float (GRP_KC values at a
@@ -22,6 +23,8 @@
 #else
 #define GRP_PAIRS 2           /* 16 registers */
 #endif
+#define GRP_PAIRS8_AVX2 8     /* the AVX2 8-row tile's pairs (grp_tile8_nib; 4: 0.7x, 6: 0.8x, 12: 0.8x at 128 tokens) */
+#define GRP_OUTER_PAIRS 16    /* an expert's pairs from which AVX2 Q4_0 rows are unpacked once (grp_rows8_q4_0_avx2) */
 
 #ifdef MOE_Q8
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -102,9 +105,15 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
     }
 }
 
-#if GRP_VNNI
+#if GRP_VNNI || defined(__AVX2__)
 #define GRP_ROWS8 1
+#if GRP_VNNI
 #define GRP_PAIRS8 8
+#define GRP_TILE8_IQ4 1       /* IQ4_NL / IQ4_XS rows too (their codebook + 128 needs dpbusd: maddubs saturates) */
+#else
+#define GRP_PAIRS8 GRP_PAIRS8_AVX2
+#define GRP_TILE8_IQ4 0
+#endif
 /* out[p * ldo + r] = Q4_0 rows w + r * rs (r < 8) . pairs qx[p] (p < np <= GRP_PAIRS8), the rows in lanes: lane r
  * of a vector holds row r, each block's nibbles transposed once (4 values of a row per int32 lane) for all pairs, so a
  * pair costs 8 dpbusd with its 4 int8 values broadcast, one conversion and two fma for the 8 rows per block (the 4 x 4
@@ -113,7 +122,10 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
  * Default model's layer (8 experts, D 384, I 256, 256 tokens, 1 thread, Zen 4): the 4 x 4 tile 4.17 ms, this 2.14.
  * kind 1 / 2: IQ4_NL / IQ4_XS rows (the same nibble bytes per 32 values; the codebook + 128 as unsigned bytes by one
  * shuffle, 128 sx off: d (dx dot(book + 128, qx) - 128 sx); IQ4_XS: d (ls - 32) of the row's sub-block). nb: blocks of
- * 32 values. */
+ * 32 values.
+ * AVX2 without VNNI (Q4_0 only): a pair's 8 maddubs (nibble u8 x int8, pair sums <= 2 x 15 x 128) summed in int16
+ * (<= 30720: exact), one madd to int32: the same integer sums, so the same bits as dpbusd; GRP_PAIRS8_AVX2 pairs (16
+ * registers). */
 static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, const uint8_t *w, int64_t rs,
         const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
         int64_t ldo) {
@@ -161,6 +173,7 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
         }
         for (int p = 0; p < np; p++) {
             const int8_t *q = qx[p] + 32 * b;
+#if GRP_VNNI
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
             for (int j = 0; j < 8; j += 2) {
                 int32_t q0, q1;
@@ -169,7 +182,19 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
                 s0 = _mm256_dpbusd_epi32(s0, wq[j], _mm256_set1_epi32(q0));
                 s1 = _mm256_dpbusd_epi32(s1, wq[j + 1], _mm256_set1_epi32(q1));
             }
-            const __m256 f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(dx[p][b]),
+            const __m256i s = _mm256_add_epi32(s0, s1);
+#else
+            __m256i h0 = _mm256_setzero_si256(), h1 = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                int32_t q0, q1;
+                memcpy(&q0, q + 4 * j, 4);
+                memcpy(&q1, q + 4 * j + 4, 4);
+                h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(wq[j], _mm256_set1_epi32(q0)));
+                h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(wq[j + 1], _mm256_set1_epi32(q1)));
+            }
+            const __m256i s = _mm256_madd_epi16(_mm256_add_epi16(h0, h1), _mm256_set1_epi16(1));
+#endif
+            const __m256 f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dx[p][b]),
                                              _mm256_set1_ps(off * sx[p][b]));
             acc[p] = _mm256_fmadd_ps(f, d, acc[p]);
         }
@@ -185,7 +210,15 @@ static void grp_tile8_nib_any(int kind, const uint8_t *w, int64_t rs, const int8
                           case 3 * n + 1: grp_tile8_nib(1, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
                           case 3 * n + 2: grp_tile8_nib(2, w, rs, qx, dx, sx, n, nb, out, ldo); break;
     GRP_TILE8_CASE(1) GRP_TILE8_CASE(2) GRP_TILE8_CASE(3) GRP_TILE8_CASE(4)
-    GRP_TILE8_CASE(5) GRP_TILE8_CASE(6) GRP_TILE8_CASE(7) GRP_TILE8_CASE(8)
+#if GRP_PAIRS8 >= 6
+    GRP_TILE8_CASE(5) GRP_TILE8_CASE(6)
+#endif
+#if GRP_PAIRS8 >= 8
+    GRP_TILE8_CASE(7) GRP_TILE8_CASE(8)
+#endif
+#if GRP_PAIRS8 >= 12
+    GRP_TILE8_CASE(9) GRP_TILE8_CASE(10) GRP_TILE8_CASE(11) GRP_TILE8_CASE(12)
+#endif
 #undef GRP_TILE8_CASE
     default: break;
     }
@@ -833,12 +866,70 @@ static void grp_side_init(grp_side *a, int qtype, int q8, int64_t K, const float
     *mem += sizeof(float) * 5 * n * (K / 32) + n * K;
 }
 
+#if defined(GRP_ROWS8) && !GRP_VNNI
+/* AVX2 without VNNI, Q4_0 rows: grp_tile8_nib's arithmetic (rows in lanes, the same bits) with the 8 rows' blocks
+ * unpacked once into wq / d (L1: 288 bytes a block) for all of an expert's pairs, pairs outer: a pair's block is 8
+ * loads, 8 broadcasts, 8 maddubs summed in int16 (exact: <= 30720), one madd, and its accumulator stays in a register
+ * (the in-register tile spills on 16 registers). */
+static void grp_rows8_q4_0_avx2(const uint8_t *w, int64_t rs, const grp_side *a, int64_t s0, int64_t s1, int64_t nb,
+                                __m256i *wq, __m256 *d, float *dst, int64_t ld) {
+    const __m256i lo = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + 18 * b;
+        uint16_t h[8];
+        for (int r = 0; r < 8; r++) memcpy(h + r, blk + r * rs, 2);
+        d[b] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+        __m256i t[4];
+        for (int r = 0; r < 4; r++)
+            t[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + r * rs + 2))),
+                                           _mm_loadu_si128((const __m128i *)(blk + (r + 4) * rs + 2)), 1);
+        const __m256i u0 = _mm256_unpacklo_epi32(t[0], t[1]), u1 = _mm256_unpackhi_epi32(t[0], t[1]);
+        const __m256i u2 = _mm256_unpacklo_epi32(t[2], t[3]), u3 = _mm256_unpackhi_epi32(t[2], t[3]);
+        const __m256i c[4] = {_mm256_unpacklo_epi64(u0, u2), _mm256_unpackhi_epi64(u0, u2),
+                              _mm256_unpacklo_epi64(u1, u3), _mm256_unpackhi_epi64(u1, u3)};
+        for (int j = 0; j < 4; j++) {
+            wq[8 * b + j] = _mm256_and_si256(c[j], lo);
+            wq[8 * b + j + 4] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), lo);
+        }
+    }
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t row = a->row[s];
+        const int8_t *q = a->qx + row * a->K;
+        const float *dx = a->dx + row * nb, *sx = a->sx + row * nb;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, q += 32) {
+            __m256i h = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                int32_t x0;
+                memcpy(&x0, q + 4 * j, 4);
+                h = _mm256_add_epi16(h, _mm256_maddubs_epi16(wq[8 * b + j], _mm256_set1_epi32(x0)));
+            }
+            const __m256 f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h, one)), _mm256_set1_ps(dx[b]),
+                                             _mm256_set1_ps(8.f * sx[b]));
+            acc = _mm256_fmadd_ps(f, d[b], acc);
+        }
+        _mm256_storeu_ps(dst + s * ld, acc);
+    }
+}
+#endif
+
 /* out rows [r, r + m) of expert e's matrix (rows at w, stride rs) for all its pairs [s0, s1), scattered to
  * dst[s ld + r + j] (pairs in chunks of 64: a tile on the stack) */
 static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const grp_side *a, int64_t s0, int64_t s1,
                      float *dst, int64_t ld, int64_t r) {
+#if defined(GRP_ROWS8) && !GRP_VNNI
+    __m256i *wq = qtype == Q4_0 && a->q8 && m % 8 == 0 && s1 - s0 >= GRP_OUTER_PAIRS
+                  ? aligned_alloc(32, (a->K / 32) * (8 * sizeof(__m256i) + sizeof(__m256))) : NULL;
+    if (wq) {           /* many pairs: each block unpacked once (grp_rows8_q4_0_avx2), else the in-register tile */
+        for (int64_t i = 0; i < m; i += 8)
+            grp_rows8_q4_0_avx2(w + i * rs, rs, a, s0, s1, a->K / 32, wq, (__m256 *)(wq + 8 * (a->K / 32)),
+                                dst + r + i, ld);
+        free(wq);
+        return;
+    }
+#endif
 #ifdef GRP_ROWS8
-    if ((qtype == Q4_0 || qtype == IQ4_NL || qtype == IQ4_XS) && a->q8 && m % 8 == 0) {   /* rows in lanes: 8 rows of a
+    if ((qtype == Q4_0 || (GRP_TILE8_IQ4 && (qtype == IQ4_NL || qtype == IQ4_XS))) && a->q8 && m % 8 == 0) {   /* rows in lanes: 8 rows of a
                                                                                               * pair contiguous in dst */
         const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : 2;
         const int64_t nb = a->K / 32;
@@ -888,7 +979,7 @@ int moetier_grouped_int8_tile(int qtype) {
     if (qtype == Q4_0 || qtype == Q8_0) return 1;
 #endif
 #ifdef GRP_ROWS8
-    if (qtype == IQ4_NL || qtype == IQ4_XS) return 1;
+    if (GRP_TILE8_IQ4 && (qtype == IQ4_NL || qtype == IQ4_XS)) return 1;
 #endif
     return grp_int8_tile(qtype);
 }

@@ -326,9 +326,11 @@ def prefill_int8(fmt: str) -> bool:
     return prefill_int8_wins(fmt)
 
 
-def _prefill_int8_experts(model: torch.nn.Module) -> None:
+def prefill_int8_experts(model: torch.nn.Module) -> None:
     """QuantExperts whose formats all prefill with int8 activations (prefill_int8) and have an integer tile do so
-    (q8_act: forward_grouped's default; the compiled decode step passes Q8_ACTIVATIONS itself)."""
+    (q8_act: forward_grouped's default; the compiled decode step passes Q8_ACTIVATIONS itself). Engine.load calls it
+    for a CPU model, so the first prompt and every eager run prefill so too (until session 24 only a loaded compiled
+    step set it: an eager CPU prefill took float activations)."""
     if not Q8_ACTIVATIONS:
         return
     for m in model.modules():
@@ -447,7 +449,7 @@ class CpuDecode:
         self.boxed_run = getattr(loader, "boxed_run", None) if loader is not None and \
             torch.utils._pytree.treespec_loads(loader.get_call_spec()[1]).num_leaves == 1 else None
         _eager_quant_linears(model)
-        _prefill_int8_experts(model)
+        prefill_int8_experts(model)
 
     @classmethod
     def get(cls, model: torch.nn.Module, build: bool) -> CpuDecode | None:
