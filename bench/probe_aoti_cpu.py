@@ -59,7 +59,8 @@ else:
 
 def child(code: str, *args: str) -> dict:
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, *args], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                       timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                       str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))})
     lines = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if not ln.startswith("W")]
     return {"status": r.returncode, "last": lines[-3:]}
 

@@ -28,7 +28,6 @@ import hashlib
 import inspect
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -402,13 +401,11 @@ def package_path(model: torch.nn.Module) -> Path:
 
 # A package is first loaded by a child process (once: `<package>.loads` records it). On the H200 box (torch 2.11 +
 # CUDA 13, CUDA hidden or not) aoti_load_package ended the process with a segmentation fault for every package, the
-# default model's included, in the building process and in a fresh one alike (docs/perf-log.md, sessions 23-24): a
-# crash no `except` can catch, so it must happen elsewhere. Then the package's .so alone is tried in the runner the
-# package loader wraps (SoRunner; `.so-loads` / `.so-crashes` record that check).
+# default model's and a tiny Linear's included, in a fresh process too, and so did the package's .so alone in
+# AOTIModelContainerRunnerCpu (docs/perf-log.md, sessions 23-24): a crash no `except` can catch, so it must happen
+# elsewhere.
 _LOAD_CHECK = ("import sys, torch\nfrom moetier.kernels import cpu\ncpu.load_native_ops()\n"
                "torch._inductor.aoti_load_package(sys.argv[1])\n")
-_SO_CHECK = ("import sys, torch\nfrom moetier.kernels import cpu\ncpu.load_native_ops()\n"
-             "torch._C._aoti.AOTIModelContainerRunnerCpu(sys.argv[1], 1)\n")
 
 
 def child_env(**extra: str) -> dict:
@@ -417,86 +414,27 @@ def child_env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])), **extra}
 
 
-def _child_loads(code: str, arg: Path, ok: Path, bad: Path) -> bool:
-    """Whether `code` (argv[1] = arg) ran in a child without dying of a signal or hanging, recorded in ok / bad (read
-    back when either exists). An error exit counts as no crash: the in-process load raises it, and it is caught."""
-    if ok.exists() or bad.exists():
-        return ok.exists()
-    try:
-        r = subprocess.run([sys.executable, "-c", code, str(arg)], env=child_env(), capture_output=True, text=True,
-                           timeout=300)
-        status, tail = r.returncode, r.stderr.strip().splitlines()[-1:] or [""]
-    except subprocess.TimeoutExpired:
-        status, tail = "timeout", ["no answer in 300 s"]
-    if status == 0:
-        ok.touch()
-    if status == "timeout" or status < 0:
-        bad.write_text(f"exit status {status}: {tail[0][:300]}\n")
-        return False
-    return True
-
-
-def so_file(path: Path) -> Path:
-    """The package's compiled .so, extracted once beside it (`<package>.so.d/`)."""
-    import zipfile
-    out = path.with_suffix(".so.d")
-    with zipfile.ZipFile(path) as z:
-        names = [n for n in z.namelist() if n.endswith(".so")]
-        if len(names) != 1:
-            raise RuntimeError(f"{path} holds {len(names)} .so files, not one")
-        so = out / names[0]
-        if not so.exists():
-            z.extract(names[0], out)
-    return so
-
-
-def loads_safely(path: Path) -> str:
-    """How `path` loads without killing this process: "package" (aoti_load_package), or "so" (its .so alone in
-    SoRunner) when the package loader crashed a child process and the runner did not. RuntimeError when both crash
-    (or the .so cannot be had). Each check runs once per package (_child_loads' records)."""
-    if _child_loads(_LOAD_CHECK, path, path.with_suffix(".loads"), path.with_suffix(".crashes")):
-        return "package"
-    so_ok, so_bad = path.with_suffix(".so-loads"), path.with_suffix(".so-crashes")
-    if not (so_ok.exists() or so_bad.exists()):
+def loads_safely(path: Path) -> None:
+    """Raise RuntimeError when loading `path` kills a child process (a signal, or no answer in 300 s). Checked once
+    per package: `.loads` beside it when the child loaded it, `.crashes` with the exit status when it died."""
+    ok, bad = path.with_suffix(".loads"), path.with_suffix(".crashes")
+    if ok.exists():
+        return
+    if not bad.exists():
         try:
-            so = so_file(path)
-        except Exception as e:  # not a zip, no .so: the runner cannot be tried
-            so_bad.write_text(f"no .so to load: {type(e).__name__}: {str(e)[:200]}\n")
-    if so_ok.exists() or (not so_bad.exists() and _child_loads(_SO_CHECK, so, so_ok, so_bad)):
-        return "so"
-    raise RuntimeError(f"loading the package crashed a test process ({path.with_suffix('.crashes').read_text().strip()}"
-                       f"; {path.with_suffix('.crashes')}), and its .so alone too ({so_bad.read_text().strip()}). "
+            r = subprocess.run([sys.executable, "-c", _LOAD_CHECK, str(path)], env=child_env(), capture_output=True,
+                               text=True, timeout=300)
+            status, tail = r.returncode, r.stderr.strip().splitlines()[-1:] or [""]
+        except subprocess.TimeoutExpired:
+            status, tail = "timeout", ["no answer in 300 s"]
+        if status == 0:
+            ok.touch()
+            return
+        if status != "timeout" and status > 0:
+            return          # an error, not a crash: loading here raises it too, and is caught
+        bad.write_text(f"exit status {status}: {tail[0][:300]}\n")
+    raise RuntimeError(f"loading the package crashed a test process ({bad.read_text().strip()}; {bad}). "
                        "This torch cannot load it here")
-
-
-class SoRunner:
-    """A package's .so run by AOTIModelContainerRunnerCpu, the runner torch's package loader wraps, with the loaded
-    package's methods CpuDecode calls (`loader.boxed_run`, `get_constant_fqns`, `load_constants`, a call): for a torch
-    whose package loader crashes while the runner loads (loads_safely)."""
-
-    def __init__(self, path: Path):
-        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so_file(path)), 1)
-        self.loader = self
-        self.names = self.runner.get_constant_names_to_original_fqns()   # the .so's constant name -> fqn
-
-    def get_call_spec(self) -> list[str]:
-        return self.runner.get_call_spec()
-
-    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.runner.run(inputs)
-
-    def get_constant_fqns(self) -> list[str]:
-        return list(self.names.values())
-
-    def load_constants(self, tensors: dict, check_full_update: bool, user_managed: bool = False) -> None:
-        self.runner.update_constant_buffer({n: tensors[f] for n, f in self.names.items()}, False, check_full_update,
-                                           user_managed)
-
-    def __call__(self, *args):
-        tree = torch.utils._pytree
-        out_spec = tree.treespec_loads(self.get_call_spec()[1])
-        flat = [t for t in tree.tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-        return tree.tree_unflatten(self.runner.run(flat), out_spec)
 
 
 class CpuDecode:
@@ -529,9 +467,9 @@ class CpuDecode:
                     if not path.exists():
                         _build(model, path)
                 path.with_suffix(".failed").unlink(missing_ok=True)
-            how = loads_safely(path)
+            loads_safely(path)
             cpu_kernels.load_native_ops()   # the package's moetier:: op calls skip Python (~6 us each)
-            runner = torch._inductor.aoti_load_package(str(path)) if how == "package" else SoRunner(path)
+            runner = torch._inductor.aoti_load_package(str(path))
             names = dict(_Step(model).named_parameters())
             names.update(_Step(model).named_buffers())
             missing = [n for n in runner.get_constant_fqns() if n not in names]
@@ -586,9 +524,8 @@ def _build(model: torch.nn.Module, path: Path) -> None:
             torch._inductor.aoti_compile_and_package(
                 ep, package_path=str(tmp), inductor_configs={"aot_inductor.package_constants_in_so": False})
             os.replace(tmp, path)   # atomic: another process never sees half a package
-            for mark in (".loads", ".crashes", ".so-loads", ".so-crashes"):   # loads_safely's word on an earlier
-                path.with_suffix(mark).unlink(missing_ok=True)                  # package of this name, and its .so
-            shutil.rmtree(path.with_suffix(".so.d"), ignore_errors=True)
+            for mark in (".loads", ".crashes"):     # loads_safely's word on an earlier package of this name
+                path.with_suffix(mark).unlink(missing_ok=True)
         finally:
             tmp.unlink(missing_ok=True)
     log.warning("cpu_compile: built in %.1f s", time.perf_counter() - t0)
