@@ -10,12 +10,12 @@
  *   5. y[t] = sum_j w[t, j] o[pos(t, j)] in j order (results do not depend on the thread count).
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
  * weights widened to int8 once for all pairs; Q4_0 8 rows in lanes x 8 pairs, grp_tile8_nib, with AVX-512 VNNI or
- * AVX2, and on AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); Q4_K / Q6_K the Q8_K tile (AVX-512BW: GRP_QR rows x GRP_QP pairs in
- * registers; AVX2: rows unpacked per super-block, pairs looped over them; activations int8 per 256 values as
- * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block); other moe_q8_type
- * rows the q8 row dot per (row, pair); float activations: the 4 rows dequantized to float (GRP_KC values at a
- * time, in L1) and a float FMA tile, so the products are the dequantized model's (max relative error ~1e-6, the
- * summation order); an expert with one pair: the row dot. */
+ * AVX2, and on AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); Q4_K / Q6_K the Q8_K tile
+ * (AVX-512BW: GRP_QR rows x GRP_QP pairs in registers; AVX2: rows unpacked per super-block, pairs looped over
+ * them; activations int8 per 256 values as llama.cpp's Q8_K, sub-block scales applied in int32, one float
+ * conversion per super-block); other moe_q8_type rows the q8 row dot per (row, pair); float activations: the 4
+ * rows dequantized to float (GRP_KC values at a time, in L1) and a float FMA tile, so the products are the
+ * dequantized model's (max relative error ~1e-6, the summation order); an expert with one pair: the row dot. */
 
 #define GRP_ROWS 32           /* rows per task: 2 I / 32 x used experts tasks (thousands at prefill sizes) */
 #if defined(__AVX512F__)
@@ -23,7 +23,6 @@
 #else
 #define GRP_PAIRS 2           /* 16 registers */
 #endif
-#define GRP_PAIRS8_AVX2 8     /* the AVX2 8-row tile's pairs (grp_tile8_nib; 4: 0.7x, 6: 0.8x, 12: 0.8x at 128 tokens) */
 #define GRP_OUTER_PAIRS 16    /* an expert's pairs from which AVX2 Q4_0 rows are unpacked once (grp_rows8_q4_0_avx2) */
 
 #ifdef MOE_Q8
@@ -107,11 +106,10 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
 
 #if GRP_VNNI || defined(__AVX2__)
 #define GRP_ROWS8 1
+#define GRP_PAIRS8 8          /* AVX2 (1 thread, 128 tokens): 4 pairs 0.7x, 6 0.8x, 12 0.8x the speed of 8 */
 #if GRP_VNNI
-#define GRP_PAIRS8 8
 #define GRP_TILE8_IQ4 1       /* IQ4_NL / IQ4_XS rows too (their codebook + 128 needs dpbusd: maddubs saturates) */
 #else
-#define GRP_PAIRS8 GRP_PAIRS8_AVX2
 #define GRP_TILE8_IQ4 0
 #endif
 /* out[p * ldo + r] = Q4_0 rows w + r * rs (r < 8) . pairs qx[p] (p < np <= GRP_PAIRS8), the rows in lanes: lane r
@@ -124,8 +122,7 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
  * shuffle, 128 sx off: d (dx dot(book + 128, qx) - 128 sx); IQ4_XS: d (ls - 32) of the row's sub-block). nb: blocks of
  * 32 values.
  * AVX2 without VNNI (Q4_0 only): a pair's 8 maddubs (nibble u8 x int8, pair sums <= 2 x 15 x 128) summed in int16
- * (<= 30720: exact), one madd to int32: the same integer sums, so the same bits as dpbusd; GRP_PAIRS8_AVX2 pairs (16
- * registers). */
+ * (<= 30720: exact), one madd to int32: the same integer sums, so the same bits as dpbusd. */
 static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, const uint8_t *w, int64_t rs,
         const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
         int64_t ldo) {
@@ -210,15 +207,7 @@ static void grp_tile8_nib_any(int kind, const uint8_t *w, int64_t rs, const int8
                           case 3 * n + 1: grp_tile8_nib(1, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
                           case 3 * n + 2: grp_tile8_nib(2, w, rs, qx, dx, sx, n, nb, out, ldo); break;
     GRP_TILE8_CASE(1) GRP_TILE8_CASE(2) GRP_TILE8_CASE(3) GRP_TILE8_CASE(4)
-#if GRP_PAIRS8 >= 6
-    GRP_TILE8_CASE(5) GRP_TILE8_CASE(6)
-#endif
-#if GRP_PAIRS8 >= 8
-    GRP_TILE8_CASE(7) GRP_TILE8_CASE(8)
-#endif
-#if GRP_PAIRS8 >= 12
-    GRP_TILE8_CASE(9) GRP_TILE8_CASE(10) GRP_TILE8_CASE(11) GRP_TILE8_CASE(12)
-#endif
+    GRP_TILE8_CASE(5) GRP_TILE8_CASE(6) GRP_TILE8_CASE(7) GRP_TILE8_CASE(8)
 #undef GRP_TILE8_CASE
     default: break;
     }
@@ -929,8 +918,8 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
     }
 #endif
 #ifdef GRP_ROWS8
-    if ((qtype == Q4_0 || (GRP_TILE8_IQ4 && (qtype == IQ4_NL || qtype == IQ4_XS))) && a->q8 && m % 8 == 0) {   /* rows in lanes: 8 rows of a
-                                                                                              * pair contiguous in dst */
+    /* rows in lanes: 8 rows of a pair contiguous in dst */
+    if ((qtype == Q4_0 || (GRP_TILE8_IQ4 && (qtype == IQ4_NL || qtype == IQ4_XS))) && a->q8 && m % 8 == 0) {
         const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : 2;
         const int64_t nb = a->K / 32;
         for (int64_t i = 0; i < m; i += 8)

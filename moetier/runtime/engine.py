@@ -219,7 +219,7 @@ class Engine:
             if isinstance(m, Attention):
                 m.fuse_qkv()
         engine = cls(net, args, tokenizer, config, device, dtype, path, eos, gen)
-        if device == "cpu":      # packed experts prefill with int8 activations where that is faster, from the first prompt
+        if device == "cpu":      # packed experts prefill with int8 activations where faster, from the first prompt
             from . import cpu_compile
             cpu_compile.prefill_int8_experts(net)
         if placement is not None:
