@@ -112,6 +112,34 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
 #else
 #define GRP_TILE8_IQ4 0
 #endif
+/* The nibbles of 8 rows' 32-value blocks (16 bytes at blk + r * rs + qo, GGML's order) transposed into the lanes:
+ * wq[j] lane r holds row r's values 4j .. 4j + 3 (0..15 each) */
+static inline __attribute__((always_inline)) void grp_nib8(const uint8_t *blk, int64_t rs, int64_t qo, __m256i wq[8]) {
+    const __m256i lo = _mm256_set1_epi8(0x0F);
+    __m256i t[4];                                       /* t[r]: row r's 16 bytes | row r + 4's */
+    for (int r = 0; r < 4; r++)
+        t[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + r * rs + qo))),
+                                       _mm_loadu_si128((const __m128i *)(blk + (r + 4) * rs + qo)), 1);
+    const __m256i u0 = _mm256_unpacklo_epi32(t[0], t[1]), u1 = _mm256_unpackhi_epi32(t[0], t[1]);
+    const __m256i u2 = _mm256_unpacklo_epi32(t[2], t[3]), u3 = _mm256_unpackhi_epi32(t[2], t[3]);
+    const __m256i c[4] = {_mm256_unpacklo_epi64(u0, u2), _mm256_unpackhi_epi64(u0, u2),
+                          _mm256_unpacklo_epi64(u1, u3), _mm256_unpackhi_epi64(u1, u3)};
+    for (int j = 0; j < 4; j++) {
+        wq[j] = _mm256_and_si256(c[j], lo);
+        wq[j + 4] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), lo);
+    }
+}
+
+/* lane r: the fp16 scale at the start of row r's block (blk + r * rs), each row's block line prefetched */
+static inline __m256 grp_scales8(const uint8_t *blk, int64_t rs) {
+    uint16_t h[8];
+    for (int r = 0; r < 8; r++) {
+        PREFETCH(blk + r * rs);
+        memcpy(h + r, blk + r * rs, 2);
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
 /* out[p * ldo + r] = Q4_0 rows w + r * rs (r < 8) . pairs qx[p] (p < np <= GRP_PAIRS8), the rows in lanes: lane r
  * of a vector holds row r, each block's nibbles transposed once (4 values of a row per int32 lane) for all pairs, so a
  * pair costs 8 dpbusd with its 4 int8 values broadcast, one conversion and two fma for the 8 rows per block (the 4 x 4
@@ -128,14 +156,12 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
         int64_t ldo) {
     __m256 acc[GRP_PAIRS8];
     for (int p = 0; p < GRP_PAIRS8; p++) acc[p] = _mm256_setzero_ps();
-    const __m256i lo = _mm256_set1_epi8(0x0F);
     const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
                                          _mm256_set1_epi8((char)0x80));       /* value + 128 as an unsigned byte */
     const float off = kind ? 128.f : 8.f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = kind == 2 ? w + 136 * (b / 8) : w + 18 * b;      /* the block, or its super-block */
         const int64_t qo = kind == 2 ? 8 + 16 * (b % 8) : 2;                  /* its nibble bytes */
-        __m256i t[4];                                   /* t[r]: row r's 16 bytes | row r + 4's */
         __m256 d;                                       /* lane r: row r's scale */
         if (kind == 2) {
             float sc[8];
@@ -145,29 +171,12 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
             }
             d = _mm256_loadu_ps(sc);
         } else {
-            uint16_t h[8];
-            for (int r = 0; r < 8; r++) {
-                PREFETCH(blk + r * rs);
-                memcpy(h + r, blk + r * rs, 2);
-            }
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+            d = grp_scales8(blk, rs);
         }
-        for (int r = 0; r < 4; r++)
-            t[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + r * rs + qo))),
-                                           _mm_loadu_si128((const __m128i *)(blk + (r + 4) * rs + qo)), 1);
-        const __m256i u0 = _mm256_unpacklo_epi32(t[0], t[1]), u1 = _mm256_unpackhi_epi32(t[0], t[1]);
-        const __m256i u2 = _mm256_unpacklo_epi32(t[2], t[3]), u3 = _mm256_unpackhi_epi32(t[2], t[3]);
-        const __m256i c[4] = {_mm256_unpacklo_epi64(u0, u2), _mm256_unpackhi_epi64(u0, u2),
-                              _mm256_unpacklo_epi64(u1, u3), _mm256_unpackhi_epi64(u1, u3)};
         __m256i wq[8];                                  /* wq[j] lane r: row r's values 4j .. 4j + 3 */
-        for (int j = 0; j < 4; j++) {
-            wq[j] = _mm256_and_si256(c[j], lo);
-            wq[j + 4] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), lo);
-            if (kind) {
-                wq[j] = _mm256_shuffle_epi8(book, wq[j]);
-                wq[j + 4] = _mm256_shuffle_epi8(book, wq[j + 4]);
-            }
-        }
+        grp_nib8(blk, rs, qo, wq);
+        if (kind)
+            for (int j = 0; j < 8; j++) wq[j] = _mm256_shuffle_epi8(book, wq[j]);
         for (int p = 0; p < np; p++) {
             const int8_t *q = qx[p] + 32 * b;
 #if GRP_VNNI
@@ -862,24 +871,10 @@ static void grp_side_init(grp_side *a, int qtype, int q8, int64_t K, const float
  * (the in-register tile spills on 16 registers). */
 static void grp_rows8_q4_0_avx2(const uint8_t *w, int64_t rs, const grp_side *a, int64_t s0, int64_t s1, int64_t nb,
                                 __m256i *wq, __m256 *d, float *dst, int64_t ld) {
-    const __m256i lo = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    const __m256i one = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + 18 * b;
-        uint16_t h[8];
-        for (int r = 0; r < 8; r++) memcpy(h + r, blk + r * rs, 2);
-        d[b] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-        __m256i t[4];
-        for (int r = 0; r < 4; r++)
-            t[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + r * rs + 2))),
-                                           _mm_loadu_si128((const __m128i *)(blk + (r + 4) * rs + 2)), 1);
-        const __m256i u0 = _mm256_unpacklo_epi32(t[0], t[1]), u1 = _mm256_unpackhi_epi32(t[0], t[1]);
-        const __m256i u2 = _mm256_unpacklo_epi32(t[2], t[3]), u3 = _mm256_unpackhi_epi32(t[2], t[3]);
-        const __m256i c[4] = {_mm256_unpacklo_epi64(u0, u2), _mm256_unpackhi_epi64(u0, u2),
-                              _mm256_unpacklo_epi64(u1, u3), _mm256_unpackhi_epi64(u1, u3)};
-        for (int j = 0; j < 4; j++) {
-            wq[8 * b + j] = _mm256_and_si256(c[j], lo);
-            wq[8 * b + j + 4] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), lo);
-        }
+        d[b] = grp_scales8(w + 18 * b, rs);
+        grp_nib8(w + 18 * b, rs, 2, wq + 8 * b);
     }
     for (int64_t s = s0; s < s1; s++) {
         const int64_t row = a->row[s];

@@ -451,7 +451,6 @@ class CpuDecode:
         self.boxed_run = getattr(loader, "boxed_run", None) if loader is not None and \
             torch.utils._pytree.treespec_loads(loader.get_call_spec()[1]).num_leaves == 1 else None
         _eager_quant_linears(model)
-        prefill_int8_experts(model)
 
     @classmethod
     def get(cls, model: torch.nn.Module, build: bool) -> CpuDecode | None:
