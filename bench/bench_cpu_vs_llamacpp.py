@@ -46,17 +46,26 @@ def llama_cpp(path: Path, threads: int):
     return server, run
 
 
-def moetier(path: Path, threads: int, cpu_compile: str):
-    """The Engine on the GGUF with the EngineConfig defaults; -> (engine, run(prompt, n) -> rates)."""
+def moetier(path: Path, threads: int, cpu_compile: str, prompt: list[int], thp: bool = True):
+    """The Engine on the GGUF with the EngineConfig defaults, its first request run (the warm-up: it makes the CPU
+    step's copies); -> (engine, run(prompt, n) -> rates, seconds to load and warm up). thp=False: its copies on 4 KiB
+    pages (memory/hugepages.py off while it loads and warms up)."""
     from moetier import EngineConfig, SamplingParams
+    from moetier.memory import hugepages
     from moetier.runtime.engine import Engine
-    eng = Engine.load(path, EngineConfig(device="cpu", threads=threads, progress=False, max_context=2048,
-                                         cpu_compile=cpu_compile))
+    t0, was = time.perf_counter(), hugepages.ENABLED
+    hugepages.ENABLED = was and thp
+    try:
+        eng = Engine.load(path, EngineConfig(device="cpu", threads=threads, progress=False, max_context=2048,
+                                             cpu_compile=cpu_compile))
+        eng.complete(prompt_ids=prompt, max_tokens=4, params=SamplingParams(temperature=0), ignore_eos=True)
+    finally:
+        hugepages.ENABLED = was
 
     def run(prompt: list[int], n: int) -> dict:
         done = eng.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
         return {"decode_tok_s": done.stats["decode_tok_s"], "prefill_tok_s": done.stats["prefill_tok_s"]}
-    return eng, run
+    return eng, run, round(time.perf_counter() - t0, 2)
 
 
 def best(runs: list[dict]) -> dict:
@@ -74,6 +83,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per engine (best reported)")
     ap.add_argument("--gguf", default=None, help="GGUF files to compare on as they are (comma-separated)")
+    ap.add_argument("--thp-ab", action="store_true", help="also a second moetier engine with its CPU copies on 4 KiB "
+                    "pages (MOETIER_THP=0's), in the same rounds: thp_gain")
     a = ap.parse_args()
     from moetier.runtime.engine import default_model_path, default_threads
     src = Path(a.model) if a.model else default_model_path()
@@ -92,23 +103,27 @@ def main():
                 subprocess.run([sys.executable, "-m", "moetier", "quantize", str(src), "--type", qt, "--out",
                                 str(gguf)], check=True, capture_output=True)
             server, run_ref = llama_cpp(gguf, threads)
-            t0 = time.perf_counter()
-            eng, run_ours = moetier(gguf, threads, a.cpu_compile)
-            run_ours(prompt, a.gen)   # warm-up; includes loading (or with --cpu-compile on, building) the step
-            first_s = round(time.perf_counter() - t0, 2)
+            # the warm-up includes loading (or with --cpu-compile on, building) the step
+            eng, run_ours, first_s = moetier(gguf, threads, a.cpu_compile, prompt)
+            eng4k, run_4k = moetier(gguf, threads, a.cpu_compile, prompt, thp=False)[:2] if a.thp_ab else (None, None)
             run_ref(prompt, a.gen)
-            refs, ours = [], []
+            refs, ours, ours4k = [], [], []
             for _ in range(a.rounds):   # interleaved, so a busy moment hits both engines alike
                 refs.append(run_ref(prompt, a.gen))
                 ours.append(run_ours(prompt, a.gen))
+                if run_4k:
+                    ours4k.append(run_4k(prompt, a.gen))
             del server
             ref, ours = best(refs), best(ours)
             ours |= {"decode_path": "aoti" if getattr(eng, "_cpu_decode", None) else "eager",
                      "load_and_first_request_s": first_s}
-            del eng
+            del eng, eng4k
             rows.append({"type": qt, "llama_cpp": ref, "moetier": ours,
                          "decode_ratio": round(ours["decode_tok_s"] / ref["decode_tok_s"], 3),
                          "prefill_ratio": round(ours["prefill_tok_s"] / ref["prefill_tok_s"], 3)})
+            if ours4k:
+                o4 = best(ours4k)
+                rows[-1] |= {"moetier_4k_pages": o4, "thp_gain": round(ours["decode_tok_s"] / o4["decode_tok_s"], 3)}
     model = ",".join(map(str, files)) or str(src)
     print(json.dumps({"model": model, "threads": threads, "cpu_compile": a.cpu_compile, "prompt_len": a.prompt_len,
                       "gen": a.gen, "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "results": rows}))

@@ -42,21 +42,13 @@ from moetier.quant.formats import get_format  # noqa: E402
 from moetier.quant.pack import quantize  # noqa: E402
 
 
-HUGE = 2 << 20
-
-
 def thp_empty(shape) -> torch.Tensor:
-    """uint8 [shape] on an anonymous mapping advised for transparent huge pages (the pool kind 'thp'), starting on
-    a 2 MiB boundary; the mapping lives as long as the tensor."""
-    import mmap
+    """uint8 [shape] on 2 MiB transparent huge pages (the pool kind 'thp'; moetier.memory.hugepages)."""
+    from moetier.memory import hugepages
     nbytes = 1
     for n in shape:
         nbytes *= n
-    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mm.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(mm, dtype=torch.uint8)
-    skip = -whole.data_ptr() % HUGE
-    return whole[skip:skip + nbytes].view(*shape)
+    return hugepages.empty(nbytes).view(*shape)
 
 
 def make_pool(qtype: str, n: int, dim: int, hidden: int, gen, kind: str = "plain", tmpl=None

@@ -45,6 +45,7 @@
 #   cpuyard     no GPU: moetier vs llama.cpp (xllamacpp) on the CPU, the same 48-layer Q4_0 GGUF, 16 threads
 #               (bench/bench_cpu_vs_llamacpp.py --gguf; CYCOMPILE="off on": the eager step, then the compiled one;
 #               CYLAYERS other layer counts; CYPROF=16,8 first bench/profile_cpu_decode.py at those thread counts;
+#               CYARGS more options for the bench, e.g. --thp-ab;
 #               carry .whl-xl, not .whl)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -98,7 +99,7 @@ for step in $STEPS; do
     for C in ${CYCOMPILE:-off}; do
       CUDA_VISIBLE_DEVICES= timeout ${CYSECS:-240} python3 -X faulthandler bench/bench_cpu_vs_llamacpp.py --gguf $M \
         --threads ${CYTHREADS:-16} \
-        --rounds ${CYROUNDS:-3} --gen ${CYGEN:-48} --prompt-len ${CYPROMPT:-512} --cpu-compile $C \
+        --rounds ${CYROUNDS:-3} --gen ${CYGEN:-48} --prompt-len ${CYPROMPT:-512} --cpu-compile $C ${CYARGS:-} \
         > "$OUT/cpuyard_$C.json" 2> "$OUT/cpuyard_$C.err"
       grep -v "^[0-9.]* [IWD] \|^WARNING" "$OUT/cpuyard_$C.err" | tail -4; cat "$OUT/cpuyard_$C.json"
     done

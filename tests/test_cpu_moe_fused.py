@@ -259,8 +259,8 @@ def test_native_op_kernels_match_python_kernels():
     x, ids, w = random_route(2)
     lin = pack(torch.randn(36, 256, generator=torch.Generator().manual_seed(4)) * 0.1, "Q8_0")
     q4, q8 = get_format("Q4_0").type_id, get_format("Q8_0").type_id
-    py = [cpu._moe_tokens_op(x, ids, w, gate, up, down, q4, q4, q8_act) for q8_act in (False, True)]
-    py += [cpu._qlinear_op(x, lin, q8, q8_act) for q8_act in (False, True)]
+    py = [cpu.moe_tokens_op(x, ids, w, gate, up, down, q4, q4, q8_act) for q8_act in (False, True)]
+    py += [cpu.qlinear_op(x, lin, q8, q8_act) for q8_act in (False, True)]
     assert cpu.load_native_ops()
     native = [torch.ops.moetier.moe_tokens(x, ids, w, gate, up, down, q4, q4, q8_act) for q8_act in (False, True)]
     native += [torch.ops.moetier.qlinear(x, lin, q8, q8_act) for q8_act in (False, True)]
@@ -292,7 +292,7 @@ def test_native_qlinear_takes_every_c_format():
             blocks = cpu.interleave_rows(w, tid) if q != tid else w
             for q8_act in (False, True) if q == tid else (True,):
                 got = torch.ops.moetier.qlinear(x, blocks, q, q8_act)
-                assert torch.equal(got, cpu._qlinear_op(x, blocks, q, q8_act)), (name, q, q8_act)
+                assert torch.equal(got, cpu.qlinear_op(x, blocks, q, q8_act)), (name, q, q8_act)
 
 
 @needs_c
@@ -325,8 +325,8 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     ours, ref = Engine.load(path, cfg), Engine.load(path, cfg)
     float_bytes = bytes_per_token(ours, 16)["dense"]
     calls = []
-    inner = cpu.qlinear
-    monkeypatch.setattr(cpu, "qlinear", lambda *a, **k: calls.append(a[0]) or inner(*a, **k))
+    inner = cpu.qlinear_op              # _on_blocks' call (x, blocks, qtype, q8)
+    monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 12
     done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
     layers = len(ours.model.model.layers)
@@ -360,7 +360,7 @@ def test_moe_tokens_on_experts_interleaved_by_8(qtype):
     tid = {q: get_format(q).type_id for q in (gq, dq)}
     x8 = [torch.stack([cpu.interleave_rows(b[e].contiguous(), tid[q]) for e in range(b.shape[0])])
           for b, q in ((gate, gq), (up, gq), (down, dq))]
-    ref = cpu._moe_tokens_op(x, ids, w, gate, up, down, tid[gq], tid[dq], True)
+    ref = cpu.moe_tokens_op(x, ids, w, gate, up, down, tid[gq], tid[dq], True)
     y = torch.full((3, 256), float("nan"))
     rc = cpu._lib.moetier_moe_tokens(cpu.INTERLEAVED[tid[gq]], cpu.INTERLEAVED[tid[dq]], x8[0].data_ptr(),
                                      x8[1].data_ptr(), x8[0].stride(0), x8[0].stride(1), x8[2].data_ptr(),

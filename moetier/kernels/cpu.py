@@ -140,6 +140,11 @@ def open_library(path: Path) -> ctypes.CDLL:
                                        ptr, ptr, ptr, ptr, c_int, c_int]
     lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
     lib.moetier_grouped_int8_tile.argtypes = [c_int]
+    f32 = ctypes.c_float
+    lib.moetier_decode_attn.argtypes = [ptr, ptr, ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32,
+                                        ptr, c_int]
+    lib.moetier_router_add_norm.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
+                                            c_int]
     return lib
 
 
@@ -394,8 +399,9 @@ _ops.define("moe_tokens(Tensor x, Tensor ids, Tensor w, Tensor gate, Tensor up, 
             "int gate_type, int down_type, bool q8) -> Tensor")
 
 
-def _moe_tokens_op(x, ids, w, gate, up, down, gate_type: int, down_type: int, q8: bool):
-    # the compiled decode step's call (float32, int64 ids, C kernels): straight to C
+def moe_tokens_op(x, ids, w, gate, up, down, gate_type: int, down_type: int, q8: bool):
+    # the compiled decode step's call (float32, int64 ids, C kernels), and the eager one's (cpu_compile.fused_experts:
+    # no dispatcher, ~6 us less): straight to C
     if x.dtype == w.dtype == torch.float32 and ids.dtype == torch.int64 and _backend == "c" \
             and x.is_contiguous() and ids.is_contiguous() and w.is_contiguous():
         y = torch.empty(x.shape[0], down.shape[1])
@@ -518,8 +524,9 @@ def qlinear_native(qtype, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 _ops.define("qlinear(Tensor x, Tensor w, int qtype, bool q8) -> Tensor")
 
 
-def _qlinear_op(x, w, qtype: int, q8: bool):
-    # the compiled decode step's call (one float32 token): straight to C, ~7 us less than qlinear()
+def qlinear_op(x, w, qtype: int, q8: bool):
+    # the compiled decode step's call (one float32 token), and the eager one's (cpu_compile._on_blocks): straight to
+    # C, 7 us against qlinear()'s 25 on the dev box
     if x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.is_contiguous() and _backend == "c":
         y = torch.empty(1, w.shape[0])
         rc = (_lib.moetier_matvec_q8 if q8 else _lib.moetier_matvec)(
@@ -536,8 +543,8 @@ _py_kernels: torch.library.Library | None = None
 def _register_python_kernels() -> None:
     global _py_kernels
     _py_kernels = torch.library.Library("moetier", "IMPL")
-    _py_kernels.impl("moe_tokens", _moe_tokens_op, "CPU")
-    _py_kernels.impl("qlinear", _qlinear_op, "CPU")
+    _py_kernels.impl("moe_tokens", moe_tokens_op, "CPU")
+    _py_kernels.impl("qlinear", qlinear_op, "CPU")
 
 
 _register_python_kernels()
@@ -597,6 +604,49 @@ def _build_ops_library(cache_dir: Path | None = None) -> Path:
             raise RuntimeError(f"compiling {src.name} failed:\n{res.stderr[-2000:]}")
         os.replace(tmp, so)
     return so
+
+
+# ---------------------------------------------------------------- a decode token's small ops (cpu_small.c)
+def small_ops_ok(*ts: torch.Tensor) -> bool:
+    """cpu_small.c can take these tensors: the C kernels built, plain (not fake or traced) contiguous float32 CPU
+    tensors."""
+    return backend() == "c" and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+                                    and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos: int, k_cache, v_cache, h: int, hkv: int,
+                     scale: float) -> torch.Tensor:
+    """One token's qkv [1, (H + 2 Hkv) Dh] -> q / k RMSNorm (q_w / k_w [Dh] or None) and RoPE (cos / sin [1, R]: the
+    first R features, halves), k and v into the caches [S, Hkv, Dh] at row `pos`, attention over [0, pos] -> [1, H Dh]
+    (cpu_small.c; the twin is models.layers.Attention's path for one token)."""
+    dh = k_cache.shape[-1]
+    out = qkv.new_empty((1, h * dh))
+    rc = _lib.moetier_decode_attn(qkv.data_ptr(), _ptr(q_w), _ptr(k_w), eps, cos.data_ptr(), sin.data_ptr(),
+                                  cos.shape[-1], pos, k_cache.data_ptr(), v_cache.data_ptr(), h, hkv, dh, scale,
+                                  out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError("decode attention: out of memory for the scores")
+    return out
+
+
+def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normalize: bool):
+    """(s, x, ids, w) = (h + a, RMSNorm(s) * norm_weight, the softmax router's top k of x) for one token [1, D]
+    (cpu_small.c), or None where the logits hold a NaN (the caller's twin then decides)."""
+    s, x = torch.empty_like(h), torch.empty_like(h)
+    ids = torch.empty((1, k), dtype=torch.long)
+    w = torch.empty((1, k), dtype=torch.float32)
+    rc = _lib.moetier_router_add_norm(h.data_ptr(), a.data_ptr(), norm_weight.data_ptr(), eps, h.shape[-1],
+                                      weight.data_ptr(), weight.shape[0], k, int(normalize), s.data_ptr(),
+                                      x.data_ptr(), ids.data_ptr(), w.data_ptr(), torch.get_num_threads())
+    if rc == -2:
+        return None
+    if rc:
+        raise ValueError(f"router: k={k} outside [1, {weight.shape[0]}] experts, or out of memory")
+    return s, x, ids, w
 
 
 def dequantize_rows(qtype, raw: torch.Tensor, threads: int | None = None) -> torch.Tensor:

@@ -8,7 +8,8 @@
  * Accumulation is float32; results match dequantize-then-matmul to float32 rounding.
  * One compile unit in four files: this one (vocabulary, Q8_0 / Q4_0, entry points, dequantizer),
  * cpu_kquants.c (Q4_K / Q5_K / Q6_K), cpu_iquants.c (MXFP4 / IQ3_XXS, tables from the generated
- * cpu_iq_tables.h) and cpu_moe.c (one MoE layer per call, int8 activations), each #included here.
+ * cpu_iq_tables.h) and cpu_moe.c (one MoE layer per call, int8 activations), each #included here, as are
+ * cpu_grouped.c (the prefill's expert-major tiles) and cpu_small.c (a decode token's attention and router).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -416,3 +417,4 @@ int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, 
 
 #include "cpu_moe.c"
 #include "cpu_grouped.c"
+#include "cpu_small.c"

@@ -41,6 +41,19 @@ def _triton(x, tokens: int) -> bool:
     return name == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+CPU_SMALL = os.environ.get("MOETIER_CPU_SMALL", "1") != "0"     # 0: an eager CPU token takes the twins (A/B)
+
+
+def _cpu_small(*ts) -> bool:
+    """The C versions (kernels/cpu_small.c) serve this call: tensors of one float32 token on the CPU, the backend not
+    forced (tests force "triton" to run the kernels under the interpreter), not traced (torch.export of the compiled
+    CPU step keeps the twins' ops)."""
+    if not (_enabled and CPU_SMALL and _choice.name is None) or torch.compiler.is_compiling():
+        return False
+    from . import cpu
+    return cpu.small_ops_ok(*ts)
+
+
 def rms_norm(x, weight, eps: float, twin):
     """RMSNorm over the last dim: fp32 statistics, normalised x rounded to x's dtype, times the weight
     in x's dtype (what `twin(x)` computes)."""
@@ -132,6 +145,10 @@ def router_add_norm_ok(h, a, norm_weight, weight, k: int) -> bool:
     and one launch gives their answers bit for bit (triton_small.router_add_norm_fits: x in one chunk of the
     router's tile, D >= 1024). In float32 too: session 19's last-bit differences on the H200 came with the float32
     prefill's index_add_, fixed since (models.layers.add_pairs); session 21 found float32 equal bit for bit."""
+    if (h.dim() == 2 and h.shape[0] == 1 and a.shape == h.shape and norm_weight is not None
+            and norm_weight.shape == h.shape[-1:] and weight.dim() == 2 and weight.shape[1] == h.shape[1]
+            and 0 < k <= weight.shape[0] and _cpu_small(h, a, norm_weight, weight)):
+        return True       # one eager CPU token: cpu_small.c (not bit-equal to the twin: float32 sums in its order)
     if not (_add_norm_kernel_ok(h, a, norm_weight) and router_kernel_ok(h, weight, k) and router_add_norm_on()):
         return False
     from .triton_small import router_add_norm_fits
@@ -140,21 +157,35 @@ def router_add_norm_ok(h, a, norm_weight, weight, k: int) -> bool:
 
 def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normalize: bool):
     """(s, x, ids, w) = add_rms_norm(h, a, norm_weight, eps), then router_topk(x, weight, k, normalize), in one launch
-    (kernels/triton_small.router_topk_add_norm), where router_add_norm_ok holds; the twin is those two."""
+    (kernels/triton_small.router_topk_add_norm) or one C call on the CPU (kernels/cpu_small.c), where
+    router_add_norm_ok holds; the twin is those two. None (the C call only) where the logits hold a NaN."""
+    if h.device.type == "cpu" and _cpu_small(h):
+        from .cpu import router_topk_add_norm as c_kernel
+        return c_kernel(h, a, norm_weight, eps, weight, k, normalize)
     from .triton_small import router_topk_add_norm as kernel
     return kernel(h, a, norm_weight, eps, weight, k, normalize)
 
 
 def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:
-    """The fused decode attention serves this call (one token of a CUDA-graph step, plain KV cache)."""
+    """The fused decode attention serves this call (one token of a CUDA-graph step, or of an eager CPU step: plain
+    KV cache)."""
     from ..runtime.kv_cache import KVCache
-    return (_triton(x, 1) and x.shape[0] == 1 and window is None and sinks is None and not interleaved
-            and type(kv) is KVCache and kv.k.dtype == x.dtype)
+    if not (x.shape[0] == 1 and window is None and sinks is None and not interleaved and type(kv) is KVCache
+            and kv.k.dtype == x.dtype):
+        return False
+    return _triton(x, 1) or (_cpu_small(x, kv.k, kv.v) and kv.k.shape[1:] == kv.v.shape[1:])
 
 
 def decode_attention(qkv, q_w, k_w, eps, cos, sin, pos, kv, h: int, hkv: int, scale: float, q8: bool = False):
-    """qkv [1, (H + 2 Hkv) Dh] of one token at device position `pos`: q/k RMSNorm and RoPE, k/v into
-    the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_attention.decode_attention); q8: -> (out,
-    its int8 copy for a QuantLinear o_proj, or None)."""
+    """qkv [1, (H + 2 Hkv) Dh] of one token at position `pos` (an int or a device tensor): q/k RMSNorm and RoPE, k/v
+    into the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_attention.decode_attention; an eager CPU
+    token kernels/cpu_small.c); q8: -> (out, its int8 copy for a QuantLinear o_proj, or None)."""
+    if not qkv.is_cuda and not _triton(qkv, 1):
+        from .cpu import decode_attention as c_kernel
+        q_w, k_w = (None if t is None else t.float().contiguous() for t in (q_w, k_w))
+        out = c_kernel(qkv, q_w, k_w, eps, cos.contiguous(), sin.contiguous(), int(pos), kv.k, kv.v, h, hkv, scale)
+        return (out, None) if q8 else out
+    if not isinstance(pos, torch.Tensor):
+        pos = torch.tensor(pos, device=qkv.device)
     from .triton_attention import decode_attention as kernel
     return kernel(qkv, q_w, k_w, eps, cos, sin, pos, kv.k, kv.v, h, hkv, scale, q8=q8)

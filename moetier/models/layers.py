@@ -280,9 +280,8 @@ class Attention(nn.Module):
         if (t == 1 and self.qkv_rows is not None and rope is not None
                 and small_ops.decode_attention_ok(x, kv, self.window, self.sinks, False)):
             # CUDA decode: norm + rope + cache write, split-K attention over [0, start]: 3 launches
-            # (eager steps too, so a graph replay and an eager step compute the same numbers)
-            if not isinstance(start, torch.Tensor):
-                start = torch.tensor(start, device=x.device)
+            # (eager steps too, so a graph replay and an eager step compute the same numbers); an eager CPU token:
+            # one C call (kernels/cpu_small.c)
             qkv = self._qkv(x, pre)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
@@ -540,5 +539,8 @@ class SoftmaxMoE(nn.Module):
         out = routed(h, a, norm, gate) if routed is not None else None
         if out is not None:
             return out
-        s, x, ids, w = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize)
+        out = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize)
+        if out is None:                  # NaN logits in the CPU's C router: the Block's own ops decide
+            return None
+        s, x, ids, w = out
         return s + self.experts(x, ids, w)

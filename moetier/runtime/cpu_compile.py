@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..memory import hugepages
 from ..memory.budget import ram_info
 from ..models.layers import DenseExperts
 from ..models.quant_experts import FUSED_CPU_TOKENS
@@ -110,7 +111,8 @@ def fused_experts(m, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tor
     x8 = getattr(m, "_x8_types", None)
     if not (x8 and Q8_ACTIVATIONS):
         return m.forward_fused(x, ids, w, q8=Q8_ACTIVATIONS)
-    return torch.ops.moetier.moe_tokens(x, ids, w.float(), m.gate_x8, m.up_x8, m.down_x8, x8[0], x8[1], True)
+    call = torch.ops.moetier.moe_tokens if torch.compiler.is_compiling() else cpu_kernels.moe_tokens_op  # eager: no
+    return call(x, ids, w.float(), m.gate_x8, m.up_x8, m.down_x8, x8[0], x8[1], True)                # dispatcher
 
 
 def fused_gather_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts) -> torch.Tensor:
@@ -200,7 +202,7 @@ def _quantized_copies(model: torch.nn.Module) -> None:
             if tid in cpu_kernels.INTERLEAVED and blocks.shape[0] % 8 == 0 and Q8_ACTIVATIONS and INTERLEAVE \
                     and cpu_kernels.interleaved_supported(tid):
                 blocks, tid = cpu_kernels.interleave_rows(blocks, tid), cpu_kernels.INTERLEAVED[tid]    # rows in lanes
-            m.register_buffer(f"{a}_q", blocks, persistent=False)
+            m.register_buffer(f"{a}_q", hugepages.copy(blocks), persistent=False)   # big ones on 2 MiB pages
             m._quant_copies[a] = tid
     _x8_experts(model)
 
@@ -231,7 +233,8 @@ def _x8_experts(model: torch.nn.Module) -> None:
         ids = []
         for name, f in (("gate", m.fmt), ("up", m.fmt), ("down", m.down_fmt)):
             raw, tid = getattr(m, f"{name}_raw"), get_format(f).type_id
-            x8 = raw.contiguous().clone()
+            x8 = hugepages.empty(raw.nbytes).view(raw.dtype).view(raw.shape)   # a copy on 2 MiB pages (memory/hugepages.py)
+            x8.copy_(raw)
             cpu_kernels.interleave_inplace(x8.view(-1, raw.shape[-1]), tid)   # groups of 8 rows stay in one expert
             m.register_buffer(f"{name}_x8", x8, persistent=False)
             ids.append(cpu_kernels.INTERLEAVED[tid])
@@ -279,7 +282,7 @@ def _on_blocks(eager, attr: str, bias: str):
         if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu" \
                 or x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
             return eager(x, *rest, **kw)
-        y = cpu_kernels.qlinear(qtype, blocks, x, q8=Q8_ACTIVATIONS).to(x.dtype)
+        y = cpu_kernels.qlinear_op(x, blocks, qtype, Q8_ACTIVATIONS)   # one float32 row: straight to C
         b = getattr(self, bias, None)
         return y if b is None else y + b
     return forward

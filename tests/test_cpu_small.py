@@ -1,0 +1,112 @@
+"""kernels/cpu_small.c: an eager CPU token's attention (q/k norm, RoPE, cache write, attention) and its residual add +
+norm + softmax router in C, against the torch twins of models/layers.py; the engine's eager decode takes them."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetier import EngineConfig
+from moetier.kernels import cpu, small_ops
+from moetier.models.layers import Rope, apply_rope, one_token_attention, rms_normalize, softmax_topk
+from moetier.runtime.engine import Engine
+from moetier.runtime.kv_cache import KVCache
+from test_gguf import build_qwen3_moe
+
+pytestmark = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
+
+
+def attention_twin(qkv, qw, kw, eps, cos, sin, pos, kv, h, hkv, scale):
+    """Attention.forward's one-token path in torch ops (q / k norm, RoPE, kv.update, one_token_attention)."""
+    dh = kv.k.shape[-1]
+    q, k, v = qkv.view(h + 2 * hkv, dh).split([h, hkv, hkv])
+    if qw is not None:
+        q, k = rms_normalize(q, eps) * qw, rms_normalize(k, eps) * kw
+    q, k = apply_rope(q[None], cos, sin), apply_rope(k[None], cos, sin)
+    keys, values = kv.update(pos, k, v[None])
+    return one_token_attention(q, keys, values, pos, scale).reshape(1, h * dh)
+
+
+@pytest.mark.parametrize("h,hkv,dh,rot,pos,norm", [(8, 2, 64, 64, 0, True), (8, 2, 64, 64, 37, True),
+                                                   (6, 6, 32, 16, 5, False), (4, 1, 128, 96, 300, True)])
+def test_decode_attention_matches_the_twin(h, hkv, dh, rot, pos, norm):
+    g = torch.Generator().manual_seed(pos + h)
+    qkv = torch.randn(1, (h + 2 * hkv) * dh, generator=g)
+    qw = torch.randn(dh, generator=g) if norm else None
+    kw = torch.randn(dh, generator=g) if norm else None
+    rope = Rope({"rope_type": "default", "rope_theta": 10000.0}, rot, 4096)
+    cos, sin = rope.span(pos, 1, torch.float32, "cpu")
+    ours, ref = KVCache(400, (hkv, dh), (hkv, dh), torch.float32, "cpu"), KVCache(400, (hkv, dh), (hkv, dh),
+                                                                                   torch.float32, "cpu")
+    for c in (ours, ref):          # earlier positions: random keys and values (never zeros)
+        c.k[:pos] = torch.randn(pos, hkv, dh, generator=torch.Generator().manual_seed(1))
+        c.v[:pos] = torch.randn(pos, hkv, dh, generator=torch.Generator().manual_seed(2))
+    scale = 1 / math.sqrt(dh)
+    want = attention_twin(qkv, qw, kw, 1e-6, cos, sin, pos, ref, h, hkv, scale)
+    got = cpu.decode_attention(qkv, qw, kw, 1e-6, cos, sin, pos, ours.k, ours.v, h, hkv, scale)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ours.k[:pos + 1], ref.k[:pos + 1], rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours.v[:pos + 1], ref.v[:pos + 1])
+    assert not ours.k[pos + 1:].any()               # nothing written past the token's row
+
+
+@pytest.mark.parametrize("e,k,normalize", [(128, 8, True), (60, 4, False), (16, 16, True)])
+def test_router_add_norm_matches_the_twin(e, k, normalize):
+    g = torch.Generator().manual_seed(e)
+    d = 512
+    h, a = torch.randn(1, d, generator=g), torch.randn(1, d, generator=g)
+    nw, weight = torch.randn(d, generator=g), torch.randn(e, d, generator=g) / 8
+    s, x, ids, w = cpu.router_topk_add_norm(h, a, nw, 1e-6, weight, k, normalize)
+    s_ref = h + a
+    x_ref = F.rms_norm(s_ref, (d,), nw, 1e-6)
+    ids_ref, w_ref = softmax_topk(F.linear(x_ref, weight), k, normalize)
+    assert torch.equal(s, s_ref) and torch.allclose(x, x_ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ids, ids_ref) and ids.dtype == torch.long
+    assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_router_add_norm_gives_way_on_nan_and_refuses_bad_k():
+    h, a, weight = torch.randn(1, 64), torch.randn(1, 64), torch.randn(8, 64)
+    h[0, 0] = float("nan")                           # every logit NaN: the C call hands the choice back
+    assert cpu.router_topk_add_norm(h, a, torch.ones(64), 1e-6, weight, 2, True) is None
+    with pytest.raises(ValueError, match="k=9 outside"):
+        cpu.router_topk_add_norm(torch.randn(1, 64), a, torch.ones(64), 1e-6, torch.randn(8, 64), 9, True)
+
+
+def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkeypatch):
+    """The engine's eager CPU decode (a tiny Qwen3-MoE) runs cpu_small.c's two calls once a layer a token, and its
+    logits are the torch twins' (MOETIER_CPU_SMALL=0's) to float32 rounding; forcing the torch backend turns them
+    off."""
+    eng = Engine.load(build_qwen3_moe(tmp_path / "model"),
+                      EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
+    calls = {"attn": 0, "router": 0}
+    for name, key in (("decode_attention", "attn"), ("router_topk_add_norm", "router")):
+        inner = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _i=inner, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1)
+                            or _i(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, eng.args.vocab_size, (9,), generator=g)
+    toks = torch.randint(0, eng.args.vocab_size, (12,), generator=g)
+
+    def logits(on: bool, force_torch: bool = False):
+        monkeypatch.setattr(small_ops, "CPU_SMALL", on)
+        c, out = eng.new_session(max_context=64).cache, []
+        with torch.inference_mode():
+            eng.model(prompt, c)
+            for t in toks:
+                if force_torch:
+                    with small_ops.use("torch"):
+                        out.append(eng.model(t[None], c)[-1])
+                else:
+                    out.append(eng.model(t[None], c)[-1])
+        return torch.stack(out)
+    want = logits(False)
+    assert calls == {"attn": 0, "router": 0}
+    got = logits(True)
+    layers = len(eng.model.model.layers)
+    assert calls == {"attn": len(toks) * layers, "router": len(toks) * layers}
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(got.argmax(-1), want.argmax(-1))
+    logits(True, force_torch=True)
+    assert calls["attn"] == len(toks) * layers           # use("torch"): the twins
