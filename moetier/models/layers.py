@@ -277,12 +277,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, kv: KVCache, start: int, pre: tuple | None = None) -> torch.Tensor:
         """pre: x's int8 copy (q8_input), used by the decode path's qkv GEMV."""
         t = x.shape[0]
-        if (t == 1 and self.qkv_rows is not None and rope is not None
+        if (t == 1 and (self.qkv_rows is not None or not x.is_cuda) and rope is not None
                 and small_ops.decode_attention_ok(x, kv, self.window, self.sinks, False)):
             # CUDA decode: norm + rope + cache write, split-K attention over [0, start]: 3 launches
             # (eager steps too, so a graph replay and an eager step compute the same numbers); an eager CPU token:
-            # one C call (kernels/cpu_small.c)
-            qkv = self._qkv(x, pre)
+            # one C call (kernels/cpu_small.c), q/k/v fused or not (a model loaded without the engine: the same bits)
+            qkv = self._qkv(x, pre) if self.qkv_rows is not None else \
+                torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
             q8 = isinstance(self.o_proj, QuantLinear)   # its GEMV takes the output's int8 copy (one launch fewer)

@@ -111,8 +111,9 @@ def fused_experts(m, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> tor
     x8 = getattr(m, "_x8_types", None)
     if not (x8 and Q8_ACTIVATIONS):
         return m.forward_fused(x, ids, w, q8=Q8_ACTIVATIONS)
-    call = torch.ops.moetier.moe_tokens if torch.compiler.is_compiling() else cpu_kernels.moe_tokens_op  # eager: no
-    return call(x, ids, w.float(), m.gate_x8, m.up_x8, m.down_x8, x8[0], x8[1], True)                # dispatcher
+    # traced: the torch op (the compiled step keeps it whole); eager: its CPU kernel without the dispatcher (~6 us)
+    call = torch.ops.moetier.moe_tokens if torch.compiler.is_compiling() else cpu_kernels.moe_tokens_op
+    return call(x, ids, w.float(), m.gate_x8, m.up_x8, m.down_x8, x8[0], x8[1], True)
 
 
 def fused_gather_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts) -> torch.Tensor:
@@ -196,13 +197,16 @@ def _quantized_copies(model: torch.nn.Module) -> None:
     for m, a, w in found:
         if w.numel() < largest[w.untyped_storage().data_ptr()]:
             continue                                    # part of a fused weight (fuse_qkv's q/k/v views)
-        hit = _stored_blocks(w) or _exact_blocks(w.detach())
+        stored = _stored_blocks(w)
+        hit = stored or _exact_blocks(w.detach())
         if hit is not None:
             blocks, tid = hit
             if tid in cpu_kernels.INTERLEAVED and blocks.shape[0] % 8 == 0 and Q8_ACTIVATIONS and INTERLEAVE \
                     and cpu_kernels.interleaved_supported(tid):
                 blocks, tid = cpu_kernels.interleave_rows(blocks, tid), cpu_kernels.INTERLEAVED[tid]    # rows in lanes
-            m.register_buffer(f"{a}_q", hugepages.copy(blocks), persistent=False)   # big ones on 2 MiB pages
+            if stored is None or blocks is not stored[0]:
+                blocks = hugepages.copy(blocks)   # made here: on 2 MiB pages (the file's own views cost no copy)
+            m.register_buffer(f"{a}_q", blocks, persistent=False)
             m._quant_copies[a] = tid
     _x8_experts(model)
 
@@ -233,7 +237,7 @@ def _x8_experts(model: torch.nn.Module) -> None:
         ids = []
         for name, f in (("gate", m.fmt), ("up", m.fmt), ("down", m.down_fmt)):
             raw, tid = getattr(m, f"{name}_raw"), get_format(f).type_id
-            x8 = hugepages.empty(raw.nbytes).view(raw.dtype).view(raw.shape)   # a copy on 2 MiB pages (memory/hugepages.py)
+            x8 = hugepages.empty(raw.nbytes).view(raw.dtype).view(raw.shape)   # a copy, on 2 MiB pages
             x8.copy_(raw)
             cpu_kernels.interleave_inplace(x8.view(-1, raw.shape[-1]), tid)   # groups of 8 rows stay in one expert
             m.register_buffer(f"{name}_x8", x8, persistent=False)
