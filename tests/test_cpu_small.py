@@ -29,9 +29,13 @@ def attention_twin(qkv, qw, kw, eps, cos, sin, pos, kv, h, hkv, scale):
     return one_token_attention(q, keys, values, pos, scale).reshape(1, h * dh)
 
 
-@pytest.mark.parametrize("h,hkv,dh,rot,pos,norm", [(8, 2, 64, 64, 0, True), (8, 2, 64, 64, 37, True),
-                                                   (6, 6, 32, 16, 5, False), (4, 1, 128, 96, 300, True)])
-def test_decode_attention_matches_the_twin(h, hkv, dh, rot, pos, norm):
+@pytest.mark.parametrize("h,hkv,dh,rot,pos,norm,c_core", [(8, 2, 64, 64, 0, True, True), (8, 2, 64, 64, 37, True, True),
+                                                          (6, 6, 32, 16, 5, False, True),
+                                                          (4, 1, 128, 96, 300, True, True),
+                                                          (4, 1, 128, 96, 300, True, False)])
+def test_decode_attention_matches_the_twin(h, hkv, dh, rot, pos, norm, c_core, monkeypatch):
+    """c_core: the C attention over every key (else past cpu.ATTN_C_MAX_KEYS: its prep, then torch's GEMMs)."""
+    monkeypatch.setattr(cpu, "ATTN_C_MAX_KEYS", 1 << 20 if c_core else 256)
     g = torch.Generator().manual_seed(pos + h)
     qkv = torch.randn(1, (h + 2 * hkv) * dh, generator=g)
     qw = torch.randn(dh, generator=g) if norm else None

@@ -143,6 +143,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.moetier_decode_attn.argtypes = [ptr, ptr, ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32,
                                         ptr, c_int]
+    lib.moetier_decode_attn_prep.argtypes = [ptr, ptr, ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int,
+                                             ptr]
+    lib.moetier_decode_attn_prep.restype = None
     lib.moetier_router_add_norm.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
                                             c_int]
     return lib
@@ -618,12 +621,26 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# Keys up to which cpu_small.c attends itself (a head a thread, a key at a time); beyond, torch's batched GEMMs over
+# its prep's q. Dev box, 1 thread, 32 q / 4 kv heads of 128 (session 25), us for C / prep + torch / all torch: 32 keys
+# 37 / 83 / 250, 128 keys 129 / 122 / 288, 512 keys 633 / 266 / 444, 4,096 keys 7,645 / 2,486 / 2,789.
+ATTN_C_MAX_KEYS = 96
+
+
 def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos: int, k_cache, v_cache, h: int, hkv: int,
                      scale: float) -> torch.Tensor:
     """One token's qkv [1, (H + 2 Hkv) Dh] -> q / k RMSNorm (q_w / k_w [Dh] or None) and RoPE (cos / sin [1, R]: the
     first R features, halves), k and v into the caches [S, Hkv, Dh] at row `pos`, attention over [0, pos] -> [1, H Dh]
-    (cpu_small.c; the twin is models.layers.Attention's path for one token)."""
+    (cpu_small.c; past ATTN_C_MAX_KEYS keys the attention itself is models.layers.one_token_attention; the twin is
+    models.layers.Attention's path for one token)."""
     dh = k_cache.shape[-1]
+    if pos + 1 > ATTN_C_MAX_KEYS:
+        from ..models.layers import one_token_attention
+        q = qkv.new_empty((1, h, dh))
+        _lib.moetier_decode_attn_prep(qkv.data_ptr(), _ptr(q_w), _ptr(k_w), eps, cos.data_ptr(), sin.data_ptr(),
+                                      cos.shape[-1], pos, k_cache.data_ptr(), v_cache.data_ptr(), h, hkv, dh,
+                                      q.data_ptr())
+        return one_token_attention(q, k_cache[:pos + 1], v_cache[:pos + 1], pos, scale).reshape(1, h * dh)
     out = qkv.new_empty((1, h * dh))
     rc = _lib.moetier_decode_attn(qkv.data_ptr(), _ptr(q_w), _ptr(k_w), eps, cos.data_ptr(), sin.data_ptr(),
                                   cos.shape[-1], pos, k_cache.data_ptr(), v_cache.data_ptr(), h, hkv, dh, scale,

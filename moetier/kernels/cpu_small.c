@@ -3,7 +3,9 @@
  * the layer's GEMVs on a 16-core Xeon (docs/perf-log.md, session 25). float32 throughout.
  *
  *   moetier_decode_attn        q/k RMSNorm + RoPE of one token's qkv, k/v into the cache row `pos`, attention of
- *                              every q head over keys [0, pos] (Attention.forward's twin path)
+ *                              every q head over keys [0, pos] (Attention.forward's twin path); a head a thread,
+ *                              one key at a time: for short contexts only (cpu.ATTN_C_MAX_KEYS, 96)
+ *   moetier_decode_attn_prep   its first part (norm, RoPE, cache write): longer contexts attend with torch's GEMMs
  *   moetier_router_add_norm    s = h + a, x = RMSNorm(s) * nw, softmax(W x) top-k (renormalised if asked)
  *                              (Block's residual add + post-attention norm, then SoftmaxRouter)
  */
@@ -53,6 +55,19 @@ static void small_norm_rope(const float *x, const float *w, float eps, int dh, c
 
 /* qkv [(h + 2 hkv) dh]: q heads, k heads, v heads. qw / kw [dh] or NULL (no q/k norm). k / v caches [S, hkv, dh]
  * (rows of hkv * dh floats); row `pos` is written. out [h dh]. Returns 0, or -1 when memory ran out. */
+/* The prep alone: q heads normed and rotated into q [h dh], k and v into the caches' row `pos`. */
+void moetier_decode_attn_prep(const float *qkv, const float *qw, const float *kw, float eps, const float *cs,
+                              const float *sn, int rot, int64_t pos, float *kc, float *vc, int h, int hkv, int dh,
+                              float *q) {
+    int64_t row = (int64_t)hkv * dh;
+    for (int i = 0; i < h; i++)
+        small_norm_rope(qkv + (size_t)i * dh, qw, eps, dh, cs, sn, rot, q + (size_t)i * dh);
+    for (int g = 0; g < hkv; g++) {
+        small_norm_rope(qkv + (size_t)(h + g) * dh, kw, eps, dh, cs, sn, rot, kc + pos * row + (int64_t)g * dh);
+        memcpy(vc + pos * row + (int64_t)g * dh, qkv + (size_t)(h + hkv + g) * dh, (size_t)dh * sizeof(float));
+    }
+}
+
 int moetier_decode_attn(const float *qkv, const float *qw, const float *kw, float eps, const float *cs,
                         const float *sn, int rot, int64_t pos, float *kc, float *vc, int h, int hkv, int dh,
                         float scale, float *out, int nthreads) {
@@ -61,12 +76,7 @@ int moetier_decode_attn(const float *qkv, const float *qw, const float *kw, floa
     if (!q)
         return -1;
     float *scores = q + (size_t)h * dh;
-    for (int i = 0; i < h; i++)
-        small_norm_rope(qkv + (size_t)i * dh, qw, eps, dh, cs, sn, rot, q + (size_t)i * dh);
-    for (int g = 0; g < hkv; g++) {
-        small_norm_rope(qkv + (size_t)(h + g) * dh, kw, eps, dh, cs, sn, rot, kc + pos * row + (int64_t)g * dh);
-        memcpy(vc + pos * row + (int64_t)g * dh, qkv + (size_t)(h + hkv + g) * dh, (size_t)dh * sizeof(float));
-    }
+    moetier_decode_attn_prep(qkv, qw, kw, eps, cs, sn, rot, pos, kc, vc, h, hkv, dh, q);
     int rep = h / hkv;
     int nt = small_threads((int64_t)h * n * dh, nthreads);
     #pragma omp parallel for schedule(static) num_threads(nt)
