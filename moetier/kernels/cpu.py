@@ -19,6 +19,8 @@ Decode ops (tests/test_cpu_moe_fused.py): `moe_tokens` (a SwiGLU MoE layer's k e
 in one C call; twin moe_tokens_native) and `qlinear` (twin qlinear_native), also the torch ops
 moetier::moe_tokens / moetier::qlinear so torch.export keeps them whole in the compiled CPU decode step;
 their CPU kernels are Python until `load_native_ops()` swaps in cpu_ops.cpp (no Python per call).
+A decode token's small ops (tests/test_cpu_small.py; kernels/small_ops.py calls them for an eager CPU step):
+`decode_attention` (q / k norm, RoPE, cache write, attention) and `router_topk_add_norm`, in cpu_small.c.
 q8=True: Q4_0 / Q8_0 / MXFP4 / IQ3_XXS rows dot activations rounded to int8 per 32 values (llama.cpp's way;
 integer kernels in cpu_moe.c / cpu_iq_q8.c with AVX2, else the float ones).
 """
