@@ -34,14 +34,19 @@ static int small_threads(int64_t work, int nthreads) {
     return nt < 1 ? 1 : (nt < nthreads ? (int)nt : nthreads);
 }
 
+/* y = RMSNorm(x) * w over n values: the twin's F.rms_norm (x times rsqrt of the mean square + eps), times w */
+static void small_rms_norm(const float *x, const float *w, float eps, int n, float *y) {
+    float r = 1.0f / sqrtf(small_sumsq(x, n) / (float)n + eps);
+    for (int i = 0; i < n; i++)
+        y[i] = (x[i] * r) * w[i];
+}
+
 /* y = RMSNorm(x) over dh values (times w when given), then RoPE on its first rot values (halves: pairs i, i + rot/2;
  * cos / sin [rot] with the scale folded in, as Rope.forward makes them). y may not alias x. */
 static void small_norm_rope(const float *x, const float *w, float eps, int dh, const float *cs, const float *sn,
                             int rot, float *y) {
     if (w) {
-        float r = 1.0f / sqrtf(small_sumsq(x, dh) / (float)dh + eps);
-        for (int i = 0; i < dh; i++)
-            y[i] = (x[i] * r) * w[i];        /* the twin: rms_normalize(x) rounded to float32, times the weight */
+        small_rms_norm(x, w, eps, dh, y);
     } else {
         memcpy(y, x, (size_t)dh * sizeof(float));
     }
@@ -53,9 +58,9 @@ static void small_norm_rope(const float *x, const float *w, float eps, int dh, c
     }
 }
 
-/* qkv [(h + 2 hkv) dh]: q heads, k heads, v heads. qw / kw [dh] or NULL (no q/k norm). k / v caches [S, hkv, dh]
- * (rows of hkv * dh floats); row `pos` is written. out [h dh]. Returns 0, or -1 when memory ran out. */
-/* The prep alone: q heads normed and rotated into q [h dh], k and v into the caches' row `pos`. */
+/* The prep: qkv [(h + 2 hkv) dh] (q heads, k heads, v heads) -> q heads normed and rotated into q [h dh], k heads
+ * normed and rotated and v heads into the caches' row `pos` (caches [S, hkv, dh]: rows of hkv * dh floats). qw / kw
+ * [dh] or NULL (no q/k norm). */
 void moetier_decode_attn_prep(const float *qkv, const float *qw, const float *kw, float eps, const float *cs,
                               const float *sn, int rot, int64_t pos, float *kc, float *vc, int h, int hkv, int dh,
                               float *q) {
@@ -68,6 +73,7 @@ void moetier_decode_attn_prep(const float *qkv, const float *qw, const float *kw
     }
 }
 
+/* The prep, then attention of every q head over keys [0, pos] -> out [h dh]. Returns 0, or -1 when memory ran out. */
 int moetier_decode_attn(const float *qkv, const float *qw, const float *kw, float eps, const float *cs,
                         const float *sn, int rot, int64_t pos, float *kc, float *vc, int h, int hkv, int dh,
                         float scale, float *out, int nthreads) {
@@ -122,9 +128,7 @@ int moetier_router_add_norm(const float *hv, const float *av, const float *nw, f
         return -1;
     for (int i = 0; i < d; i++)
         s[i] = hv[i] + av[i];
-    float r = 1.0f / sqrtf(small_sumsq(s, d) / (float)d + eps);
-    for (int i = 0; i < d; i++)
-        x[i] = (s[i] * r) * nw[i];
+    small_rms_norm(s, nw, eps, d, x);
     int nt = small_threads((int64_t)e * d, nthreads);
     #pragma omp parallel for schedule(static) num_threads(nt)
     for (int j = 0; j < e; j++)
