@@ -39,7 +39,7 @@
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
-#   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT)
+#   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY variants)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 #   cpuyard     no GPU: moetier vs llama.cpp (xllamacpp) on the CPU, the same 48-layer Q4_0 GGUF, 16 threads
@@ -224,6 +224,10 @@ for step in $STEPS; do
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
+      allq8ab)  # all on the GPU: x's int8 copy from the router's launch (default) / the experts' own quantizer
+                # (MOETIER_ROUTER_Q8=0), interleaved twice in one process
+        bench proof48_allq8ab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 --compare "noq8:MOETIER_ROUTER_Q8=0" \
+          --compare "default2:" --compare "noq82:MOETIER_ROUTER_Q8=0" ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
       g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -339,7 +343,9 @@ print(sys.argv[2], {k: s.get(k) for k in ("prompt_tokens", "completion_tokens", 
 PY
     done ;;
   kernels)
-    timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
+    # (KONLY: those variants only, e.g. v5q,v5qx)
+    timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --only "${KONLY:-}" \
+      --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
     grep -E "shipped tiles|best|v5|variants:" "$OUT/gpu_kernels.err" | tail -40 ;;
   qlinear)
     # dense GEMVs on GGUF blocks (QuantLinear) at the attention / lm_head shapes vs cuBLAS bf16, tiles; then Q4_K_M's
@@ -402,7 +408,7 @@ PY
   pairprof)
     # where the T=1 decode pair's time goes: each kernel's device time, the gaps, one launch's read ceiling
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
-      > "$OUT/pairprof.json" 2> "$OUT/pairprof.err"
+      --only ${PPONLY:-v5pdl} > "$OUT/pairprof.json" 2> "$OUT/pairprof.err"
     tail -8 "$OUT/pairprof.err" | cut -c1-900 ;;
   graphcheck)
     # where graph replays and eager steps part, and whether replays of one graph agree (bench/graph_check.py)

@@ -576,14 +576,15 @@ def _iq3_grid_words(device) -> torch.Tensor:
 
 
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
-               quantize_h: bool = False):
+               quantize_h: bool = False, xq: tuple | None = None):
     """As triton_decode.gate_up (h float32 [T*k, I], values rounded to x's dtype), x quantized to int8 per
-    32-block first (one more launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8
-    copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last
-    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them."""
+    32-block first (one more launch; xq: that copy made already by the launch that wrote x, as `quantize` makes it:
+    no quantizer launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8 copy (q, dx,
+    xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last program of each
+    32-block where the tile's rows divide 32, in registers where 32 divides them."""
     tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
     qh = h_quantizer(tile.bn) if quantize_h else 0
-    xq = quantize_x(x, pdl)
+    xq = quantize_x(x, pdl) if xq is None else xq
     hx = h_int8(h) if qh else (h, h, h)
     launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0))
     if quantize_h:
