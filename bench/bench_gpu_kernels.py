@@ -360,6 +360,9 @@ PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [No
 # v5q at wider gate_up tiles (--only v5qtiles): from 32 rows each program quantizes its own 32-blocks of h in registers
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
 PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8, 0, 4)]
+# v5qx (x's int8 copy from the router's launch) at combinations of tiles (--only v5qxtiles; session 26)
+PAIR_TILES_V5QX = {"gate_up": [None, (32, 0, 8), (16, 0, 4), (8, 0, 4), (8, 0, 2), (4, 0, 2)],
+                   "down": [None, (4, 0, 2), (8, 0, 4), (16, 0, 8)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -454,6 +457,10 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             for dt in PAIR_TILES_V5["down"]:
                 if (gt, dt) != (None, None):
                     pair(c, "v5pdl", (gt, dt), "v5tiles")
+    for c in cases.values():                      # --only v5qxtiles: the v5qx pair at combinations of tiles
+        for gt in PAIR_TILES_V5QX["gate_up"] if "v5qxtiles" in wanted and v5(c.fmt) else ():
+            for dt in PAIR_TILES_V5QX["down"]:
+                pair(c, "v5qx", (gt, dt), "v5qxtiles")
     for c in cases.values():                      # --only v5qtiles: v5q at wider gate_up tiles (h in registers)
         for gt in PAIR_TILES_V5Q if "v5qtiles" in wanted and v5(c.fmt) else ():
             pair(c, "v5q", (gt, None), "v5qtiles")

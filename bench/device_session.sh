@@ -39,6 +39,7 @@
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
+#   v5qxtiles   the v5qx pair (x's int8 copy from the router's launch) at PAIR_TILES_V5QX (TFMT, TLBUDGET)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY variants)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
@@ -400,6 +401,11 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qtiles.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
+  v5qxtiles)
+    # the v5qx pair (x's int8 copy made by the router's launch) at bench_gpu_kernels.PAIR_TILES_V5QX (TFMT formats)
+    timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5qxtiles --fmt ${TFMT:-Q4_K,MXFP4} \
+      --budget ${TLBUDGET:-250} --out "$OUT/v5qxtiles.json" 2> "$OUT/v5qxtiles.err" > /dev/null
+    grep "gate_up + down" "$OUT/v5qxtiles.err" | grep -oE "^ *[A-Z0-9_]+ v5qx gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

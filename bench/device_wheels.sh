@@ -2,12 +2,13 @@
 # Wheels the GPU machine lacks (it has torch, triton, numpy, pytest, but no gguf or transformers, and it reaches no
 # package index): downloaded here into .whl/ (git-ignored), carried to each device call (`carry: [".whl"]`), and
 # installed by bench/device_session.sh into /tmp/site. CPython 3.12, x86_64. huggingface_hub stays below 2: 2.x
-# imports httpx2, which transformers 5.24 does not pull in (a session lost its GPU tests to that import).
+# imports httpx2, which transformers 5.24 does not pull in (a session lost its GPU tests to that import); transformers
+# stays at 5.24: 5.25 requires huggingface_hub >= 2.4 (session 26 lost a call's GPU tests to that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: \
-  gguf transformers 'huggingface_hub<2' tokenizers safetensors regex pyyaml hf-xet httpx httpcore anyio h11 idna \
+  gguf 'transformers==5.24.0' 'huggingface_hub<2' tokenizers safetensors regex pyyaml hf-xet httpx httpcore anyio h11 idna \
   certifi sniffio click typer typer-slim shellingham filelock fsspec typing-extensions packaging hypothesis \
   sortedcontainers pytest-timeout
 # libgguf (the K / i-quant packer: tests of Q4_K experts) is built for glibc 2.28

@@ -276,8 +276,8 @@ def test_router_topk_add_norm_refuses_what_it_cannot_do_bit_for_bit(monkeypatch)
         assert not ok(torch.cat([h, h]), torch.cat([a, a]), nw, weight, 8)              # two tokens
         assert not ok(h[:, :512], a[:, :512], nw[:512], weight[:, :512].contiguous(), 8)   # one warp's norm
         assert not ok(h, a.double(), nw, weight, 8)
-        if DEV == "cuda":
-            assert not ok(h.float(), a.float(), nw.float(), weight.float(), 8)
+        # float32 one launch too (session 21: bit for bit on the H200; this assertion said otherwise until session 26)
+        assert ok(h.float(), a.float(), nw.float(), weight.float(), 8)
         monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", "0")
         assert not ok(h, a, nw, weight, 8)
         monkeypatch.delenv("MOETIER_ROUTER_ADD_NORM")
