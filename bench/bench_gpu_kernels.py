@@ -243,16 +243,19 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+X_VARIANTS = {"v5qx": "v5q", "v5pdlx": "v5pdl"}     # moe_decode's variant given x's int8 copy (`pre`)
+
+
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
     """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
     down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
-    if variant in ("v4", "v5q", "v5qx"):  # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
-        rs = routings(1, c.k, c.slots, gen)   # v5qx: v5q on x's int8 copy made before (the decode: by the router)
-        x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
+    if variant in ("v4", "v5q") or variant in X_VARIANTS:  # v4: one launch; v5q: x quantizer, gate_up (+ h
+        rs = routings(1, c.k, c.slots, gen)     # quantizer), down; v5qx / v5pdlx: on x's int8 copy made before (the
+        x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)                  # decode: by the router's launch)
         out = torch.empty_like(x)
         uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
-        pre = v5q8.quantize(x) if variant == "v5qx" else None
-        v = "v5q" if variant == "v5qx" else variant
+        pre = v5q8.quantize(x) if variant in X_VARIANTS else None
+        v = X_VARIANTS.get(variant, variant)
         return [lambda i=i, w=w: tm.moe_decode(x, i, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, out=out,
                                                cfg_gate_up=cfg_gu, cfg_down=cfg_dn, variant=v, pre=pre)
                 for i, w in rs], uniq
@@ -406,9 +409,9 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
             ids, w = routings(1, c.k, c.slots, gen)[0]
             want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
-            pre = v5q8.quantize(x) if v == "v5qx" else None
+            pre = v5q8.quantize(x) if v in X_VARIANTS else None
             got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, cfg_gate_up=tiles[0],
-                                cfg_down=tiles[1], variant="v5q" if v == "v5qx" else v, pre=pre)
+                                cfg_down=tiles[1], variant=X_VARIANTS.get(v, v), pre=pre)
             calls, uniq = pair_calls(c, gen, v, *tiles)
             us = graph_us(calls)
             gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
@@ -449,8 +452,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
-        for v in ("v5", "v5pdl", "v5q", "v5qx") if v5(c.fmt) else ():  # v5q: h quantized in gate_up (session 10);
-            # v5qx: v5q on x's int8 copy made by the launch before (the decode's router: session 26)
+        for v in ("v5", "v5pdl", "v5q", *X_VARIANTS) if v5(c.fmt) else ():  # v5q: h quantized in gate_up
+            # (session 10); v5qx / v5pdlx: on x's int8 copy made by the launch before (the router's: session 26)
             pair(c, v)
     for c in cases.values():                      # --only v5tiles: the v5pdl pair at combinations of tiles
         for gt in PAIR_TILES_V5["gate_up"] if "v5tiles" in wanted and v5(c.fmt) else ():
