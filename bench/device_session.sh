@@ -226,9 +226,9 @@ for step in $STEPS; do
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       allq8ab)  # all on the GPU: x's int8 copy from the router's launch (default) / the experts' own quantizer
-                # (MOETIER_ROUTER_Q8=0), interleaved twice in one process
-        bench proof48_allq8ab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 --compare "noq8:MOETIER_ROUTER_Q8=0" \
-          --compare "default2:" --compare "noq82:MOETIER_ROUTER_Q8=0" ;;
+                # (MOETIER_ROUTER_Q8=0) / default, in one process
+        bench proof48_allq8ab ${P48ABSECS:-330} $M --prompt-len 512 --gen 48 --compare "noq8:MOETIER_ROUTER_Q8=0" \
+          --compare "default2:" ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
       g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
