@@ -16,6 +16,7 @@ Two views, because the dev box is shared (other processes often keep both cores 
              cpu.MOE_Q8_TYPES, float ones for the rest), one matrix per call.
 
     python bench/bench_cpu_kernels.py [--gib 1.0] [--rounds 3] [--threads 2] [--types Q5_K,Q6_K] [--q8]
+        [--shapes 5120x2048,2048x4096]    # (N x K each: a decode layer's q/k/v and o_proj, a bank of its own each)
 """
 from __future__ import annotations
 
@@ -39,11 +40,11 @@ FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K"
 E8M0_OFFSETS = {"MXFP4": [0]}           # shared exponent bytes kept near 2^0
 
 
-def weight_bank(qtype: str, gib: float, rng) -> torch.Tensor:
-    """[n_matrices, bytes_per_matrix] uint8 of valid blocks, >= `gib` GiB. A 16 MiB random
+def weight_bank(qtype: str, gib: float, rng, shape=SHAPES[0]) -> torch.Tensor:
+    """[n_matrices, bytes_per_matrix] uint8 of valid blocks of `shape`, >= `gib` GiB. A 16 MiB random
     tile is repeated: the content repeats, the addresses (what caches see) do not."""
     fmt = get_format(qtype)
-    per_matrix = fmt.nbytes(SHAPES[0])
+    per_matrix = fmt.nbytes(shape)
     n_mat = int(np.ceil(gib * 2**30 / per_matrix))
     tile = rng.integers(0, 256, size=(2**24 // fmt.type_size, fmt.type_size), dtype=np.uint8)
     for off in FP16_OFFSETS[qtype]:
@@ -82,15 +83,21 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--types", default=",".join(TYPES), help="comma-separated GGML types")
     ap.add_argument("--q8", action="store_true", help="int8 activations (cpu.matvec(q8=True)), batch 1 only")
+    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="comma-separated NxK matrix shapes (default: a gate/up and a down projection)")
     args = ap.parse_args()
     types = args.types.split(",")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     nt = args.threads
     load0 = round(os.getloadavg()[0], 2)          # other processes sharing the cores skew wall numbers
     rng = np.random.default_rng(0)
     ref = torch.from_numpy(rng.standard_normal(2**28, dtype=np.float32))      # 1 GiB
-    banks = {t: weight_bank(t, args.gib, rng) for t in types}
+    one_bank = all(n * k == shapes[0][0] * shapes[0][1] for n, k in shapes)    # views of one bank serve them all
+    banks = {(t, s): weight_bank(t, args.gib, rng, s) for t in types for s in (shapes[:1] if one_bank else shapes)}
+    if one_bank:
+        banks.update({(t, s): banks[t, shapes[0]] for t in types for s in shapes})
     runs = ((1, 1), (nt, 1)) if args.q8 else ((1, 1), (nt, 1), (nt, 8))
-    cases = [(t, s, th, b) for t in types for s in SHAPES for th, b in runs]
+    cases = [(t, s, th, b) for t in types for s in shapes for th, b in runs]
     ram = {"c_stream_sum_1t_per_cpu_s": [], f"c_stream_sum_{nt}t": [], f"torch_sum_{nt}t": [], "numpy_sum": []}
     res = {c: [] for c in cases}
     gb = ref.nbytes / 1e9
@@ -102,8 +109,9 @@ def main():
         ram["numpy_sum"].append(gb / timed(lambda: ref.numpy().sum())[0])
         for c in cases:
             t, shape, th, batch = c
-            used = banks[t].shape[0] // batch * batch * banks[t].shape[1] / 1e9
-            wall, cpu_s = kernel_pass(t, banks[t], shape, th, batch, args.q8)
+            bank = banks[t, shape]
+            used = bank.shape[0] // batch * batch * bank.shape[1] / 1e9
+            wall, cpu_s = kernel_pass(t, bank, shape, th, batch, args.q8)
             res[c].append(used / (cpu_s if th == 1 else wall))
     ram = {k: v[1:] for k, v in ram.items()}
     per_core_ref = statistics.median(ram["c_stream_sum_1t_per_cpu_s"])

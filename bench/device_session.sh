@@ -40,8 +40,10 @@
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   v5qxtiles   the v5qx pair (x's int8 copy from the router's launch) at PAIR_TILES_V5QX (TFMT, TLBUDGET)
-#   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY variants)
+#   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
+#               variants)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
+#   cpumv       no GPU: the CPU int8 matvec alone at a decode layer's one-row shapes, 8 and 16 threads (CMTHREADS)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 #   cpuyard     no GPU: moetier vs llama.cpp (xllamacpp) on the CPU, the same 48-layer Q4_0 GGUF, 16 threads
 #               (bench/bench_cpu_vs_llamacpp.py --gguf; CYCOMPILE="off on": the eager step, then the compiled one;
@@ -105,6 +107,16 @@ for step in $STEPS; do
       grep -v "^[0-9.]* [IWD] \|^WARNING" "$OUT/cpuyard_$C.err" | tail -4; cat "$OUT/cpuyard_$C.json"
     done
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  cpumv)
+    # the CPU's int8 matvec alone at a decode layer's one-row shapes (q/k/v 5120x2048, o_proj 2048x4096, an expert's
+    # gate 768x2048) against the RAM read, per thread count (CMTHREADS), from a bank bigger than the caches
+    for T in ${CMTHREADS:-8 16}; do
+      timeout ${CMSECS:-150} python3 bench/bench_cpu_kernels.py --gib ${CMGIB:-2} --rounds 3 --threads $T --q8 \
+        --types ${CMTYPES:-Q4_0,Q8_0} --shapes ${CMSHAPES:-5120x2048,2048x4096,768x2048} > "$OUT/cpumv_$T.json" \
+        2> "$OUT/cpumv_$T.err"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['ram_read_gbps'], *d['cases'], sep='\n')" \
+        "$OUT/cpumv_$T.json" || tail -3 "$OUT/cpumv_$T.err"
+    done ;;
   pcie)
     timeout ${PSECS:-120} python3 bench/bench_pcie_read.py > "$OUT/pcie.json" 2> "$OUT/pcie.err"
     tail -3 "$OUT/pcie.err"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, d[k]) for k in d if k not in ('gather','gather_base')]" "$OUT/pcie.json" ;;
