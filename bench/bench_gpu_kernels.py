@@ -683,7 +683,7 @@ def v5_jobs(fmt: str, gu, dn, d: int, i: int, k: int) -> list:
 
     def gate_up(name, tile, qh):
         return (name, q8._gate_up_kernel, gu_args, dict(base, I=i, D=d, KTOP=k, ACT=0, BN=tile.bn, NB1=gp[0],
-                NB2=gp[1], ROUND=1, QH=qh, num_warps=tile.warps), 0)
+                NB2=gp[1], ROUND=1, QH=qh, WAIT_FIRST=False, num_warps=tile.warps), 0)
 
     def down(name, tile):
         return (name, q8._down_kernel, dn_args, dict(base, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=tile.bn,

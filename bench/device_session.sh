@@ -237,9 +237,9 @@ for step in $STEPS; do
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
-      allq8ab)  # all on the GPU: x's int8 copy from the router's launch (default) / the experts' own quantizer
-                # (MOETIER_ROUTER_Q8=0) / default, in one process
-        bench proof48_allq8ab ${P48ABSECS:-330} $M --prompt-len 512 --gen 48 --compare "noq8:MOETIER_ROUTER_Q8=0" \
+      allq8ab)  # all on the GPU: the default (the experts' own x quantizer) / x's int8 copy from the router's launch
+                # (MOETIER_ROUTER_Q8=1) / default, in one process
+        bench proof48_allq8ab ${P48ABSECS:-330} $M --prompt-len 512 --gen 48 --compare "q8:MOETIER_ROUTER_Q8=1" \
           --compare "default2:" ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;

@@ -437,6 +437,7 @@ def test_decoder_block_gives_the_quant_experts_the_routers_int8_x(monkeypatch):
     monkeypatch.setattr(triton_small, "router_topk_add_norm", lambda *a, **kw: q8.append(kw.get("q8"))
                         or real_r(*a, **kw))
     prev, outs = ops.backend(), {}
+    monkeypatch.setenv("MOETIER_ROUTER_Q8", "1")            # (off by default until an engine run times it)
     try:
         ops.set_backend("triton")
         assert blk.mlp.experts.q8_input(x)

@@ -141,9 +141,10 @@ def router_add_norm_on() -> bool:
 
 
 def router_q8_on() -> bool:
-    """MOETIER_ROUTER_Q8=0: the router's add + norm launch does not make x's int8 copy; the experts' decode kernels
-    quantize x in a launch of their own (A/B)."""
-    return os.environ.get("MOETIER_ROUTER_Q8", "1") != "0"
+    """MOETIER_ROUTER_Q8=1: the router's add + norm launch makes x's int8 copy for the experts' decode kernels, which
+    then launch no x quantizer. Off by default until an engine run times it (session 26: the first one, before gate_up
+    waited for the router's grid ahead of reading the ids, read unwritten ids and faulted)."""
+    return os.environ.get("MOETIER_ROUTER_Q8", "0") == "1"
 
 
 def router_add_norm_ok(h, a, norm_weight, weight, k: int) -> bool:
