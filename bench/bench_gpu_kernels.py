@@ -243,7 +243,10 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-X_VARIANTS = {"v5qx": "v5q", "v5pdlx": "v5pdl"}     # moe_decode's variant given x's int8 copy (`pre`)
+# moe_decode's variant given x's int8 copy (`pre`): gate_up then waits for the previous grid before reading the ids
+# (WAIT_FIRST), as after the router's launch in a decode. Session 26's first v5qx figures (Q4_0 8.25 us) came before
+# that wait: pair i+1's gate_up loaded its weights while pair i's down ran, which no decode does.
+X_VARIANTS = {"v5qx": "v5q", "v5pdlx": "v5pdl"}
 
 
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
