@@ -417,7 +417,8 @@ PY
     # the v5qx pair (x's int8 copy made by the router's launch) at bench_gpu_kernels.PAIR_TILES_V5QX (TFMT formats)
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5qxtiles --fmt ${TFMT:-Q4_K,MXFP4} \
       --budget ${TLBUDGET:-250} --out "$OUT/v5qxtiles.json" 2> "$OUT/v5qxtiles.err" > /dev/null
-    grep "gate_up + down" "$OUT/v5qxtiles.err" | grep -oE "^ *[A-Z0-9_]+ v5qx gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
+    grep "gate_up + down" "$OUT/v5qxtiles.err" \
+      | grep -oE "^ *[A-Z0-9_]+ v5qx gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

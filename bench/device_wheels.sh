@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: \
-  gguf 'transformers==5.24.0' 'huggingface_hub<2' tokenizers safetensors regex pyyaml hf-xet httpx httpcore anyio h11 idna \
-  certifi sniffio click typer typer-slim shellingham filelock fsspec typing-extensions packaging hypothesis \
+  gguf 'transformers==5.24.0' 'huggingface_hub<2' tokenizers safetensors regex pyyaml hf-xet httpx httpcore anyio h11 \
+  idna certifi sniffio click typer typer-slim shellingham filelock fsspec typing-extensions packaging hypothesis \
   sortedcontainers pytest-timeout
 # libgguf (the K / i-quant packer: tests of Q4_K experts) is built for glibc 2.28
 python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: \
