@@ -273,7 +273,7 @@ def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
 
 
 @pytest.mark.parametrize("fmt,variant", [("Q4_0", "v5q"), ("Q8_0", "v5pdl")])
-def test_decode_takes_the_int8_x_made_before(fmt, variant):
+def test_decode_takes_the_int8_x_made_before(fmt, variant, monkeypatch):
     """moe_decode's `pre` (x's int8 copy made by the router's launch): the v5 variants skip their x quantizer (no
     `quantize` call on x) and give the same bits as with it, for each of 3 tokens; the variants that read float x
     (v3) ignore it; takes_int8_x says which."""
@@ -286,11 +286,9 @@ def test_decode_takes_the_int8_x_made_before(fmt, variant):
     pre = tm.v5.quantize(x)
     quantized = []
     real = tm.v5.quantize
-    tm.v5.quantize = lambda a, *args, **kw: quantized.append(a.shape) or real(a, *args, **kw)
-    try:
-        got = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant=variant, pre=pre, **tiles)
-    finally:
-        tm.v5.quantize = real
+    monkeypatch.setattr(tm.v5, "quantize", lambda a, *args, **kw: quantized.append(a.shape) or real(a, *args, **kw))
+    got = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant=variant, pre=pre, **tiles)
+    monkeypatch.undo()
     assert torch.equal(got, want) and (3, d) not in quantized
     assert tm.takes_int8_x(fmt, d, variant) and not tm.takes_int8_x(fmt, d, "v3") and not tm.takes_int8_x("dense", d)
     v3 = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v3", **V3_WIDE)

@@ -299,7 +299,7 @@ def router_topk_add_norm(h, a, norm_w, eps: float, weight, k: int, normalize: bo
     if q8 and h.shape[-1] % 32:
         raise ValueError(f"router_topk_add_norm(q8=True) quantizes x per 32-block: D = {h.shape[-1]} is not a "
                          "multiple of 32")
-    _, pre = norm_q8_buffers(h) if q8 else (None, (h, h, h))
+    pre = q8_buffers(h) if q8 else (h, h, h)
     _router_add_norm_kernel[grid](*args, *pre, **const, Q8=q8, num_warps=ROUTER_WARPS)
     return (*res, pre) if q8 else res
 
@@ -338,11 +338,16 @@ def _store_q8(y, N, q_ptr, dx_ptr, xs_ptr, BN: tl.constexpr):
     tl.store(xs_ptr + b, xs, mask=bm)
 
 
-def norm_q8_buffers(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """rms_norm_q8's outputs for a row like x [1, N]: (out like x, (q int8 [1, N], dx, xs f32 [1, N / 32]))."""
+def q8_buffers(x) -> tuple[torch.Tensor, ...]:
+    """Room for the int8 copy of a row like x [1, N]: (q int8 [1, N], dx, xs f32 [1, N / 32])."""
     n = x.shape[-1]
     dx = torch.empty(1, n // 32, dtype=torch.float32, device=x.device)
-    return x.new_empty(x.shape), (torch.empty(1, n, dtype=torch.int8, device=x.device), dx, torch.empty_like(dx))
+    return torch.empty(1, n, dtype=torch.int8, device=x.device), dx, torch.empty_like(dx)
+
+
+def norm_q8_buffers(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """rms_norm_q8's outputs for a row like x [1, N]: (out like x, q8_buffers(x))."""
+    return x.new_empty(x.shape), q8_buffers(x)
 
 
 def rms_norm_q8(x, weight, eps: float):

@@ -545,8 +545,8 @@ class SoftmaxMoE(nn.Module):
         out = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize, q8=q8)
         if out is None:                  # NaN logits in the CPU's C router: the Block's own ops decide
             return None
-        if q8:
+        if q8:                           # (experts with q8_input take pre, None included)
             s, x, ids, w, pre = out
-            return s + (self.experts(x, ids, w) if pre is None else self.experts(x, ids, w, pre=pre))
+            return s + self.experts(x, ids, w, pre=pre)
         s, x, ids, w = out
         return s + self.experts(x, ids, w)
