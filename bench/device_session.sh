@@ -201,7 +201,8 @@ for step in $STEPS; do
                                             # miss server's variant 5 (g8v6, g8v6b: 6; g8b: g8 again);
                                             # g8c8 / g8c16: its chunks per
                                             # thread and phase 8 / 16, MOETIER_MISS_CHUNKS;
-                                            # g8t14: 8 GiB on 14 miss threads; g8stamp: 8 GiB with the GPU's
+                                            # g8t14: 8 GiB on 14 miss threads; g8bind: 8 GiB, OpenMP threads
+                                            # bound to cores (OMP_PROC_BIND=spread); g8stamp: 8 GiB with the GPU's
                                             # clock stamps; g8q8: that with x's int8 copy written by the ring only,
                                             # MOETIER_RING_Q8; g8wan: that with the next block's input norm made
                                             # by wait_add only, MOETIER_WAIT_ADD_NORM; g8fused: both (the default);
@@ -243,6 +244,8 @@ for step in $STEPS; do
           --compare "default2:" ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
+      g8bind) OMP_PROC_BIND=spread OMP_PLACES=cores \
+        bench proof48_g8bind ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v5) MOETIER_MISS_VARIANT=5 bench proof48_g8v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9v5) MOETIER_MISS_VARIANT=5 bench proof48_g9v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
