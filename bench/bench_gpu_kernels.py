@@ -39,7 +39,6 @@ from triton.testing import do_bench
 
 from moetier.kernels import ops
 from moetier.kernels import triton_moe as tm
-from moetier.kernels import triton_decode_q8 as v5q8
 
 MODELS = {   # name: (D, I, k, experts, gpt-oss activation with biases)
     "qwen3-30b-a3b": (2048, 768, 8, 128, False),
@@ -243,24 +242,16 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-# moe_decode's variant given x's int8 copy (`pre`): gate_up then waits for the previous grid before reading the ids
-# (WAIT_FIRST), as after the router's launch in a decode. Session 26's first v5qx figures (Q4_0 8.25 us) came before
-# that wait: pair i+1's gate_up loaded its weights while pair i's down ran, which no decode does.
-X_VARIANTS = {"v5qx": "v5q", "v5pdlx": "v5pdl"}
-
-
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
     """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
     down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
-    if variant in ("v4", "v5q") or variant in X_VARIANTS:  # v4: one launch; v5q: x quantizer, gate_up (+ h
-        rs = routings(1, c.k, c.slots, gen)     # quantizer), down; v5qx / v5pdlx: on x's int8 copy made before (the
-        x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)                  # decode: by the router's launch)
+    if variant in ("v4", "v5q"):          # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
+        rs = routings(1, c.k, c.slots, gen)
+        x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
         uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / ROT
-        pre = v5q8.quantize(x) if variant in X_VARIANTS else None
-        v = X_VARIANTS.get(variant, variant)
         return [lambda i=i, w=w: tm.moe_decode(x, i, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, out=out,
-                                               cfg_gate_up=cfg_gu, cfg_down=cfg_dn, variant=v, pre=pre)
+                                               cfg_gate_up=cfg_gu, cfg_down=cfg_dn, variant=variant)
                 for i, w in rs], uniq
     gu, dn, uniq = decode_calls(c, 1, gen, cfg_gu, cfg_dn, variant=variant)
     return [lambda a=a, b=b: (a(), b()) for a, b in zip(gu, dn)], uniq
@@ -366,9 +357,6 @@ PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [No
 # v5q at wider gate_up tiles (--only v5qtiles): from 32 rows each program quantizes its own 32-blocks of h in registers
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
 PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8, 0, 4)]
-# v5qx (x's int8 copy from the router's launch) at combinations of tiles (--only v5qxtiles; session 26)
-PAIR_TILES_V5QX = {"gate_up": [None, (32, 0, 8), (16, 0, 4), (8, 0, 4), (8, 0, 2), (4, 0, 2)],
-                   "down": [None, (4, 0, 2), (8, 0, 4), (16, 0, 8)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -412,9 +400,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
             ids, w = routings(1, c.k, c.slots, gen)[0]
             want = ops.moe_native(x, ids, w, c.gu, c.dn, c.act, c.biases, c.fmt)
-            pre = v5q8.quantize(x) if v in X_VARIANTS else None
             got = tm.moe_decode(x, ids, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit, c.b, cfg_gate_up=tiles[0],
-                                cfg_down=tiles[1], variant=X_VARIANTS.get(v, v), pre=pre)
+                                cfg_down=tiles[1], variant=v)
             calls, uniq = pair_calls(c, gen, v, *tiles)
             us = graph_us(calls)
             gb = uniq * (c.gu_bytes + c.dn_bytes) / (us * 1e-6) / 1e9
@@ -455,18 +442,13 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
-        for v in ("v5", "v5pdl", "v5q", *X_VARIANTS) if v5(c.fmt) else ():  # v5q: h quantized in gate_up
-            # (session 10); v5qx / v5pdlx: on x's int8 copy made by the launch before (the router's: session 26)
+        for v in ("v5", "v5pdl", "v5q") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session 10)
             pair(c, v)
     for c in cases.values():                      # --only v5tiles: the v5pdl pair at combinations of tiles
         for gt in PAIR_TILES_V5["gate_up"] if "v5tiles" in wanted and v5(c.fmt) else ():
             for dt in PAIR_TILES_V5["down"]:
                 if (gt, dt) != (None, None):
                     pair(c, "v5pdl", (gt, dt), "v5tiles")
-    for c in cases.values():                      # --only v5qxtiles: the v5qx pair at combinations of tiles
-        for gt in PAIR_TILES_V5QX["gate_up"] if "v5qxtiles" in wanted and v5(c.fmt) else ():
-            for dt in PAIR_TILES_V5QX["down"]:
-                pair(c, "v5qx", (gt, dt), "v5qxtiles")
     for c in cases.values():                      # --only v5qtiles: v5q at wider gate_up tiles (h in registers)
         for gt in PAIR_TILES_V5Q if "v5qtiles" in wanted and v5(c.fmt) else ():
             pair(c, "v5q", (gt, None), "v5qtiles")
@@ -686,7 +668,7 @@ def v5_jobs(fmt: str, gu, dn, d: int, i: int, k: int) -> list:
 
     def gate_up(name, tile, qh):
         return (name, q8._gate_up_kernel, gu_args, dict(base, I=i, D=d, KTOP=k, ACT=0, BN=tile.bn, NB1=gp[0],
-                NB2=gp[1], ROUND=1, QH=qh, WAIT_FIRST=False, num_warps=tile.warps), 0)
+                NB2=gp[1], ROUND=1, QH=qh, num_warps=tile.warps), 0)
 
     def down(name, tile):
         return (name, q8._down_kernel, dn_args, dict(base, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=tile.bn,

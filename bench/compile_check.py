@@ -68,15 +68,13 @@ def main() -> int:
     for fmt in q8.FORMATS:
         d, i = 2048, 768
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
-        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
-                  WAIT_FIRST=False)
+        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1)
         dn = dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True, NB1=v3_pieces(i, fmt)[0],
                   NB2=v3_pieces(i, fmt)[1])
         cases = {
             "gate_up": (q8._gate_up_kernel, dict(gu, BN=4, QH=0)),
             "gate_up+qh": (q8._gate_up_kernel, dict(gu, BN=4, QH=1)),
             "gate_up+qh2": (q8._gate_up_kernel, dict(gu, BN=32, QH=2)),
-            "gate_up+qh2+wait_first": (q8._gate_up_kernel, dict(gu, BN=32, QH=2, WAIT_FIRST=True)),
             "down": (q8._down_kernel, dn),
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
                                                        NB2=v3_pieces(d, fmt)[1])),

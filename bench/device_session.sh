@@ -39,7 +39,6 @@
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
-#   v5qxtiles   the v5qx pair (x's int8 copy from the router's launch) at PAIR_TILES_V5QX (TFMT, TLBUDGET)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
 #               variants)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
@@ -238,10 +237,6 @@ for step in $STEPS; do
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
-      allq8ab)  # all on the GPU: the default (the experts' own x quantizer) / x's int8 copy from the router's launch
-                # (MOETIER_ROUTER_Q8=1) / default, in one process
-        bench proof48_allq8ab ${P48ABSECS:-330} $M --prompt-len 512 --gen 48 --compare "q8:MOETIER_ROUTER_Q8=1" \
-          --compare "default2:" ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
       g8bind) OMP_PROC_BIND=spread OMP_PLACES=cores \
@@ -359,7 +354,7 @@ print(sys.argv[2], {k: s.get(k) for k in ("prompt_tokens", "completion_tokens", 
 PY
     done ;;
   kernels)
-    # (KONLY: those variants only, e.g. v5q,v5qx)
+    # (KONLY: those variants only, e.g. v5q,v5pdl)
     timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --only "${KONLY:-}" \
       --fmt ${KFMT:-dense,Q8_0,Q4_0,Q4_K,Q5_K,Q6_K,MXFP4,IQ3_XXS} > "$OUT/gpu_kernels.json" 2> "$OUT/gpu_kernels.err"
     grep -E "shipped tiles|best|v5|variants:" "$OUT/gpu_kernels.err" | tail -40 ;;
@@ -416,12 +411,6 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qtiles.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
-  v5qxtiles)
-    # the v5qx pair (x's int8 copy made by the router's launch) at bench_gpu_kernels.PAIR_TILES_V5QX (TFMT formats)
-    timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5qxtiles --fmt ${TFMT:-Q4_K,MXFP4} \
-      --budget ${TLBUDGET:-250} --out "$OUT/v5qxtiles.json" 2> "$OUT/v5qxtiles.err" > /dev/null
-    grep "gate_up + down" "$OUT/v5qxtiles.err" \
-      | grep -oE "^ *[A-Z0-9_]+ v5qx gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

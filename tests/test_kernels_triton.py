@@ -272,30 +272,6 @@ def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
         assert torch.equal(got, want), (cfg, (got - want).abs().max().item())
 
 
-@pytest.mark.parametrize("fmt,variant", [("Q4_0", "v5q"), ("Q8_0", "v5pdl")])
-def test_decode_takes_the_int8_x_made_before(fmt, variant, monkeypatch):
-    """moe_decode's `pre` (x's int8 copy made by the router's launch): the v5 variants skip their x quantizer (no
-    `quantize` call on x) and give the same bits as with it, for each of 3 tokens; the variants that read float x
-    (v3) ignore it; takes_int8_x says which."""
-    d, i = V5Q_SHAPES[fmt]
-    gu, dn, _ = make_experts(fmt, 6, d, i, bias=False)
-    ids, w = routing(3, 2, 6)
-    x = torch.randn(3, d, generator=torch.Generator().manual_seed(13)).to(DEV)
-    tiles = {"cfg_gate_up": (32, 0, 4), "cfg_down": V3_WIDE["cfg_down"]}
-    want = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant=variant, **tiles)
-    pre = tm.v5.quantize(x)
-    quantized = []
-    real = tm.v5.quantize
-    monkeypatch.setattr(tm.v5, "quantize", lambda a, *args, **kw: quantized.append(a.shape) or real(a, *args, **kw))
-    got = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant=variant, pre=pre, **tiles)
-    monkeypatch.undo()
-    assert torch.equal(got, want) and (3, d) not in quantized
-    assert tm.takes_int8_x(fmt, d, variant) and not tm.takes_int8_x(fmt, d, "v3") and not tm.takes_int8_x("dense", d)
-    v3 = run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v3", **V3_WIDE)
-    assert torch.equal(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v3", pre=pre, **V3_WIDE),
-                       v3)
-
-
 @triton.jit
 def _mxfp4_values_kernel(w_ptr, lo_ptr, hi_ptr, N: tl.constexpr, EMU: tl.constexpr):
     i = tl.arange(0, N)

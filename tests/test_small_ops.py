@@ -233,30 +233,6 @@ def test_router_topk_add_norm_is_add_norm_then_router(dtype, e, d, k, normalize)
     assert torch.equal(got[0], h + a)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("e,d,k", [(128, 2048, 8), (6, 1536, 2)])
-def test_router_topk_add_norm_makes_the_experts_int8_x(dtype, e, d, k):
-    """q8: the router's launch also stores x's int8 copy, bit for bit triton_decode_q8.quantize(x) (what the experts'
-    decode kernels would make), and s, x, ids, w as without it; twice (the arrival counter resets itself)."""
-    from moetier.kernels import triton_decode_q8, triton_small
-    _skip_bf16_on_cpu(dtype)
-    if DEV == "cuda" and not triton_small.router_add_norm_fits(e, d):
-        pytest.skip("below 1024 add_rms_norm reduces over 1 warp: not bit for bit on CUDA, not used there")
-    h, a, nw = _add_norm_inputs(d, dtype, seed=e + d + k + 5)
-    _, weight = _router_inputs(e, d, dtype, seed=e + k + 3)
-    want = triton_small.router_topk_add_norm(h, a, nw, 1e-6, weight, k, True)
-    for call in range(2):
-        got = triton_small.router_topk_add_norm(h, a, nw, 1e-6, weight, k, True, q8=True)
-        assert len(got) == 5 and all(torch.equal(g, w) for g, w in zip(got[:4], want)), call
-        assert all(torch.equal(g, w) for g, w in zip(got[4], triton_decode_q8.quantize(want[1])))
-        assert got[4][0].abs().max() == 127 and triton_small._router_counter(h.device).item() == 0
-    with small_ops.use("triton"):
-        assert len(small_ops.router_topk_add_norm(h, a, nw, 1e-6, weight, k, True, q8=True)) == 5
-    with pytest.raises(ValueError, match="multiple of 32"):
-        h2, a2, nw2 = _add_norm_inputs(200, torch.float32, seed=1)
-        triton_small.router_topk_add_norm(h2, a2, nw2, 1e-6, torch.randn(6, 200, device=DEV), 2, True, q8=True)
-
-
 def test_router_topk_add_norm_refuses_what_it_cannot_do_bit_for_bit(monkeypatch):
     """x in more than one chunk of the router's tile (D = 4096 at E = 128, or an explicit small tile), outputs that
     alias the inputs; router_add_norm_ok's gate: one token, D >= 1024, the kernels on, MOETIER_ROUTER_ADD_NORM."""
@@ -408,49 +384,6 @@ def test_decoder_block_routes_with_the_add_norm_in_the_router_launch(monkeypatch
         with torch.no_grad(), small_ops.use("triton"):
             outs[fused] = blk(x, cs, kv, start)
         assert calls == (["router_topk_add_norm"] if fused == "1" else ["add_rms_norm", "router_topk"]), calls
-    assert torch.equal(outs["1"], outs["0"]) and torch.isfinite(outs["1"]).all()
-
-
-def test_decoder_block_gives_the_quant_experts_the_routers_int8_x(monkeypatch):
-    """GGUF experts (Q4_0 planes, the v5q decode kernels) behind the router's add + norm launch: that launch makes x's
-    int8 copy (q8=True) and the experts skip their x quantizer (no `quantize` call at all: v5q quantizes h in
-    gate_up); the block's output is bit for bit the two-launch path's, where the experts quantize x themselves."""
-    from moetier.kernels import ops, triton_decode_q8, triton_small
-    from moetier.models.layers import Rope
-    from moetier.models.quant_experts import QuantExperts
-    from moetier.quant.pack import quantize
-    from moetier.runtime.kv_cache import KVCache
-    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
-    d, e, i = 1024, 8, 32
-    blk = _moe_block(d, e, 2, seed=19).to(dt)
-    g = torch.Generator().manual_seed(20)
-    raw = [quantize(torch.randn(e, r, c, generator=g) / c ** 0.5, "Q4_0") for r, c in ((i, d), (i, d), (d, i))]
-    blk.mlp.experts = QuantExperts("Q4_0", *raw, layout="planes", device=DEV)
-    rope = Rope({"rope_theta": 1000.0}, 16, 512).to(DEV)
-    x = torch.randn(1, d, generator=g).to(DEV, dt)
-    start = torch.tensor(5, device=DEV)
-    cs = rope(start + torch.arange(1, device=DEV), dt)
-    quantized, q8 = [], []
-    real_q, real_r = triton_decode_q8.quantize, triton_small.router_topk_add_norm
-    monkeypatch.setattr(triton_decode_q8, "quantize", lambda a, *args, **kw: quantized.append(tuple(a.shape))
-                        or real_q(a, *args, **kw))
-    monkeypatch.setattr(triton_small, "router_topk_add_norm", lambda *a, **kw: q8.append(kw.get("q8"))
-                        or real_r(*a, **kw))
-    prev, outs = ops.backend(), {}
-    monkeypatch.setenv("MOETIER_ROUTER_Q8", "1")            # (off by default until an engine run times it)
-    try:
-        ops.set_backend("triton")
-        assert blk.mlp.experts.q8_input(x)
-        for fused in ("1", "0"):
-            monkeypatch.setenv("MOETIER_ROUTER_ADD_NORM", fused)
-            quantized.clear()
-            kv = KVCache(32, (2, 16), (2, 16), dt, DEV)
-            with torch.no_grad(), small_ops.use("triton"):
-                outs[fused] = blk(x, cs, kv, start)
-            assert (1, d) not in quantized if fused == "1" else (1, d) in quantized, (fused, quantized)
-    finally:
-        ops.set_backend(prev)
-    assert q8 == [True]
     assert torch.equal(outs["1"], outs["0"]) and torch.isfinite(outs["1"]).all()
 
 

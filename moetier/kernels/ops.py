@@ -171,7 +171,7 @@ def _check_out(out, x):
 
 
 # ------------------------------------------------------------------ public ops
-def _experts(kernel_name: str, native, x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt, **kw):
+def _experts(kernel_name: str, native, x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt):
     """The Triton kernel `kernel_name` of triton_moe when it runs these inputs, else `native`."""
     (fmt, down_fmt), a = split_fmt(fmt, down_fmt), as_act(act)
     if not _use_triton(x, fmt, a, down_fmt):
@@ -180,25 +180,12 @@ def _experts(kernel_name: str, native, x, slot_ids, w, gate_up, down, act, biase
     x, gu, dn, code, alpha, limit, b = _kernel_args(x, gate_up, down, fmt, a, biases, down_fmt)
     _check_out(out, x)
     with _on_device(x):
-        return getattr(triton_moe, kernel_name)(x, slot_ids, w, gu, dn, code, alpha, limit, b, out, **kw)
+        return getattr(triton_moe, kernel_name)(x, slot_ids, w, gu, dn, code, alpha, limit, b, out)
 
 
-def moe_decode(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None,
-               pre=None):
-    """Few tokens (T <= 8): fused GEMV kernels, two launches, no host sync (CUDA-graph capturable). pre: x's int8
-    copy (q, dx, xs) as triton_decode_q8.quantize makes it, where moe_takes_int8_x (the kernels skip their x
-    quantizer; the twin ignores it)."""
-    kw = {"pre": pre} if pre is not None else {}
-    return _experts("moe_decode", moe_decode_native, x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt,
-                    **kw)
-
-
-def moe_takes_int8_x(x: torch.Tensor, act="swiglu", fmt="bf16", down_fmt=None) -> bool:
-    """Whether moe_decode on x reads x's int8 copy (`pre`): the Triton decode kernels of a v5 format, a few tokens."""
-    if not (kernel_available(x, act, fmt, down_fmt) and x.shape[0] <= MAX_DECODE_TOKENS):
-        return False
-    from .triton_moe import takes_int8_x
-    return takes_int8_x(split_fmt(fmt, down_fmt)[0], x.shape[-1])
+def moe_decode(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
+    """Few tokens (T <= 8): fused GEMV kernels, two launches, no host sync (CUDA-graph capturable)."""
+    return _experts("moe_decode", moe_decode_native, x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
 
 
 def moe_grouped(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
@@ -207,12 +194,10 @@ def moe_grouped(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="b
                     down_fmt)
 
 
-def moe(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None, pre=None):
-    """The experts of one MoE layer: decode kernels up to MAX_DECODE_TOKENS tokens (pre: moe_decode's), grouped
-    above."""
-    if x.shape[0] <= MAX_DECODE_TOKENS:
-        return moe_decode(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt, pre)
-    return moe_grouped(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
+def moe(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="bf16", out=None, down_fmt=None):
+    """The experts of one MoE layer: decode kernels up to MAX_DECODE_TOKENS tokens, grouped above."""
+    op = moe_decode if x.shape[0] <= MAX_DECODE_TOKENS else moe_grouped
+    return op(x, slot_ids, w, gate_up, down, act, biases, fmt, out, down_fmt)
 
 
 def dequantize(fmt: str, planes: dict[str, torch.Tensor], idx: torch.Tensor, dtype: torch.dtype,

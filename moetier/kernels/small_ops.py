@@ -140,13 +140,6 @@ def router_add_norm_on() -> bool:
     return os.environ.get("MOETIER_ROUTER_ADD_NORM", "1") != "0"
 
 
-def router_q8_on() -> bool:
-    """MOETIER_ROUTER_Q8=1: the router's add + norm launch makes x's int8 copy for the experts' decode kernels, which
-    then launch no x quantizer. Off by default until an engine run times it (session 26: the first one, before gate_up
-    waited for the router's grid ahead of reading the ids, read unwritten ids and faulted)."""
-    return os.environ.get("MOETIER_ROUTER_Q8", "0") == "1"
-
-
 def router_add_norm_ok(h, a, norm_weight, weight, k: int) -> bool:
     """router_topk_add_norm serves this call: add_rms_norm and router_topk would both run their kernels (one token)
     and one launch gives their answers bit for bit (triton_small.router_add_norm_fits: x in one chunk of the
@@ -162,19 +155,15 @@ def router_add_norm_ok(h, a, norm_weight, weight, k: int) -> bool:
     return router_add_norm_fits(weight.shape[0], h.shape[-1])
 
 
-def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normalize: bool, q8: bool = False):
+def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normalize: bool):
     """(s, x, ids, w) = add_rms_norm(h, a, norm_weight, eps), then router_topk(x, weight, k, normalize), in one launch
     (kernels/triton_small.router_topk_add_norm) or one C call on the CPU (kernels/cpu_small.c), where
-    router_add_norm_ok holds; the twin is those two. None (the C call only) where the logits hold a NaN. q8: a fifth
-    value, x's int8 copy for ops.moe_decode's `pre` from the same launch (Triton, D a multiple of 32), else None."""
+    router_add_norm_ok holds; the twin is those two. None (the C call only) where the logits hold a NaN."""
     if h.device.type == "cpu" and _cpu_small(h):
         from .cpu import router_topk_add_norm as c_kernel
-        out = c_kernel(h, a, norm_weight, eps, weight, k, normalize)
-        return (*out, None) if q8 and out is not None else out
+        return c_kernel(h, a, norm_weight, eps, weight, k, normalize)
     from .triton_small import router_topk_add_norm as kernel
-    if q8 and h.shape[-1] % 32:
-        return (*kernel(h, a, norm_weight, eps, weight, k, normalize), None)
-    return kernel(h, a, norm_weight, eps, weight, k, normalize, q8=q8)
+    return kernel(h, a, norm_weight, eps, weight, k, normalize)
 
 
 def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:

@@ -441,19 +441,15 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                     b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr,
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
-                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr,
-                    WAIT_FIRST: tl.constexpr):
+                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
     tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH: h also quantized for down
     (`quantize`'s q, dx, xs, bit-equal), so down needs no quantizer launch. QH 1 (BN divides 32): the last of a
     32-block's 32 / BN programs to finish (an acq_rel counter per block, reset by that program for the next launch)
     quantizes the block; QH 2 (32 divides BN): each program owns whole blocks and quantizes them in registers.
-    WAIT_FIRST (PDL, the ids written by the launch just before: the router's, which also made x's int8 copy): wait for
-    that grid before reading the ids, and let the dependent (down, which reads them before its own wait) be scheduled
-    only after that wait; otherwise the x quantizer launch between them gives that order."""
+    The ids are read before the PDL wait: safe because the x quantizer launched before it waits for the ids' writer
+    first (a chain without that launch faulted: docs/perf-log.md, session 26)."""
     if PDL:
-        if WAIT_FIRST:
-            tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -468,8 +464,8 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
         xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 32)
         acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
                       s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                      r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL and not WAIT_FIRST, EMU)
-    elif PDL and not WAIT_FIRST:
+                      r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
+    elif PDL:
         tl.extra.cuda.gdc_wait()
     m2 = m2 & (s >= 0)
     s = tl.maximum(s, 0)
@@ -582,18 +578,16 @@ def _iq3_grid_words(device) -> torch.Tensor:
 
 
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
-               quantize_h: bool = False, xq: tuple | None = None):
+               quantize_h: bool = False):
     """As triton_decode.gate_up (h float32 [T*k, I], values rounded to x's dtype), x quantized to int8 per
-    32-block first (one more launch; xq: that copy made already by the launch that wrote x, as `quantize` makes it:
-    no quantizer launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8 copy (q, dx,
-    xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last program of each
-    32-block where the tile's rows divide 32, in registers where 32 divides them."""
+    32-block first (one more launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8
+    copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last
+    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them."""
     tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
     qh = h_quantizer(tile.bn) if quantize_h else 0
-    given = xq is not None
-    xq = xq if given else quantize_x(x, pdl)
+    xq = quantize_x(x, pdl)
     hx = h_int8(h) if qh else (h, h, h)
-    launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0), given)
+    launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0))
     if quantize_h:
         return h, (hx if qh else None)
     return h
@@ -619,10 +613,9 @@ def h_int8(h) -> tuple:
 
 
 def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx, tile, qh: int, pdl: bool,
-                   rnd: int, wait_first: bool = False):
+                   rnd: int):
     """One _gate_up_kernel launch: h of every pair from x's int8 copy xq, h's int8 copy into hx where qh, rounded as
-    x's dtype (rnd: ROUND). wait_first: no quantizer launch before it (xq and the ids come from the launch before:
-    WAIT_FIRST)."""
+    x's dtype (rnd: ROUND)."""
     xw, xd, xs = xq
     t, d = xw.shape
     k, i = ids.numel() // t, w.n // 2
@@ -632,7 +625,7 @@ def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx
     _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
         xw.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, *hx, cnt,
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
-        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, WAIT_FIRST=pdl and wait_first,
+        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh,
         num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
 
 

@@ -468,13 +468,12 @@ def variant_of(fmt: str, variant: str | None) -> str:
 
 
 def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: float, bias, h, cfg=None,
-                   variant=None, pre: tuple | None = None):
-    """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch (pre: moe_decode's)."""
+                   variant=None):
+    """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
     v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
-        return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x),
-                             xq=pre)
+        return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
         return v2.gate_up_v3(x, ids, gate_up, act, alpha, limit, bias, h, cfg,
                              pdl=v in ("v3pdl", "v5pdl") and pdl_supported(x))
@@ -489,11 +488,6 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
         FMT=gate_up.code, ACT=act, HAS_BIAS=bias is not None, BN=tile.bn, BK=_bk(tile.bk, d, gate_up.fmt),
         WORDS=tile.words, NS=tile.stages, num_warps=tile.warps)
     return h
-
-
-def takes_int8_x(fmt: str, d: int, variant: str | None = None) -> bool:
-    """Whether moe_decode of gate_up format `fmt` over x [T, d] reads x's int8 copy (its `pre`): the v5 variants."""
-    return fmt in v5.FORMATS and d % v5.BLOCK[fmt] == 0 and variant_of(fmt, variant) in ("v5", "v5pdl", "v5q")
 
 
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
@@ -518,12 +512,10 @@ def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
 
 
 def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: float, limit: float,
-               biases=(None, None), out=None, cfg_gate_up=None, cfg_down=None, variant=None,
-               pre: tuple | None = None) -> torch.Tensor:
+               biases=(None, None), out=None, cfg_gate_up=None, cfg_down=None, variant=None) -> torch.Tensor:
     """x [T, D], ids/w [T, k] device tensors -> out [T, D] (x's dtype). Two launches, no host sync.
     variant: None (the default per format) or one of VARIANTS (variant_of; v4: one launch where v4.supports, else
-    v3). pre: x's int8 copy (q, dx, xs) as triton_decode_q8.quantize makes it, made by the launch that wrote x (the
-    router's): the v5 variants then skip their x quantizer (takes_int8_x); the others ignore it."""
+    v3)."""
     t, k = ids.shape
     ids, w = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
     v = variant_of(gate_up.fmt, variant)                 # v2, v3: h in float32 (values rounded to x's dtype)
@@ -532,11 +524,10 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
     if v == "v5q" and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
-        _, hq = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True,
-                              xq=pre)
+        _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True)
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
-                          pre=hq)
-    decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant, pre)
+                          pre=pre)
+    decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
     return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, variant)
 
 

@@ -134,17 +134,13 @@ def _router_topk_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, E: tl
 
 @triton.jit
 def _router_add_norm_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps,
-                            q_ptr, dx_ptr, xs_ptr, E: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                            NORM: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr,
-                            BK: tl.constexpr, PDL: tl.constexpr, Q8: tl.constexpr):
+                            E: tl.constexpr, D: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
+                            ROWS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                            PDL: tl.constexpr):
     """_add_rms_norm_kernel's s = h + a and x = RMSNorm(s) * nw (to s_ptr, x_ptr), then _router_topk_kernel on x:
-    one launch (_router_part_add_norm). Q8: program 0 also stores x's int8 copy as triton_decode_q8.quantize makes
-    it (q, dx, xs: the experts' decode kernels then need no quantizer launch; D a multiple of 32)."""
+    one launch (_router_part_add_norm)."""
     last, x = _router_part_add_norm(x_ptr, wt_ptr, logit_ptr, cnt_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps, E, D,
                                     ROWS, BD, PDL)
-    if Q8:
-        if tl.program_id(0) == 0:
-            _store_q8(x, D, q_ptr, dx_ptr, xs_ptr, BD)
     if last:
         _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
 
@@ -288,20 +284,14 @@ def router_add_norm_launch(h, a, norm_w, eps: float, weight, k: int, normalize: 
 
 
 def router_topk_add_norm(h, a, norm_w, eps: float, weight, k: int, normalize: bool, rows: int | None = None,
-                         out=None, q8: bool = False):
+                         out=None):
     """h, a [1, D] contiguous, norm_w [D], weight [E, D] contiguous, one dtype, x in one chunk of the router's tile
     (router_add_norm_fits: bit for bit on CUDA too) -> (s [1, D], x [1, D], ids [1, k], w [1, k]) =
     add_rms_norm(h, a, norm_w, eps), then router_topk(x, weight, k, normalize), in one launch (one fewer on the
-    decode step's serial path). `out`: (s, x) or (s, x, ids, w) to write; s and x must not alias h or a. q8 (D a
-    multiple of 32): -> (s, x, ids, w, x's int8 copy (q, dx, xs) as triton_decode_q8.quantize(x) makes it), from the
-    same launch, for the experts' decode kernels (their `pre`)."""
+    decode step's serial path). `out`: (s, x) or (s, x, ids, w) to write; s and x must not alias h or a."""
     grid, args, const, res = router_add_norm_launch(h, a, norm_w, eps, weight, k, normalize, rows, out)
-    if q8 and h.shape[-1] % 32:
-        raise ValueError(f"router_topk_add_norm(q8=True) quantizes x per 32-block: D = {h.shape[-1]} is not a "
-                         "multiple of 32")
-    pre = q8_buffers(h) if q8 else (h, h, h)
-    _router_add_norm_kernel[grid](*args, *pre, **const, Q8=q8, num_warps=ROUTER_WARPS)
-    return (*res, pre) if q8 else res
+    _router_add_norm_kernel[grid](*args, **const, num_warps=ROUTER_WARPS)
+    return res
 
 
 @triton.jit
@@ -324,12 +314,6 @@ def _norm_q8(x, w, N, eps, out_ptr, q_ptr, dx_ptr, xs_ptr, BN: tl.constexpr):
     m = n < N
     y = (w.to(x.dtype) * _rms(x, N, eps)).to(x.dtype)
     tl.store(out_ptr + n, y, mask=m)
-    _store_q8(y, N, q_ptr, dx_ptr, xs_ptr, BN)
-
-
-@triton.jit
-def _store_q8(y, N, q_ptr, dx_ptr, xs_ptr, BN: tl.constexpr):
-    """A row y [BN] (N valid, a multiple of 32) -> its int8 copy as triton_decode_q8.quantize makes it: q, dx, xs."""
     qf, dx, xs = _q8_blocks(tl.reshape(y.to(tl.float32), [BN // 32, 32]))
     b = tl.arange(0, BN // 32)
     bm = b < N // 32
@@ -338,16 +322,11 @@ def _store_q8(y, N, q_ptr, dx_ptr, xs_ptr, BN: tl.constexpr):
     tl.store(xs_ptr + b, xs, mask=bm)
 
 
-def q8_buffers(x) -> tuple[torch.Tensor, ...]:
-    """Room for the int8 copy of a row like x [1, N]: (q int8 [1, N], dx, xs f32 [1, N / 32])."""
+def norm_q8_buffers(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """rms_norm_q8's outputs for a row like x [1, N]: (out like x, (q int8 [1, N], dx, xs f32 [1, N / 32]))."""
     n = x.shape[-1]
     dx = torch.empty(1, n // 32, dtype=torch.float32, device=x.device)
-    return torch.empty(1, n, dtype=torch.int8, device=x.device), dx, torch.empty_like(dx)
-
-
-def norm_q8_buffers(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """rms_norm_q8's outputs for a row like x [1, N]: (out like x, q8_buffers(x))."""
-    return x.new_empty(x.shape), q8_buffers(x)
+    return x.new_empty(x.shape), (torch.empty(1, n, dtype=torch.int8, device=x.device), dx, torch.empty_like(dx))
 
 
 def rms_norm_q8(x, weight, eps: float):

@@ -540,13 +540,8 @@ class SoftmaxMoE(nn.Module):
         out = routed(h, a, norm, gate) if routed is not None else None
         if out is not None:
             return out
-        takes_q8 = getattr(self.experts, "q8_input", None)
-        q8 = takes_q8 is not None and small_ops.router_q8_on() and takes_q8(h)   # x's int8 copy from the router
-        out = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize, q8=q8)
+        out = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize)
         if out is None:                  # NaN logits in the CPU's C router: the Block's own ops decide
             return None
-        if q8:                           # (experts with q8_input take pre, None included)
-            s, x, ids, w, pre = out
-            return s + self.experts(x, ids, w, pre=pre)
         s, x, ids, w = out
         return s + self.experts(x, ids, w)

@@ -125,14 +125,9 @@ class QuantExperts(DenseExperts):
                         None if self.down_bias is None else self.down_bias[e])
 
     # -- compute
-    def q8_input(self, x: torch.Tensor) -> bool:
-        """forward on rows like x takes `pre`, x's int8 copy (the decode kernels then skip their x quantizer)."""
-        return self.layout == "planes" and ops.moe_takes_int8_x(x, self.act, self.fmt, self.down_fmt)
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pre: tuple | None = None) -> torch.Tensor:
-        """pre: x's int8 copy (q8_input) made by the launch that wrote x, or None."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.layout == "planes":
-            return self._forward_planes(x, ids, w, pre)
+            return self._forward_planes(x, ids, w)
         if self.fused_cpu and ids.shape[0] <= FUSED_CPU_TOKENS:
             return self.forward_fused(x, ids, w)
         if self.grouped_cpu:     # (the limit was measured with float activations: the int8 tile has none)
@@ -151,13 +146,13 @@ class QuantExperts(DenseExperts):
     def _biases(self):
         return None if self.gate_up_bias is None else (self.gate_up_bias, self.down_bias)
 
-    def _forward_planes(self, x, ids, w, pre=None):
+    def _forward_planes(self, x, ids, w):
         if (x.is_cuda and x.shape[0] > ops.MAX_DECODE_TOKENS and x.dtype == torch.bfloat16 and self._biases() is None
                 and hasattr(torch, "_grouped_mm") and not torch.cuda.is_current_stream_capturing()):
             return self._forward_dequant_grouped(x, ids, w)
         if ops.kernel_available(x, self.act, self.fmt, self.down_fmt):   # Triton: decode GEMVs or grouped GEMMs
             return ops.moe(x, ids, w, self.planes("gate_up"), self.planes("down"), self.act,
-                           self._biases(), fmt=self.fmt, down_fmt=self.down_fmt, pre=pre)
+                           self._biases(), fmt=self.fmt, down_fmt=self.down_fmt)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():   # no host sync under capture
             return self._forward_gathered(x, ids, w)
         return grouped_experts(x, ids, w, self.num_experts, self.expert)
