@@ -42,6 +42,7 @@
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
 #               variants)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
+#   topo        the box: CPUs, cores, NUMA nodes, huge pages, load, the busiest processes
 #   cpumv       no GPU: the CPU int8 matvec alone at a decode layer's one-row shapes, 8 and 16 threads (CMTHREADS)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 #   cpuyard     no GPU: moetier vs llama.cpp (xllamacpp) on the CPU, the same 48-layer Q4_0 GGUF, 16 threads
@@ -106,6 +107,11 @@ for step in $STEPS; do
       grep -v "^[0-9.]* [IWD] \|^WARNING" "$OUT/cpuyard_$C.err" | tail -4; cat "$OUT/cpuyard_$C.json"
     done
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  topo)
+    { lscpu; numactl -H; cat /sys/kernel/mm/transparent_hugepage/enabled /proc/loadavg; grep -i huge /proc/meminfo
+      top -bn1 | head -15; } > "$OUT/topo.txt" 2>&1
+    grep -E "^CPU\(s\)|Thread|Core|Socket|NUMA|Model name|available|node . cpus|always|load|^ *PID" "$OUT/topo.txt" \
+      | head -20; sed -n '/PID/,$p' "$OUT/topo.txt" | head -8 ;;
   cpumv)
     # the CPU's int8 matvec alone at a decode layer's one-row shapes (q/k/v 5120x2048, o_proj 2048x4096, an expert's
     # gate 768x2048) against the RAM read, per thread count (CMTHREADS), from a bank bigger than the caches
@@ -200,8 +206,7 @@ for step in $STEPS; do
                                             # miss server's variant 5 (g8v6, g8v6b: 6; g8b: g8 again);
                                             # g8c8 / g8c16: its chunks per
                                             # thread and phase 8 / 16, MOETIER_MISS_CHUNKS;
-                                            # g8t14: 8 GiB on 14 miss threads; g8bind: 8 GiB, OpenMP threads
-                                            # bound to cores (OMP_PROC_BIND=spread); g8stamp: 8 GiB with the GPU's
+                                            # g8t14: 8 GiB on 14 miss threads; g8stamp: 8 GiB with the GPU's
                                             # clock stamps; g8q8: that with x's int8 copy written by the ring only,
                                             # MOETIER_RING_Q8; g8wan: that with the next block's input norm made
                                             # by wait_add only, MOETIER_WAIT_ADD_NORM; g8fused: both (the default);
@@ -239,8 +244,6 @@ for step in $STEPS; do
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
-      g8bind) OMP_PROC_BIND=spread OMP_PLACES=cores \
-        bench proof48_g8bind ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8b) bench proof48_g8b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v5) MOETIER_MISS_VARIANT=5 bench proof48_g8v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g9v5) MOETIER_MISS_VARIANT=5 bench proof48_g9v5 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;

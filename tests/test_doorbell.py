@@ -634,6 +634,9 @@ def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads, variant)
             assert srv.guesses == (3, 2, 2)      # 3 valid guesses in layer 1, 2 right, 2 misses there
             assert srv.prefetched > 0           # layer 1's guessed rows, in the 20 ms before its bell
             assert min(srv.phases) >= 0 and srv.phases[0] > 0 and srv.phases[3] > 0    # gate_up, down timed
+            work, last, cpus = srv.per_thread[:, :threads]      # per thread: each of the 3 layers had one last thread
+            assert (work > 0).all() and last.sum() == L and (cpus >= 0).all()
+            assert (srv.per_thread[:, threads:] <= 0).all()      # the rows of threads beyond the team: untouched
         else:
             assert srv.guesses == (0, 0, 0) and srv.prefetched == 0
     assert torch.equal(ys[0], ys[1])
@@ -723,6 +726,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     class FakeServer:
         detail, guesses, prefetched, first_bell, phases = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0, (0.0,) * 5
         log_ids, log_slots, log_w = req.ids.clone(), req.slots.clone(), req.w.clone()
+        per_thread = torch.zeros(3, db.TIMED_THREADS, dtype=torch.float64)
 
         def serve(self, seq, timeout_s=None):
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here
@@ -734,6 +738,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     gt.host_seq, gt._pending, gt._worker, gt.counting = 0, None, _Worker(), True
     gt.server, gt.req = FakeServer(), req
     gt.timing, gt._t_served = dict.fromkeys(STEP_TIMING, 0), 0.0
+    gt.thread_timing, gt.thread_cpus = np.zeros((2, db.TIMED_THREADS)), np.full(db.TIMED_THREADS, -1.0)
     gt.tiers = SimpleNamespace(stats=SimpleNamespace(prefetch={"predicted": 0, "correct": 0, "actual": 0}))
     gt._account = lambda ids, slots, w, busy: seen.append(int(ids[0, 0]))
     for _ in range(3):

@@ -17,6 +17,9 @@
  * type `qtype`, down of `dn_qtype` (they differ in llama.cpp's Q4_K_M: Q4_K and Q6_K), or per layer
  * `layer_types` [L, 2] with `layer_row_bytes` [L, 2] (Q4_K_M's down is Q6_K in some layers only).
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE                     /* sched_getcpu */
+#endif
 #include "cpu_kernels.c"
 #include <math.h>
 #include <omp.h>
@@ -50,7 +53,10 @@ typedef struct {
     const float *w;                       /* [L, k] */
     float *y;                             /* [L, D] */
     float *scratch;                       /* >= k * 2I + k * I + (D + k * I) / 32 + 64 floats */
-    double *timing;                       /* out [16]: [0] compute s, [1] bell wait s, [2] misses ... [11..15] phases */
+    double *timing;                       /* out [16 + 3 TIMED_THREADS]: [0] compute s, [1] bell wait s, [2] misses ...
+                                           * [11..15] phases; per thread t < TIMED_THREADS: [16 + t] its work s
+                                           * (bell barrier to its finish, summed over layers), [16 + T + t] layers it
+                                           * finished last, [16 + 2 T + t] the CPU it ran on at its last finish */
     int32_t q8_act;                       /* Q4_0 / Q8_0 / MXFP4 / IQ3_XXS: int8 activations, integer dots */
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
     const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
@@ -840,6 +846,8 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
 
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang
  * (timeout), -100 - li if a missed expert has no RAM pointer, -200 on bad arguments. */
+#define TIMED_THREADS 64
+
 int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     const int L = c->L, D = c->D, I = c->I, k = c->k;
     if (k > MAX_K || k < 1 || (c->ring_qx && D % 32)) return -200;
@@ -881,6 +889,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     flow_ctr flow[c->variant == 6 ? Ln : 1];        /* variant 6's per-layer expert counts and ready flags */
     memset(flow, 0, sizeof flow);
     double phase_sum[5] = {0.0, 0.0, 0.0, 0.0, 0.0};    /* layer_runs' pt, summed over threads and layers */
+    double th_work[TIMED_THREADS], th_last[TIMED_THREADS], th_cpu[TIMED_THREADS];     /* timing's per-thread part */
+    for (int t = 0; t < TIMED_THREADS; t++) th_work[t] = th_last[t] = 0.0, th_cpu[t] = -1.0;
     #pragma omp parallel num_threads(c->nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -974,9 +984,17 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 if (c->variant == 6) layer_flow(c, &ly, &s, cl, &flow[li], tid, nt, &ph, pt);
                 else layer_runs(c, &ly, &s, cl, tid, nt, &ph, pt);
                 mine[li] = now_s();
-                if (__atomic_add_fetch(&finished[li], 1, __ATOMIC_ACQ_REL) == nt) {
+                const int last = __atomic_add_fetch(&finished[li], 1, __ATOMIC_ACQ_REL) == nt;
+                if (last) {
                     t_end[li] = mine[li];
                     __atomic_store_n(c->done + (int64_t)li * BELL_STRIDE, seq, __ATOMIC_RELEASE);
+                }
+                if (pt && tid < TIMED_THREADS) {     /* (t_begin: set by tid 0 before the bell barrier) */
+                    th_work[tid] += mine[li] - t_begin[li];
+                    th_last[tid] += last;
+#ifdef __linux__
+                    th_cpu[tid] = sched_getcpu();
+#endif
                 }
             }
             if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);   /* after its answer is in */
@@ -1007,6 +1025,11 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         c->timing[9] = (double)prefetched;
         c->timing[10] = t_seen[0] > 0.0 ? t_seen[0] - t0 : 0.0;
         for (int i = 0; i < 5; i++) c->timing[11 + i] = phase_sum[i];
+        for (int t = 0; t < TIMED_THREADS; t++) {
+            c->timing[16 + t] = th_work[t];
+            c->timing[16 + TIMED_THREADS + t] = th_last[t];
+            c->timing[16 + 2 * TIMED_THREADS + t] = th_cpu[t];
+        }
         c->timing[0] = t_busy;
         c->timing[1] = t_wait;
         c->timing[2] = total;

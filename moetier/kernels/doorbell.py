@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 BELL_STRIDE = 16            # int64 per layer (doorbell.c)
+TIMED_THREADS = 64          # miss threads with timings of their own (doorbell.c)
 GGML_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 _lib = None
 
@@ -537,7 +538,7 @@ class MissServer:
         # (variant 2: the missed experts' down rows [k, D] too)
         self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + k * dim + 272,
                                    dtype=torch.float32)
-        self.timing = torch.zeros(16, dtype=torch.float64)   # doorbell.c moetier_serve_step
+        self.timing = torch.zeros(16 + 3 * TIMED_THREADS, dtype=torch.float64)   # doorbell.c moetier_serve_step
         # each layer's request row as the server read it (the bookkeeping's copy, independent of when the next
         # replay rewrites req's rows)
         self.log_ids, self.log_slots = torch.zeros_like(req.ids), torch.zeros_like(req.slots)
@@ -545,6 +546,7 @@ class MissServer:
         self.detail = (0.0, 0, 0.0)
         self.guesses = (0, 0, 0)
         self.prefetched, self.first_bell, self.phases = 0.0, 0.0, (0.0,) * 5     # serve's, below
+        self.per_thread = torch.zeros(3, TIMED_THREADS, dtype=torch.float64)
         self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, gu_id, 0 if act.kind == "swiglu" else 1, threads,
                         act.alpha, act.limit, some.stride(0) * some.element_size(),
                         some_dn.stride(0) * some_dn.element_size(), int(timeout_s * 1e9),
@@ -581,6 +583,9 @@ class MissServer:
         # s summed over threads and layers: phase 1's work, its barrier wait, phase 2 with its barrier, phase 3's
         # work, a thread's finish to the layer's last (layer_runs)
         self.phases = tuple(t[11:16])
+        # per thread (the first TIMED_THREADS): work s (bell barrier to its finish), layers it finished last, the
+        # CPU it ran on at its last finish (-1: none seen); timed steps only
+        self.per_thread = self.timing[16:].view(3, TIMED_THREADS).clone()
         return t[0], t[1], int(t[2])
 
 

@@ -156,6 +156,10 @@ class GraphTiers:
         self._worker = _Worker(dev)     # accounts for each step while the next one is served
         # host time per decode step: answering misses (C), and the bookkeeping after it (Python)
         self.timing = dict.fromkeys(STEP_TIMING, 0)
+        # per miss thread (kernels.doorbell.TIMED_THREADS): work s and layers finished last, summed; the CPUs of the
+        # last timed step (which threads shared a core)
+        self.thread_timing = np.zeros((2, doorbell.TIMED_THREADS))
+        self.thread_cpus = np.full(doorbell.TIMED_THREADS, -1.0)
         self._t_served = 0.0        # when the last serve of a run of graphed steps returned (0: none yet)
         self._db = doorbell
         self.slots = torch.zeros(self.L, k, dtype=torch.int64, device=dev)
@@ -388,6 +392,9 @@ class GraphTiers:
             tm["first_bell_s"] += self.server.first_bell
             for key, v in zip(PHASES, self.server.phases):
                 tm[key] += v
+            per = self.server.per_thread.numpy()
+            self.thread_timing += per[:2]
+            self.thread_cpus = per[2]
             if self.req.stamping:
                 self._stamps()
             if self._t_served:
@@ -470,7 +477,18 @@ class GraphTiers:
                 # a layer's phases in us, per thread: gate_up's work, the wait at its barrier, h with its barrier,
                 # down's work, the wait from the thread's finish to the layer's last (imbalance)
                 "phase_us": {k.removesuffix("_s"): round(tm[k] / n / max(1, self.L) / max(1, self.threads) * 1e6, 2)
-                             for k in PHASES}}
+                             for k in PHASES},
+                **self._thread_report(n)}
+
+    def _thread_report(self, n) -> dict:
+        """Per miss thread: its work per layer (us, from the bell barrier to its finish), its share of the layers it
+        finished last, and the CPU it ran on at the end of the last step (two threads on one CPU: a straggler)."""
+        nt = min(self.threads, self.thread_timing.shape[1])
+        cpus = [int(c) for c in self.thread_cpus[:nt]]
+        seen = [c for c in cpus if c >= 0]
+        return {"thread_work_us": [round(float(v) / n / max(1, self.L) * 1e6, 1) for v in self.thread_timing[0, :nt]],
+                "thread_last_share": [round(float(v) / n / max(1, self.L), 3) for v in self.thread_timing[1, :nt]],
+                "thread_cpus": cpus, "threads_sharing_a_cpu": len(seen) - len(set(seen))}
 
     def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
         t = self.tiers
