@@ -844,10 +844,10 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
     __atomic_add_fetch(issued, full - (budget > 0 ? budget : 0), __ATOMIC_RELAXED);
 }
 
+#define TIMED_THREADS 64                /* threads with timings of their own (serve_ctx.timing) */
+
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang
  * (timeout), -100 - li if a missed expert has no RAM pointer, -200 on bad arguments. */
-#define TIMED_THREADS 64
-
 int moetier_serve_step(const serve_ctx *c, int64_t seq) {
     const int L = c->L, D = c->D, I = c->I, k = c->k;
     if (k > MAX_K || k < 1 || (c->ring_qx && D % 32)) return -200;
