@@ -38,6 +38,7 @@
 #   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
+#   v5qwave     v5q at the shipped tiles, then at PAIR_TILES_WAVE (whole waves, no spills: bench/kernel_regs.py)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
 #               variants)
@@ -414,6 +415,13 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qtiles.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
+  v5qwave)
+    # v5q at the shipped tiles, then at bench_gpu_kernels.PAIR_TILES_WAVE (tiles of about whole waves without spills)
+    timeout ${TLSECS:-200} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qwave \
+      --fmt ${TFMT:-Q4_0,Q4_K,Q6_K} --budget ${TLBUDGET:-170} --out "$OUT/v5qwave.json" 2> "$OUT/v5qwave.err" \
+      > /dev/null
+    grep "gate_up + down" "$OUT/v5qwave.err" \
+      | grep -oE "^ *[A-Z0-9_]+ v5q gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

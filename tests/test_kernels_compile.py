@@ -48,3 +48,20 @@ def test_pdl_only_where_the_gpu_has_griddepcontrol(monkeypatch):
         assert not pdl.supported(torch.zeros(1))
     finally:
         pdl.capable.cache_clear()
+
+
+def test_kernel_regs_counts_programs_per_sm_as_sm90_allocates_registers():
+    """bench/kernel_regs.py's occupancy: registers given per warp in units of 256 (a thread's count rounded up to 8),
+    65,536 an SM, at most 64 warps and 32 programs; the smallest limit wins."""
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend")
+    import importlib.util
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("kernel_regs", root / "bench" / "kernel_regs.py")
+    kr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kr)
+    assert kr.occupancy(247, 8, 2048) == (1, "registers")      # Q4_0's v5q gate_up: 248 x 256 threads
+    assert kr.occupancy(95, 2, 64) == (10, "registers")        # 96 x 64 = 6,144 a program
+    assert kr.occupancy(72, 4, 256) == (7, "registers")
+    assert kr.occupancy(32, 1, 0) == (32, "programs") and kr.occupancy(24, 4, 0) == (16, "warps")
+    assert kr.occupancy(32, 1, 100 << 10) == (2, "shared")

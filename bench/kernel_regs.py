@@ -1,0 +1,130 @@
+"""Registers, spills and occupancy of the v5 decode kernels at their shipped tiles, without a GPU: Triton compiles
+them for sm_90 here and ptxas (bundled with Triton) reports what each thread uses. From that: how many programs fit
+on one SM at a time, how many waves the T=1 grid takes on an H200 (132 SMs), and what is left on an SM for the next
+launch's programs (down's programs load their weights while gate_up runs only where they fit beside it).
+
+    python bench/kernel_regs.py [--fmt Q4_0,Q4_K] [--model qwen3-30b-a3b] > regs.json
+
+JSON: one entry per (format, kernel, tile): registers, local stack bytes (spills), shared bytes, programs per SM
+and what limits them, grid, waves.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moetier.kernels import triton_decode_q8 as q8  # noqa: E402
+from moetier.kernels import triton_moe  # noqa: E402
+from moetier.kernels.triton_decode import STEP_BLOCK, v3_pieces  # noqa: E402
+from moetier.kernels.triton_weights import FMT_CODES  # noqa: E402
+
+MODELS = {"qwen3-30b-a3b": (2048, 768, 8), "gpt-oss-120b": (2880, 2880, 4)}     # D, I, k
+# sm_90 (H100 / H200): per SM
+SM = {"sms": 132, "regs": 65536, "warps": 64, "programs": 32, "shared": 227 << 10}
+PTR_TYPES = {"xw_ptr": "*i32", "hw_ptr": "*i32", "q_ptr": "*i32", "h_ptr": "*i32", "ids_ptr": "*i32",
+             "m_ptr": "*i32", "cnt_ptr": "*i32", "hq_ptr": "*i8"}
+FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
+
+
+def ptxas() -> str:
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    found = str(bundled) if bundled.exists() else shutil.which("ptxas")
+    if not found:
+        sys.exit("kernel_regs: no ptxas (neither Triton's bundled one nor one on PATH)")
+    return found
+
+
+def compiled(fn, const: dict, warps: int) -> tuple[str, int]:
+    """(PTX, shared bytes) of fn compiled for sm_90 with these constexprs and num_warps."""
+    names, sig = fn.arg_names, {}
+    for n in names:
+        sig[n] = ("constexpr" if n in const else PTR_TYPES.get(n) or ("*fp32" if n in FLOAT_PTRS else "*u8")
+                  if n.endswith("_ptr") else "fp32" if n in ("alpha", "limit") else "i64")
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return k.asm["ptx"], int(k.metadata.shared)
+
+
+def ptxas_usage(ptx: str, tool: str) -> tuple[int, int]:
+    """(registers a thread, local stack bytes) as ptxas -v reports them."""
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "k.ptx"
+        f.write_text(ptx)
+        r = subprocess.run([tool, "-arch=sm_90a", "-v", str(f), "-o", str(Path(d) / "k.o")], capture_output=True,
+                           text=True)
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-400:]}")
+    regs = re.findall(r"Used (\d+) registers", r.stderr)
+    stack = re.findall(r"(\d+) bytes cumulative stack size", r.stderr)
+    return int(regs[-1]), int(stack[-1]) if stack else 0
+
+
+def occupancy(regs: int, warps: int, shared: int) -> tuple[int, str]:
+    """Programs of this kernel one SM holds at once, and the resource that limits them (sm_90: registers are given
+    per warp in units of 256, i.e. a thread's count rounded up to 8)."""
+    per_warp = math.ceil(regs * 32 / 256) * 256
+    limits = {"registers": SM["regs"] // (per_warp * warps), "warps": SM["warps"] // warps,
+              "programs": SM["programs"], "shared": SM["shared"] // max(1, shared + 1024)}
+    name = min(limits, key=limits.get)
+    return limits[name], name
+
+
+def entry(fmt, kernel, tile, grid, fn, const, tool) -> dict:
+    ptx, shared = compiled(fn, const, tile.warps)
+    regs, stack = ptxas_usage(ptx, tool)
+    per_sm, limit = occupancy(regs, tile.warps, shared)
+    return {"fmt": fmt, "kernel": kernel, "tile": list(tile), "grid": grid, "registers": regs, "stack_bytes": stack,
+            "shared_bytes": shared, "programs_per_sm": per_sm, "limited_by": limit,
+            "waves": round(grid / (per_sm * SM["sms"]), 2),
+            "sm_registers_used": round(min(per_sm, math.ceil(grid / SM["sms"])) * tile.warps
+                                       * math.ceil(regs * 32 / 256) * 256 / SM["regs"], 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fmt", default=",".join(q8.FORMATS))
+    ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
+    a = ap.parse_args()
+    d, i, k = MODELS[a.model]
+    tool, out = ptxas(), []
+    for fmt in a.fmt.split(","):
+        if fmt not in q8.FORMATS:
+            sys.exit(f"kernel_regs: {fmt!r} has no v5 kernels (they serve {', '.join(q8.FORMATS)})")
+        common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
+        default = triton_moe.DEFAULT_VARIANT.get(fmt, "v5pdl")
+        tiles = {"v5pdl": q8.GATE_UP5[fmt]}
+        if fmt in q8.GATE_UP5Q or default == "v5q":      # (v5q without a tile of its own: v5pdl's, as gate_up_v5)
+            tiles["v5q"] = q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt])
+        for variant, t in tiles.items():
+            qh = q8.h_quantizer(t.bn) if variant == "v5q" else 0
+            gu = dict(common, I=i, D=d, KTOP=k, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
+                      BN=t.bn, QH=qh)
+            e = entry(fmt, f"gate_up ({variant}{', default' if variant == default else ''})", t,
+                      k * math.ceil(i / t.bn), q8._gate_up_kernel, gu, tool)
+            out.append(e)
+            print(e, file=sys.stderr)
+        t = q8.DOWN5[fmt]
+        dn = dict(common, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=t.bn, TRIGGER=True,
+                  NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1])
+        e = entry(fmt, "down", t, math.ceil(d / t.bn), q8._down_kernel, dn, tool)
+        out.append(e)
+        print(e, file=sys.stderr)
+    json.dump({"model": a.model, "sm": SM, "kernels": out}, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
