@@ -350,6 +350,60 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
 
 
 @needs_c
+@pytest.mark.parametrize("t", [1, 3, 17])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_qgemm_is_the_row_kernels_product_for_many_rows(qtype, t):
+    """cpu.qgemm (the grouped experts' tile over one weight that every row of x uses): the dequantized product up to
+    the int8 activations; Q4_0 / Q8_0 the row-by-row int8 matvec's result up to the order of the float sums, and the
+    same bits from a copy interleaved by 8 rows; 44 rows (a task of 32, one of 12), every output written."""
+    fmt = get_format(qtype)
+    g = torch.Generator().manual_seed(11)
+    w = pack(torch.randn(48, 256, generator=g) / 16, qtype)
+    x = torch.randn(t, 256, generator=g)
+    want = cpu.qlinear_native(qtype, w[:44], x)
+    y = cpu.qgemm(qtype, w[:44].contiguous(), x, threads=2)
+    assert y.shape == (t, 44) and not y.isnan().any()
+    assert max_rel_err(y, want) < (0.05 if fmt.name in ("Q4_K", "Q6_K") else 0.02)     # int8 per 256 / per 32 values
+    assert max_rel_err(cpu.qgemm(qtype, w[:44].contiguous(), x, q8=False, threads=1), want) < 1e-5
+    if qtype in ("Q4_0", "Q8_0"):
+        assert max_rel_err(y, cpu.qlinear(qtype, w[:44].contiguous(), x, q8=True, threads=1)) < 1e-5
+        full = cpu.qgemm(qtype, w, x, threads=2)
+        x8 = cpu.interleave_rows(w, fmt.type_id)
+        assert torch.equal(cpu.qgemm(cpu.INTERLEAVED[fmt.type_id], x8, x, threads=2), full)
+    with pytest.raises(ValueError, match=r"x \[T, K\]"):
+        cpu.qgemm(qtype, w, x[0])
+
+
+@needs_c
+def test_prefill_multiplies_q4_0_blocks_through_qgemm(tmp_path, monkeypatch):
+    """With the experts' prefill on int8 activations (MOETIER_PREFILL_INT8=on here; timed per machine by default), a
+    GGUF file's Q4_0 projections multiply the prompt's rows on their blocks (cpu.qgemm: stacked q/k/v and o, every
+    layer, and the lm_head); the logits stay those of the float prefill up to the int8 activations. Off: the float
+    GEMMs, no qgemm."""
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
+    cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
+    calls, inner = [], cpu.qgemm
+    monkeypatch.setattr(cpu, "qgemm", lambda *a, **k: calls.append(a[2].shape) or inner(*a, **k))
+    prompt = torch.tensor([5, 17, 33, 2, 90, 41, 7, 64, 3])
+    logits = {}
+    for mode in ("on", "off"):
+        monkeypatch.setattr(cpu_compile, "PREFILL_INT8", mode)
+        eng = Engine.load(path, cfg)
+        eng.complete(prompt_ids=[1, 2, 3], max_tokens=2, params=SamplingParams(temperature=0), ignore_eos=True)
+        calls.clear()                           # (the first request installs the eager CPU paths)
+        with torch.inference_mode():
+            logits[mode] = eng.model(prompt, eng.new_session().cache)
+        layers = len(eng.model.model.layers)
+        # stacked q/k/v and o of each layer, and the lm_head (this call asks for every position's logits)
+        assert len(calls) == (2 * layers + 1 if mode == "on" else 0), (mode, calls)
+        assert all(c[0] == len(prompt) for c in calls)
+    a, b = logits["on"], logits["off"]
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert kl.max() < 0.01 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+    assert not torch.equal(a, b)            # the int8 path did run
+
+
+@needs_c
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", ("Q4_K", "Q8_0")])
 def test_moe_tokens_on_experts_interleaved_by_8(qtype):
     """moetier_moe_tokens on expert banks interleaved by 8 rows (x8 ids) gives the row kernels' layer up to the order

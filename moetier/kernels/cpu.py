@@ -142,6 +142,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                        ptr, ptr, ptr, ptr, c_int, c_int]
     lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
     lib.moetier_grouped_int8_tile.argtypes = [c_int]
+    lib.moetier_qgemm.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int, c_int]
     f32 = ctypes.c_float
     lib.moetier_decode_attn.argtypes = [ptr, ptr, ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32,
                                         ptr, c_int]
@@ -524,6 +525,32 @@ def qlinear_native(qtype, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qtype, w = base, deinterleave_rows(w, base)
     fmt = get_format(qtype)
     return x.float() @ dequantize(w.contiguous(), fmt, (w.shape[0], x.shape[-1])).T
+
+
+def qgemm(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = True, threads: int | None = None) -> torch.Tensor:
+    """y [T, N] = x [T, K] @ W.T for W uint8 [N, row_bytes(K)] GGML blocks, many rows of x at once (prefill): the
+    grouped experts' tile (cpu_grouped.c moetier_qgemm), each weight row read once for all T rows. q8: x rounded to
+    int8 per 32 values where the type has an int8 kernel (llama.cpp's way). Interleaved rows (INTERLEAVED ids) are put
+    back in the file's order first, in a copy. Twin: qlinear_native."""
+    base = _interleaved_base(qtype)
+    if base is not None:
+        w = w.clone()
+        interleave_inplace(w, base, inverse=True, threads=threads)
+        qtype = base
+    fmt = get_format(qtype)
+    if x.dim() != 2:
+        raise ValueError(f"qgemm takes x [T, K]; got shape {tuple(x.shape)}")
+    x = _as_f32(x)
+    n, k = _check(fmt, w, x)
+    if _kernel(fmt, None) != "c":
+        return qlinear_native(qtype, w, x)
+    y = torch.empty(x.shape[0], n)
+    rc = _lib.moetier_qgemm(fmt.type_id, w.data_ptr(), w.stride(0), n, k, x.shape[0], x.data_ptr(), y.data_ptr(),
+                            int(q8), threads or torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"CPU {fmt.name} qgemm failed: "
+                           + ("out of memory" if rc == -2 else f"K={k} is not a multiple of 32 and of the block size"))
+    return y
 
 
 _ops.define("qlinear(Tensor x, Tensor w, int qtype, bool q8) -> Tensor")

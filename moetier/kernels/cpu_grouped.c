@@ -1048,3 +1048,33 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
     free(mem);
     return 0;
 }
+
+/* y [T, N] = x [T, K] . the N rows of w (GGML rows of qtype, stride rs): the experts' tile above with one "expert"
+ * that every token uses, for a dense projection over many tokens (prefill). q8: int8 activations where the type has
+ * them (moe_q8_type), else float. Each task's GRP_ROWS rows are read once for all T tokens. Returns 0, -1 for an
+ * unsupported type or shape, -2 if out of memory. */
+int moetier_qgemm(int qtype, const uint8_t *w, int64_t rs, int64_t N, int64_t K, int64_t T, const float *x, float *y,
+                  int q8, int nthreads) {
+    if (!moetier_supported(qtype) || K % block_elems(qtype) || K % 32 || N < 1 || T < 1) return -1;
+    char *mem = malloc(sizeof(int64_t) * T + sizeof(float) * 5 * T * (K / 32) + T * K + 128);
+    if (!mem) return -2;
+    int64_t *row = (int64_t *)mem;                  /* token t's activation row: t */
+    for (int64_t t = 0; t < T; t++) row[t] = t;
+    char *cur = (char *)(((uintptr_t)(row + T) + 63) & ~(uintptr_t)63);
+    grp_side a;
+    grp_side_init(&a, qtype, q8, K, x, K, row, &cur, T);
+    const int64_t tasks = (N + GRP_ROWS - 1) / GRP_ROWS, bytes = N * (K / block_elems(qtype)) * block_bytes(qtype);
+    if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) grp_prepare(&a, t);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < tasks; i++) {      /* rows [r, r + m) for all tokens: y[t, r .. r + m) */
+            const int64_t r = i * GRP_ROWS, m = N - r < GRP_ROWS ? N - r : GRP_ROWS;
+            grp_task(qtype, w + r * rs, rs, m, &a, 0, T, y, N, r);
+        }
+    }
+    free(mem);
+    return 0;
+}

@@ -261,8 +261,14 @@ def _drop_quantized_copies(model: torch.nn.Module) -> None:
 # Eager calls on at most this many rows of x (the prefill's last-token lm_head, eager decode tokens) of a Linear
 # with a quantized copy multiply on its blocks too. Measured (2-core box, 1 thread, Qwen3-30B-A3B shape, Q4_K_M):
 # the float32 lm_head [151936, 2048] for the last prompt token took 79 ms of a 128-token prefill's 471 ms (1.2 GB
-# read), its Q6_K blocks ~5x fewer bytes. Larger x (the prompt's attention) stays on the float GEMM.
+# read), its Q6_K blocks ~5x fewer bytes. Larger x (the prompt's attention) stays on the float GEMM, except:
 EAGER_QLINEAR_ROWS = 1
+# Q4_0 blocks on more rows of x (the prompt's projections) multiply through the grouped experts' int8 tile
+# (kernels.cpu.qgemm: each row of W read once for all rows of x) where the experts' prefill takes int8 activations
+# (prefill_int8: timed per machine). Dev box, 1 thread, 128 rows: q/k/v [5120, 2048] 23.7 ms (interleaved copy put
+# back in order included) against 49.1 ms for the float32 GEMM, o [2048, 4096] 20.0 against 29.9. Q8_0's tile lost
+# there (48.9 against 31-36 ms at q/k/v's shape): not taken.
+PREFILL_QGEMM_TYPES = {"Q4_0"}
 
 
 def _eager_quant_linears(model: torch.nn.Module) -> None:
@@ -283,13 +289,29 @@ def _on_blocks(eager, attr: str, bias: str):
     at most EAGER_QLINEAR_ROWS rows of x on the CPU, else calls `eager` (the bound float method)."""
     def forward(self, x, *rest, **kw):
         qtype, blocks = getattr(self, "_quant_copies", {}).get(attr), getattr(self, f"{attr}_q", None)
-        if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu" \
-                or x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
+        if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu":
             return eager(x, *rest, **kw)
-        y = cpu_kernels.qlinear_op(x, blocks, qtype, Q8_ACTIVATIONS)   # one float32 row: straight to C
+        if x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
+            if not _prefill_qgemm(self, qtype):
+                return eager(x, *rest, **kw)
+            y = cpu_kernels.qgemm(qtype, blocks, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).to(x.dtype)
+        else:
+            y = cpu_kernels.qlinear_op(x, blocks, qtype, Q8_ACTIVATIONS)   # one float32 row: straight to C
         b = getattr(self, bias, None)
         return y if b is None else y + b
     return forward
+
+
+def _prefill_qgemm(m: torch.nn.Module, qtype: int) -> bool:
+    """Whether module m's prefill multiplies its blocks of type id `qtype` through kernels.cpu.qgemm
+    (PREFILL_QGEMM_TYPES); decided on its first prefill and kept on the module."""
+    said = m.__dict__.get("_prefill_qgemm")
+    if said is None:
+        base = cpu_kernels._interleaved_base(qtype)
+        name = get_format(qtype if base is None else base).name
+        said = m._prefill_qgemm = (name in PREFILL_QGEMM_TYPES and Q8_ACTIVATIONS
+                                   and cpu_kernels.grouped_int8_tile(name) and prefill_int8(name))
+    return said
 
 
 def eager_blocks(model: torch.nn.Module) -> None:
