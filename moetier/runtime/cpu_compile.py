@@ -286,7 +286,8 @@ def _eager_quant_linears(model: torch.nn.Module) -> None:
 
 def _on_blocks(eager, attr: str, bias: str):
     """A method f(self, x, *rest) that computes x @ W^T (+ b) on W's quantized copy (`<attr>_q`) for an eager call on
-    at most EAGER_QLINEAR_ROWS rows of x on the CPU, else calls `eager` (the bound float method)."""
+    at most EAGER_QLINEAR_ROWS rows of x on the CPU, on more rows where _prefill_qgemm says so, else calls `eager`
+    (the bound float method)."""
     def forward(self, x, *rest, **kw):
         qtype, blocks = getattr(self, "_quant_copies", {}).get(attr), getattr(self, f"{attr}_q", None)
         if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu":
