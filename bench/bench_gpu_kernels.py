@@ -358,9 +358,9 @@ PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [No
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
 PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8, 0, 4)]
 # v5q at (gate_up, down) tiles that fill the H200's SMs in about whole waves without spilling (--only v5qwave; from
-# bench/kernel_regs.py, session 27: the shipped Q4_0 gate_up holds one 247-register program an SM, 192 programs in
-# 1.45 waves; Q4_K's and Q6_K's downs spill 608 / 744 bytes a thread)
-PAIR_TILES_WAVE = {"Q4_0": [((16, 0, 4), None), ((8, 0, 2), None)],
+# bench/kernel_regs.py, session 27: the shipped Q4_0 gate_up holds one 255-register program an SM, 192 programs in
+# 1.45 waves; Q4_K's and Q6_K's downs spill 512 / 744 bytes a thread)
+PAIR_TILES_WAVE = {"Q4_0": [((8, 0, 2), None)],
                    "Q4_K": [(None, (4, 0, 4)), (None, (8, 0, 8)), ((4, 0, 4), (4, 0, 4))],
                    "Q6_K": [(None, (8, 0, 4)), (None, (4, 0, 4)), (None, (8, 0, 8))]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)

@@ -29,9 +29,9 @@ INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr"}
 FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
 
 
-def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90) -> str | None:
-    """None when it compiles to the end the local toolchain reaches, else the innermost error. types: argument
-    types that the naming rule below would get wrong. arch: another compute capability (80: Ampere)."""
+def source(fn, const: dict, types: dict | None = None) -> ASTSource:
+    """fn with these constexprs, its other arguments typed by name (pointers, the activation's fp32 scalars, i64
+    else) unless `types` gives them."""
     names = fn.arg_names
     sig = {}
     for n in names:
@@ -45,7 +45,13 @@ def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90)
             sig[n] = "fp32"
         else:
             sig[n] = "i64"
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+
+
+def compile_for_sm90(fn, const: dict, types: dict | None = None, arch: int = 90) -> str | None:
+    """None when it compiles to the end the local toolchain reaches, else the innermost error. types: argument
+    types that the naming rule in `source` would get wrong. arch: another compute capability (80: Ampere)."""
+    src = source(fn, const, types)
     try:
         triton.compile(src, target=GPUTarget("cuda", arch, 32))
     except Exception as e:  # noqa: BLE001 (report the innermost cause)

@@ -111,7 +111,7 @@ for step in $STEPS; do
   topo)
     { lscpu; numactl -H; cat /sys/kernel/mm/transparent_hugepage/enabled /proc/loadavg; grep -i huge /proc/meminfo
       top -bn1 | head -15; } > "$OUT/topo.txt" 2>&1
-    grep -E "^CPU\(s\)|Thread|Core|Socket|NUMA|Model name|available|node . cpus|always|load|^ *PID" "$OUT/topo.txt" \
+    grep -E "^CPU\(s\)|Thread|Core|Socket|NUMA|Model name|available|node . cpus|always|load" "$OUT/topo.txt" \
       | head -20; sed -n '/PID/,$p' "$OUT/topo.txt" | head -8 ;;
   cpumv)
     # the CPU's int8 matvec alone at a decode layer's one-row shapes (q/k/v 5120x2048, o_proj 2048x4096, an expert's

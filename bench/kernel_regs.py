@@ -20,22 +20,34 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from compile_check import source  # noqa: E402  (the compile test's argument typing)
+
 from moetier.kernels import triton_decode_q8 as q8  # noqa: E402
 from moetier.kernels import triton_moe  # noqa: E402
 from moetier.kernels.triton_decode import STEP_BLOCK, v3_pieces  # noqa: E402
-from moetier.kernels.triton_weights import FMT_CODES  # noqa: E402
+from moetier.kernels.triton_weights import FMT_CODES, Weights  # noqa: E402
 
 MODELS = {"qwen3-30b-a3b": (2048, 768, 8), "gpt-oss-120b": (2880, 2880, 4)}     # D, I, k
 # sm_90 (H100 / H200): per SM
 SM = {"sms": 132, "regs": 65536, "warps": 64, "programs": 32, "shared": 227 << 10}
-PTR_TYPES = {"xw_ptr": "*i32", "hw_ptr": "*i32", "q_ptr": "*i32", "h_ptr": "*i32", "ids_ptr": "*i32",
-             "m_ptr": "*i32", "cnt_ptr": "*i32", "hq_ptr": "*i8"}
-FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
+TRITON_TYPES = {torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8",
+                torch.int32: "*i32"}
+PLANE_ARGS = ("q_ptr", "d_ptr", "m_ptr", "sc_ptr", "mn_ptr", "h_ptr")     # triton_decode_q8._planes' order
+
+
+def plane_types(fmt: str) -> dict:
+    """The weight planes' pointer types as a launch passes them (a small arena of `fmt` made here), and the h
+    quantizer's outputs."""
+    from moetier.quant.pack import quantize
+    from moetier.quant.repack import repack
+    w = Weights(repack(fmt, quantize(torch.randn(1, 32, 256) / 16, fmt)), fmt)
+    return {"hq_ptr": "*i8", "cnt_ptr": "*i32",
+            **{n: TRITON_TYPES[t.dtype] for n, t in zip(PLANE_ARGS, q8._planes(w)[:6])}}
 
 
 def ptxas() -> str:
@@ -46,14 +58,9 @@ def ptxas() -> str:
     return found
 
 
-def compiled(fn, const: dict, warps: int) -> tuple[str, int]:
-    """(PTX, shared bytes) of fn compiled for sm_90 with these constexprs and num_warps."""
-    names, sig = fn.arg_names, {}
-    for n in names:
-        sig[n] = ("constexpr" if n in const else PTR_TYPES.get(n) or ("*fp32" if n in FLOAT_PTRS else "*u8")
-                  if n.endswith("_ptr") else "fp32" if n in ("alpha", "limit") else "i64")
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+def compiled(fn, const: dict, types: dict, warps: int) -> tuple[str, int]:
+    """(PTX, shared bytes) of fn compiled for sm_90 with these constexprs, argument types and num_warps."""
+    k = triton.compile(source(fn, const, types), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     return k.asm["ptx"], int(k.metadata.shared)
 
 
@@ -82,7 +89,7 @@ def occupancy(regs: int, warps: int, shared: int) -> tuple[int, str]:
 
 
 def entry(fmt, kernel, tile, grid, fn, const, tool) -> dict:
-    ptx, shared = compiled(fn, const, tile.warps)
+    ptx, shared = compiled(fn, const, plane_types(fmt), tile.warps)
     regs, stack = ptxas_usage(ptx, tool)
     per_sm, limit = occupancy(regs, tile.warps, shared)
     return {"fmt": fmt, "kernel": kernel, "tile": list(tile), "grid": grid, "registers": regs, "stack_bytes": stack,

@@ -60,7 +60,7 @@ def test_kernel_regs_counts_programs_per_sm_as_sm90_allocates_registers():
     spec = importlib.util.spec_from_file_location("kernel_regs", root / "bench" / "kernel_regs.py")
     kr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kr)
-    assert kr.occupancy(247, 8, 2048) == (1, "registers")      # Q4_0's v5q gate_up: 248 x 256 threads
+    assert kr.occupancy(247, 8, 2048) == (1, "registers")      # 248 x 256 threads: one program of 8 warps
     assert kr.occupancy(95, 2, 64) == (10, "registers")        # 96 x 64 = 6,144 a program
     assert kr.occupancy(72, 4, 256) == (7, "registers")
     assert kr.occupancy(32, 1, 0) == (32, "programs") and kr.occupancy(24, 4, 0) == (16, "warps")

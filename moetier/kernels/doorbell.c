@@ -56,7 +56,7 @@ typedef struct {
     double *timing;                       /* out [16 + 3 TIMED_THREADS]: [0] compute s, [1] bell wait s, [2] misses ...
                                            * [11..15] phases; per thread t < TIMED_THREADS: [16 + t] its work s
                                            * (bell barrier to its finish, summed over layers), [16 + T + t] layers it
-                                           * finished last, [16 + 2 T + t] the CPU it ran on at its last finish */
+                                           * finished last, [16 + 2 T + t] the CPU it ended the step on */
     int32_t q8_act;                       /* Q4_0 / Q8_0 / MXFP4 / IQ3_XXS: int8 activations, integer dots */
     int32_t dn_qtype;                     /* type of down (qtype: of gate_up) */
     const int32_t *layer_types;           /* [L, 2] gate_up, down type per layer; NULL: qtype, dn_qtype */
@@ -992,9 +992,6 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 if (pt && tid < TIMED_THREADS) {     /* (t_begin: set by tid 0 before the bell barrier) */
                     th_work[tid] += mine[li] - t_begin[li];
                     th_last[tid] += last;
-#ifdef __linux__
-                    th_cpu[tid] = sched_getcpu();
-#endif
                 }
             }
             if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);   /* after its answer is in */
@@ -1003,6 +1000,9 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             #pragma omp atomic
             phase_sum[i] += ptv[i];
         }
+#ifdef __linux__
+        if (pt && tid < TIMED_THREADS) th_cpu[tid] = sched_getcpu();     /* the CPU it ends the step on */
+#endif
     }
     double t_busy = 0.0;
     for (int li = 0; li < L; li++)          /* layers that ran to their end */

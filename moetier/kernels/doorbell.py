@@ -584,7 +584,7 @@ class MissServer:
         # work, a thread's finish to the layer's last (layer_runs)
         self.phases = tuple(t[11:16])
         # per thread (the first TIMED_THREADS): work s (bell barrier to its finish), layers it finished last, the
-        # CPU it ran on at its last finish (-1: none seen); timed steps only
+        # CPU it ended the step on (-1: none seen)
         self.per_thread = self.timing[16:].view(3, TIMED_THREADS).clone()
         return t[0], t[1], int(t[2])
 
