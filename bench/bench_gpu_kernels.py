@@ -742,13 +742,16 @@ def sass_waits(sass: str, threads: int) -> dict:
 
 
 QLINEAR_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "lm_head": (151936, 2048)}   # Qwen3-30B-A3B [N, K]
-QLINEAR_TILES = [(2048, 2), (1024, 2), (4096, 2), (2048, 4), (4096, 4)]      # (words per program, warps)
+QLINEAR_TILES = [(2048, 2), (512, 1), (1024, 1), (1024, 2), (2048, 1), (2048, 4), (4096, 2), (4096, 4), (4096, 8),
+                 (8192, 4), (8192, 8)]      # (words per program, warps); the shipped one first
 
 
 def qlinear_bench(fmts, gen, copy_bw: float, budget_s: float, shapes=None) -> list[dict]:
-    """Dense decode GEMVs on GGML blocks (triton_qlinear.gemv, its quantizer launch included) at the model's
-    attention and lm_head shapes, T=1, against cuBLAS on the bf16 weights (the --dequantize-dense path). Weight
+    """Dense decode GEMVs on GGML blocks (triton_qlinear.gemv) at the model's attention and lm_head shapes, T=1,
+    against cuBLAS on the bf16 weights (the --dequantize-dense path): each tile with its quantizer launch, and with
+    x's int8 copy given (`pre`: the engine's qkv and o GEMVs get it from the norm / the attention's combine). Weight
     copies rotate through > 2x the L2 so every call reads HBM. Tiles: WORDS_PER_PROGRAM x warps."""
+    from moetier.kernels import triton_decode_q8 as q8
     from moetier.kernels import triton_qlinear as tq
     t_start, out = time.perf_counter(), []
     saved = tq.WORDS_PER_PROGRAM, tq.WARPS
@@ -764,15 +767,17 @@ def qlinear_bench(fmts, gen, copy_bw: float, budget_s: float, shapes=None) -> li
             copies = [w0] + [make_weights(fmt, 1, n, k, gen) for _ in range(n_copies - 1)]
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEV, XDT)
             y = torch.empty(1, n, device=DEV, dtype=XDT)
-            for tile in [None] if fmt == "dense" else QLINEAR_TILES:
+            pre = q8.quantize(x)
+            for tile, given in [(None, False)] if fmt == "dense" else [(t, g) for t in QLINEAR_TILES
+                                                                    for g in (False, True)]:
                 try:
                     if fmt == "dense":
                         calls = [lambda w=w: torch.mm(x, w[0].t(), out=y) for w in copies]
                     else:
                         tq.WORDS_PER_PROGRAM, tq.WARPS = tile
-                        calls = [lambda w=w: tq.gemv(x, w, fmt, out=y) for w in copies]
+                        calls = [lambda w=w: tq.gemv(x, w, fmt, out=y, pre=pre if given else None) for w in copies]
                     us = graph_us(calls)
-                    r = {"us": round(us, 2), "GBps": round(per / (us * 1e-6) / 1e9, 1)}
+                    r = {"us": round(us, 2), "GBps": round(per / (us * 1e-6) / 1e9, 1), "pre": given}
                     r["frac_of_copy"] = round(r["GBps"] / copy_bw, 3)
                     if fmt != "dense":          # against the twin that quantizes x alike
                         r["max_rel_err_q8_twin"] = round(rel_err(tq.gemv(x, w0, fmt),
@@ -782,7 +787,7 @@ def qlinear_bench(fmts, gen, copy_bw: float, budget_s: float, shapes=None) -> li
                 finally:
                     tq.WORDS_PER_PROGRAM, tq.WARPS = saved
                 out.append({"shape": name, "n": n, "k": k, "fmt": fmt, "tile": tile, "bytes": per, **r})
-                log(f"  qlinear {name} [{n}, {k}] {fmt} {tile or 'cuBLAS bf16'}: {r}")
+                log(f"  qlinear {name} [{n}, {k}] {fmt} {tile or 'cuBLAS bf16'}{' pre' if given else ''}: {r}")
             del copies
             if DEV == "cuda":
                 torch.cuda.empty_cache()
@@ -834,6 +839,7 @@ def main():
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test (Triton interpreter, tiny shapes)")
     ap.add_argument("--compile-sm90", action="store_true", help="no GPU needed: compile for sm_90, report registers")
     ap.add_argument("--only", default="", help="--variants / --profile-pair: these variants (e.g. v2,v5pdl); "
+                    "--qlinear: these shapes (qkv,o,lm_head); "
                     "--compile-sm90: kernels whose names contain one of these "
                     "comma-separated strings (e.g. v2_,v3_)")
     a = ap.parse_args()
@@ -859,8 +865,9 @@ def main():
         from moetier.kernels.triton_qlinear import supports
         fmts = [f for f in ("Q4_0,Q8_0,Q4_K,Q6_K" if a.fmt == ap.get_default("fmt") else a.fmt).split(",")
                 if supports(f, 4096)]
-        res["qlinear"] = qlinear_bench(fmts, cgen, copy_bw, a.budget,
-                                       {"tiny": (40, 256)} if a.interpret else None)
+        shapes = {"tiny": (40, 256)} if a.interpret else {k: v for k, v in QLINEAR_SHAPES.items()
+                                                          if not a.only or k in a.only.split(",")}
+        res["qlinear"] = qlinear_bench(fmts, cgen, copy_bw, a.budget, shapes)
         res["qkv_mixed"] = qkv_mixed_bench(cgen, *((64, 32, 256) if a.interpret else ()))
         a.models = ""
     if a.profile_pair:

@@ -365,9 +365,10 @@ PY
   qlinear)
     # dense GEMVs on GGUF blocks (QuantLinear) at the attention / lm_head shapes vs cuBLAS bf16, tiles; then Q4_K_M's
     # mixed qkv (Q4_K q + k, Q6_K v): a quantizer + GEMV per part and a cat vs ops.qlinear_parts (session 22)
+    # (QSHAPES: those shapes only, e.g. qkv,o; each tile with its quantizer and with x's int8 copy given: "pre")
     timeout ${QSECS:-180} python3 bench/bench_gpu_kernels.py --qlinear --budget ${QBUDGET:-90} --fmt ${QFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
-      > "$OUT/qlinear.json" 2> "$OUT/qlinear.err"
-    grep -E "qlinear|qkv mixed" "$OUT/qlinear.err" | tail -40 ;;
+      --only "${QSHAPES:-}" > "$OUT/qlinear.json" 2> "$OUT/qlinear.err"
+    grep -E "qlinear|qkv mixed" "$OUT/qlinear.err" | cut -c1-160 | tail -${QLINES:-60} ;;
   missbench)
     # the C miss server alone (no GPU): GB/s of expert bytes against the RAM read taken around each round.
     # MVARIANTS (default 6,0): 0 the phases with barriers, 1 the old loops, 2 down over the experts' rows, 3 variant

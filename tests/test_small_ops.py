@@ -53,6 +53,23 @@ def test_softmax_topk_matches_the_twin(e, k, normalize, t):
     torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("e,k", [(128, 8), (60, 4)])
+def test_softmax_topk_picks_ties_by_the_lower_id_and_nan_rows_stay_in_range(e, k):
+    """The kernel ranks every lane at once; its picks are repeated arg-max's: larger probability first, equal
+    probabilities by the lower id (logits on a coarse grid tie often). A row of NaN logits gives ids of real lanes."""
+    g = torch.Generator().manual_seed(e + k)
+    logits = torch.randint(-3, 4, (4, e), generator=g).float() / 2
+    logits[3] = float("nan")
+    with small_ops.use("triton"):
+        ids, w = small_ops.softmax_topk(logits.to(DEV), k, True, softmax_topk)
+    p = torch.softmax(logits[:3], dim=-1)
+    for t in range(3):
+        order = sorted(range(e), key=lambda i: (-p[t, i].item(), i))[:k]
+        assert ids[t].tolist() == order
+        torch.testing.assert_close(w[t].cpu(), p[t, order] / p[t, order].sum(), rtol=1e-6, atol=1e-7)
+    assert ((ids[3] >= 0) & (ids[3] < e)).all() and len(set(ids[3].tolist())) == k
+
+
 def test_prefill_sized_inputs_use_the_twin():
     x = torch.randn(small_ops.MAX_TOKENS + 1, 16)
     with small_ops.use("triton"):

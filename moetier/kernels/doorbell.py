@@ -107,7 +107,7 @@ if triton is not None:
                      BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, STAMP: tl.constexpr,
                      Q8: tl.constexpr):
         _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
-              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP, True, stamp_ptr, STAMP,
+              poff_ptr, soff_ptr, share, stage0, D, K, BUMP, SYS, BD, BK, NP, BNP, stamp_ptr, STAMP,
               qx_ptr, dx_ptr, sx_ptr, Q8)
 
     @triton.jit
@@ -117,12 +117,13 @@ if triton is not None:
                            BD: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr, BUMP: tl.constexpr,
                            SYS: tl.constexpr, BXD: tl.constexpr, STAMP: tl.constexpr, Q8: tl.constexpr):
         """The router (triton_small._router_topk_kernel) and, in its last program, the ring: one launch."""
+        tab = _table_row(table_ptr, E, BE)
         if _router_part(x_ptr, wt_ptr, logit_ptr, cnt_ptr, E, D, ROWS, BD, PDL):
-            _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
-            tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
-            _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
-                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BXD, BK, 0, 1, True, stamp_ptr, STAMP,
-                  qx_ptr, dx_ptr, sx_ptr, Q8)
+            seq = tl.load(seq_ptr)
+            e, w, at = _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
+            _copy_x(x_ptr, hx_ptr, qx_ptr, dx_ptr, sx_ptr, D, BXD, SYS, Q8)
+            _ring_picked(e, w, _picked(tab, at), seq, seq_ptr, slots_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
+                         K, BUMP, SYS, BK, stamp_ptr, STAMP)
 
     @triton.jit
     def _route_ring_add_norm_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, h_ptr, a_ptr, nw_ptr, s_ptr,
@@ -135,32 +136,52 @@ if triton is not None:
         the last program writes the request's x (and its int8 copy) from its own registers (every program holds x: no
         read-back of program 0's store to x_ptr, which would lean on the counter's ordering and on loads that bypass
         L1)."""
+        tab = _table_row(table_ptr, E, BE)
         last, x = _router_part_add_norm(x_ptr, wt_ptr, logit_ptr, cnt_ptr, h_ptr, a_ptr, nw_ptr, s_ptr, N, eps, E, D,
                                         ROWS, BD, PDL)
         if last:
-            _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
+            seq = tl.load(seq_ptr)
             d = tl.arange(0, BD)
-            tl.store(hx_ptr + d, x.to(tl.float32), mask=d < D)      # before _ring's barrier and bell
+            tl.store(hx_ptr + d, x.to(tl.float32), mask=d < D)      # before _ring_picked's barrier and bell
             if Q8:
                 _ring_q8(x.to(tl.float32), 0, qx_ptr, dx_ptr, sx_ptr, D, BD, SYS)
-            tl.debug_barrier()          # the program's ids / w stores, visible to all its threads
-            _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr, hx_ptr, hids_ptr, hw_ptr, hslots_ptr,
-                  bell_ptr, ids_ptr, ids_ptr, 0.0, 0, D, K, BUMP, SYS, BD, BK, 0, 1, False, stamp_ptr, STAMP,
-                  qx_ptr, dx_ptr, sx_ptr, False)
+            e, w, at = _router_pick(logit_ptr, ids_ptr, w_ptr, E, K, NORM, BE, BK)
+            _ring_picked(e, w, _picked(tab, at), seq, seq_ptr, slots_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr,
+                         K, BUMP, SYS, BK, stamp_ptr, STAMP)
+
+    @triton.jit
+    def _table_row(table_ptr, E: tl.constexpr, BE: tl.constexpr):
+        """The layer's slot table, every expert (loaded by every router program at its start, before the PDL wait:
+        the last one then needs no load that depends on its picks; the table only gains slots while a step runs,
+        so an early read is as valid as a late one: a -1 is answered by the CPU)."""
+        ee = tl.arange(0, BE)
+        return tl.load(table_ptr + ee, mask=ee < E, other=0)
+
+    @triton.jit
+    def _picked(tab, at):
+        """The table entries of _topk_picks' picks (at [BE, BK]: one lane each: exact)."""
+        return tl.sum(tl.where(at, tab[:, None], 0), axis=0)
+
+    @triton.jit
+    def _copy_x(x_ptr, hx_ptr, qx_ptr, dx_ptr, sx_ptr, D: tl.constexpr, BD: tl.constexpr, SYS: tl.constexpr,
+                Q8: tl.constexpr):
+        """x [D] from x_ptr to the host row hx_ptr, with Q8 its int8 copy (_ring_q8)."""
+        for d0 in range(0, D, BD):
+            dd = d0 + tl.arange(0, BD)
+            xf = tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+            tl.store(hx_ptr + dd, xf, mask=dd < D)
+            if Q8:
+                _ring_q8(xf, d0 // 32, qx_ptr, dx_ptr, sx_ptr, D, BD, SYS)
 
     @triton.jit
     def _ring(x_ptr, ids_ptr, w_ptr, table_ptr, seq_ptr, slots_ptr,
               hx_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, poff_ptr, soff_ptr, share, stage0,
               D: tl.constexpr, K: tl.constexpr, BUMP: tl.constexpr, SYS: tl.constexpr,
-              BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr, COPY_X: tl.constexpr,
+              BD: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr, BNP: tl.constexpr,
               stamp_ptr, STAMP: tl.constexpr, qx_ptr, dx_ptr, sx_ptr, Q8: tl.constexpr):
-        """The request of one layer (module docstring); COPY_X: x [D] from x_ptr to hx_ptr, with Q8 its int8 copy
-        to qx_ptr, dx_ptr, sx_ptr (_ring_q8; else the caller wrote them before), then the bell after every thread's
-        stores."""
+        """The request of one layer (module docstring) from the routed ids / w in memory: x [D] from x_ptr to hx_ptr,
+        with Q8 its int8 copy to qx_ptr, dx_ptr, sx_ptr (_ring_q8), then _ring_picked."""
         seq = tl.load(seq_ptr)
-        if BUMP:            # layer 0 starts a new step
-            seq = seq + 1
-            tl.store(seq_ptr, seq)
         kk = tl.arange(0, BK)
         km = kk < K
         e = tl.load(ids_ptr + kk, mask=km, other=0)
@@ -175,18 +196,26 @@ if triton is not None:
             tl.store(soff_ptr + jj, tl.full([BNP], -1, tl.int64), mask=jj < NP)
             tl.debug_barrier()
             tl.store(soff_ptr + rank, off.to(tl.int64), mask=take)
-        w = tl.load(w_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + kk, mask=km, other=0.0)
+        _copy_x(x_ptr, hx_ptr, qx_ptr, dx_ptr, sx_ptr, D, BD, SYS, Q8)
+        _ring_picked(e, w, s, seq, seq_ptr, slots_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, K, BUMP, SYS, BK,
+                     stamp_ptr, STAMP)
+
+    @triton.jit
+    def _ring_picked(e, w, s, seq, seq_ptr, slots_ptr, hids_ptr, hw_ptr, hslots_ptr, bell_ptr, K: tl.constexpr,
+                     BUMP: tl.constexpr, SYS: tl.constexpr, BK: tl.constexpr, stamp_ptr, STAMP: tl.constexpr):
+        """The request's ids e, weights w and slots s [BK] (first K) to their rows (slots on the device too); seq
+        (seq_ptr's value, bumped and stored where BUMP: layer 0 starts a new step); then the bell after every
+        thread's stores (the caller's of x too)."""
+        if BUMP:
+            seq = seq + 1
+            tl.store(seq_ptr, seq)
+        kk = tl.arange(0, BK)
+        km = kk < K
         tl.store(slots_ptr + kk, s.to(tl.int64), mask=km)
         tl.store(hids_ptr + kk, e.to(tl.int32), mask=km)
-        tl.store(hw_ptr + kk, w, mask=km)
+        tl.store(hw_ptr + kk, w.to(tl.float32), mask=km)
         tl.store(hslots_ptr + kk, s.to(tl.int32), mask=km)
-        if COPY_X:
-            for d0 in range(0, D, BD):
-                dd = d0 + tl.arange(0, BD)
-                xf = tl.load(x_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
-                tl.store(hx_ptr + dd, xf, mask=dd < D)
-                if Q8:
-                    _ring_q8(xf, d0 // 32, qx_ptr, dx_ptr, sx_ptr, D, BD, SYS)
         tl.debug_barrier()
         if STAMP:       # diagnosis (MOETIER_STAMP=1): the GPU's clock as it rings, stamp[2]
             tl.store(stamp_ptr + 2, _now_ns(SYS))

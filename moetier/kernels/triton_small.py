@@ -79,25 +79,37 @@ def rms_norm(x, weight, eps: float):
 
 
 @triton.jit
-def _topk_of_probs(z, e, m, ids_ptr, w_ptr, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr,
-                   BK: tl.constexpr):
-    """z [BE] fp32 logits (lanes where m is False ignored) -> ids_ptr[:K] (int64), w_ptr[:K]: softmax,
-    the K largest by repeated arg-max (ties: the lower id), renormalised if NORM."""
+def _topk_picks(z, e, m, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """z [BE] fp32 logits (lanes where m is False ignored) -> (ids [BK] int64, w [BK] fp32, at [BE, BK]: lane i is
+    pick j): softmax, the K largest in the order repeated arg-max picks them (larger first; ties: the lower id),
+    renormalised if NORM (picks past K: 0 and their ids garbage). Each lane's rank in that order is the count of
+    lanes ahead of it, all at once ([BE, BE] compares, one sum), and pick j is the sum over the lanes of rank j (one
+    lane: exact): two reductions where 2 K sequential ones (a max and an arg-min per pick) took ~2 us of the
+    router's launch on the H200 (docs/perf-log.md, session 28). NaN probabilities rank as -1 (masked lanes' value),
+    so every id is a lane's."""
     z = tl.where(m, z, float("-inf"))
     p = tl.exp(z - tl.max(z, axis=0))
     p = p / tl.sum(tl.where(m, p, 0.0), axis=0)
-    p = tl.where(m, p, -1.0)
+    p = tl.where(m & (p == p), p, -1.0)
+    pi, pj = p[:, None], p[None, :]
+    ahead = (pj > pi) | ((pj == pi) & (e[None, :] < e[:, None]))       # lane j picked before lane i
+    rank = tl.sum(ahead.to(tl.int32), axis=1)                           # [BE]: 0 .. BE - 1, each once
     kk = tl.arange(0, BK)
-    sel_w = tl.zeros((BK,), dtype=tl.float32)
-    sel_i = tl.zeros((BK,), dtype=tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, e, BE), axis=0)      # the lowest id among equal maxima
-        sel_w = tl.where(kk == j, best, sel_w)
-        sel_i = tl.where(kk == j, idx.to(tl.int64), sel_i)
-        p = tl.where(e == idx, -1.0, p)
+    at = rank[:, None] == kk[None, :]
+    sel_w = tl.sum(tl.where(at, p[:, None], 0.0), axis=0)
+    sel_i = tl.sum(tl.where(at, e[:, None], 0), axis=0).to(tl.int64)
+    sel_w = tl.where(kk < K, sel_w, 0.0)
     if NORM:
-        sel_w = sel_w / tl.sum(tl.where(kk < K, sel_w, 0.0), axis=0)
+        sel_w = sel_w / tl.sum(sel_w, axis=0)
+    return sel_i, sel_w, at
+
+
+@triton.jit
+def _topk_of_probs(z, e, m, ids_ptr, w_ptr, K: tl.constexpr, NORM: tl.constexpr, BE: tl.constexpr,
+                   BK: tl.constexpr):
+    """_topk_picks stored: ids_ptr[:K] (int64), w_ptr[:K] in its dtype."""
+    sel_i, sel_w, _ = _topk_picks(z, e, m, K, NORM, BE, BK)
+    kk = tl.arange(0, BK)
     tl.store(ids_ptr + kk, sel_i, mask=kk < K)
     tl.store(w_ptr + kk, sel_w.to(w_ptr.dtype.element_ty), mask=kk < K)
 
@@ -148,11 +160,16 @@ def _router_add_norm_kernel(x_ptr, wt_ptr, logit_ptr, cnt_ptr, ids_ptr, w_ptr, h
 @triton.jit
 def _router_pick(logit_ptr, ids_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                  BE: tl.constexpr, BK: tl.constexpr):
-    """The last program of _router_part: softmax top-k of the E logits -> ids_ptr, w_ptr."""
+    """The last program of _router_part: softmax top-k of the E logits -> ids_ptr, w_ptr; -> _topk_picks' (ids, w,
+    at) in registers."""
     e = tl.arange(0, BE)
     m = e < E
     zz = tl.load(logit_ptr + e, mask=m, other=float("-inf"), cache_modifier=".cg")
-    _topk_of_probs(zz, e, m, ids_ptr, w_ptr, K, NORM, BE, BK)
+    sel_i, sel_w, at = _topk_picks(zz, e, m, K, NORM, BE, BK)
+    kk = tl.arange(0, BK)
+    tl.store(ids_ptr + kk, sel_i, mask=kk < K)
+    tl.store(w_ptr + kk, sel_w.to(w_ptr.dtype.element_ty), mask=kk < K)
+    return sel_i, sel_w.to(w_ptr.dtype.element_ty), at
 
 
 @triton.jit
