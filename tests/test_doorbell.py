@@ -452,7 +452,7 @@ def served_y(req, srv, ring_li) -> torch.Tensor:
 
 
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
-@pytest.mark.parametrize("variant", [0, 1, 6])
+@pytest.mark.parametrize("variant", [0, 1, 6, 8])
 @pytest.mark.parametrize("qtype,x8", [("Q4_0", False), ("Q5_1", False), ("Q4_K+Q6_K", False), ("IQ4_XS", False),
                                       ("Q4_0", True), ("Q4_K", True)])
 def test_miss_server_on_the_ring_int8_copy_changes_no_bit(monkeypatch, qtype, x8, variant):
@@ -465,6 +465,8 @@ def test_miss_server_on_the_ring_int8_copy_changes_no_bit(monkeypatch, qtype, x8
         pytest.skip("the interpreted variant runs on CPU-only machines; tests/test_memory_gpu.py covers CUDA")
     if x8 and variant == 1:
         pytest.skip("the per-row loops refuse interleaved rows")
+    if variant == 8 and (qtype, x8) != ("Q4_0", True):
+        pytest.skip("variant 8 (6 with a barrier at each bell): one case")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     s_gu, s_dn, _, _, tid = experts(qtype, seed=31)
     if not db.ring_q8_useful(tid):
@@ -494,6 +496,45 @@ def test_miss_server_on_the_ring_int8_copy_changes_no_bit(monkeypatch, qtype, x8
                 req.x[li] = float("nan")
         ys.append(served_y(req, srv, ring_li))
     assert torch.isfinite(ys[0]).all() and torch.equal(ys[0], ys[1])
+
+
+@pytest.mark.parametrize("threads", [3, 4])
+def test_threads_starting_layers_at_their_bells_change_no_bit(threads):
+    """Variant 6 with the ring's int8 copy: every thread reads each layer's bell and misses itself and starts at once
+    (no barrier), the layers' scratches alternating by parity. With every bell rung before serve (the worst case: a
+    fast thread may run ahead, held only by the parity guard), Qwen3-30B-A3B's expert shapes, 14 layers (0, 5, 10
+    without misses), five steps: y equals variant 8's (the same with thread 0's prep and a barrier at each bell) bit
+    for bit. Without the parity or without the guard this failed (3 and 4 threads on the 2-core dev box)."""
+    n_layers, d, h, e, k = 14, 2048, 768, 6, 4
+    g = torch.Generator().manual_seed(43)
+    gu = [quantize(torch.randn(2 * h, d, generator=g) * 0.05, "Q4_0") for _ in range(e)]
+    dn = [quantize(torch.randn(d, h, generator=g) * 0.05, "Q4_0") for _ in range(e)]
+    tid = get_format("Q4_0").type_id
+    if not db.ring_q8_useful(tid):
+        pytest.skip("the C kernels are built without int8 activations")
+    missed = [li for li in range(n_layers) if li % 5]
+    ys = {}
+    for variant in (6, 8):
+        req = db.Requests(n_layers, d, k, pin=False, q8=True)
+        srv = db.MissServer(req, [gu] * n_layers, [dn] * n_layers, tid, d, h, Act(), threads=threads)
+        srv.ctx.variant = variant
+        g.manual_seed(44)
+        for seq in range(1, 6):
+            req.bell.zero_()
+            req.y.fill_(float("nan"))
+            for li in range(n_layers):
+                x = torch.randn(d, generator=g)
+                req.x[li] = x
+                req.qx[li], req.dx[li], req.sx[li] = db.quantize_q8(x)
+                req.ids[li] = torch.randperm(e, generator=g)[:k].int()
+                req.w[li] = torch.rand(k, generator=g)
+                req.slots[li] = torch.arange(k, dtype=torch.int32) if li % 5 == 0 else -1
+                req.slots[li, 0] = 0                                                # one hit in the others
+                req.bell[li * db.BELL_STRIDE] = seq
+            srv.serve(seq)
+            ys[variant, seq] = req.y[missed].clone()
+    for seq in range(1, 6):
+        assert torch.isfinite(ys[6, seq]).all() and torch.equal(ys[6, seq], ys[8, seq]), seq
 
 
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")

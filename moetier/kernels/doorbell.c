@@ -226,6 +226,17 @@ static int wait_bell(const serve_ctx *c, int li, int64_t seq, double t_start) {
     }
 }
 
+/* Spin until *n >= want (acquire); -1 after the server's timeout from t_start */
+static int wait_count(const serve_ctx *c, int *n, int want, double t_start) {
+    for (uint64_t i = 0; __atomic_load_n(n, __ATOMIC_ACQUIRE) < want; i++) {
+        if ((i & 1023) == 1023 && (now_s() - t_start) * 1e9 > (double)c->timeout_ns) return -1;
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    }
+    return 0;
+}
+
 /* [lo, hi): part t of nt of [0, n), contiguous, in units of g items (the last unit may be short) */
 static void split(int64_t n, int64_t g, int64_t t, int64_t nt, int64_t *lo, int64_t *hi) {
     const int64_t units = (n + g - 1) / g;
@@ -288,6 +299,29 @@ typedef struct {
     float *part;                            /* variant 2: [k, D] each missed expert's weighted down rows */
     int8_t *qxv, *qhv;
 } serve_scratch;
+
+/* A scratch's layout from base (scratch_floats(k, D, I) floats) */
+static void scratch_of(float *base, int64_t k, int64_t D, int64_t I, serve_scratch *s) {
+    s->hpre = base;                                 /* [k, 2I] */
+    s->h = s->hpre + k * 2 * I;                     /* [k, I] */
+    s->xs = s->h + k * I;                           /* [D / 32] */
+    s->hs = s->xs + D / 32 + 16;                    /* [k, I / 32] */
+    s->dx = s->hs + k * (I / 32) + 16;              /* q8: x scales [D / 32], h scales [k, I / 32] */
+    s->dh = s->dx + D / 32;
+    s->sxv = s->dh + k * (I / 32);                  /* sums of the int8 values [D / 32], [k, I / 32] */
+    s->shv = s->sxv + D / 32;
+    s->part = s->shv + k * (I / 32) + 16;           /* [k, D] */
+    s->qxv = (int8_t *)(s->part + k * D + 16);      /* [D], then [k, I] */
+    s->qhv = s->qxv + D;
+}
+
+static int64_t scratch_floats(int64_t k, int64_t D, int64_t I) {
+    return k * 3 * I + 16 + D / 32 + 16 + k * (I / 32) + 16 + D / 32 + k * (I / 32) + D / 32 + k * (I / 32) + 16
+           + k * D + 16 + (D + k * I + 3) / 4 + 16;
+}
+
+/* Floats of moetier_serve_step's scratch (serve_ctx.scratch): two of scratch_floats */
+int64_t moetier_serve_scratch_floats(int64_t k, int64_t D, int64_t I) { return 2 * scratch_floats(k, D, I); }
 
 /* Missed expert j's activation h in every form the down rows may read */
 static inline act_vec h_of(const serve_scratch *s, int64_t j, int64_t I) {
@@ -844,6 +878,33 @@ static void prefetch_guess(const serve_ctx *c, int li, int64_t seq, int t, int n
     __atomic_add_fetch(issued, full - (budget > 0 ? budget : 0), __ATOMIC_RELAXED);
 }
 
+/* Layer li's misses (slot -1) from the ring: expert ids e, routing weights w in routing order, ord phase 1's order
+ * (by expert id); -> how many, or -1 where a missed expert has no RAM pointer (or bias). Every thread that reads it
+ * gets the same list. */
+static int miss_list(const serve_ctx *c, int li, int32_t *e, int32_t *ord, float *w) {
+    const int k = c->k;
+    const int32_t *ids = c->ids + (int64_t)li * k, *sl = c->slots + (int64_t)li * k;
+    const float *rw = c->w + (int64_t)li * k;
+    int m = 0;
+    for (int j = 0; j < k; j++) {
+        if (sl[j] >= 0) continue;
+        const int64_t x = ids[j], at = li * (int64_t)c->E + x;
+        if (x < 0 || x >= c->E || !c->gate_up[at] || (c->gu_bias && !c->gu_bias[at]) || (c->dn_bias && !c->dn_bias[at]))
+            return -1;
+        e[m] = (int32_t)x;
+        w[m++] = rw[j];
+    }
+    for (int j = 0; j < m; j++) {       /* phase 1's order: by expert id */
+        int i = j;
+        while (i > 0 && e[ord[i - 1]] > e[j]) {
+            ord[i] = ord[i - 1];
+            i--;
+        }
+        ord[i] = j;
+    }
+    return m;
+}
+
 #define TIMED_THREADS 64                /* threads with timings of their own (serve_ctx.timing) */
 
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang
@@ -859,18 +920,12 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         /* interleaved rows: int8 activations, whole 16-row units of gate_up (I rows) and down (D), no per-row loops */
         if ((is_x8(gq) || is_x8(dq)) && (!c->q8_act || I % 16 || D % 16 || c->variant == 1)) return -200;
     }
-    serve_scratch s;
-    s.hpre = c->scratch;                            /* [k, 2I] */
-    s.h = s.hpre + (int64_t)k * 2 * I;              /* [k, I] */
-    s.xs = s.h + (int64_t)k * I;                    /* [D / 32] */
-    s.hs = s.xs + D / 32 + 16;                      /* [k, I / 32] */
-    s.dx = s.hs + (int64_t)k * (I / 32) + 16;       /* q8: x scales [D / 32], h scales [k, I / 32] */
-    s.dh = s.dx + D / 32;
-    s.sxv = s.dh + (int64_t)k * (I / 32);           /* sums of the int8 values [D / 32], [k, I / 32] */
-    s.shv = s.sxv + D / 32;
-    s.part = s.shv + (int64_t)k * (I / 32) + 16;    /* [k, D] */
-    s.qxv = (int8_t *)(s.part + (int64_t)k * D + 16);  /* [D], then [k, I] */
-    s.qhv = s.qxv + D;
+    /* two scratches, one per layer parity: where threads start a layer without a barrier (own below), the fastest
+     * may be one layer ahead of the slowest (it needs that layer's bell, which follows the GPU's answer of the one
+     * before, which follows every thread's part of it), never two */
+    serve_scratch sc[2];
+    scratch_of(c->scratch, k, D, I, &sc[0]);
+    scratch_of(c->scratch + scratch_floats(k, D, I), k, D, I, &sc[1]);
     const int Ln = L > 0 ? L : 1;
     int n_miss[Ln], finished[Ln];
     int32_t miss_e[Ln][MAX_K], miss_ord[Ln][MAX_K];
@@ -884,9 +939,17 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         n_miss[li] = finished[li] = 0;
         t_begin[li] = t_end[li] = t_seen[li] = 0.0;
     }
+    /* variant 6 with the ring's int8 copy of x in every layer: no shared prep, so every thread reads the bell and the
+     * miss list itself and starts at once (the claims and flow counters need no barrier between layers: a thread
+     * leaves a layer only once all its chunks are claimed; the scratches alternate by layer parity); else thread 0
+     * does and a barrier follows. For the whole step: a thread that broke out of a barrier-free layer (a timeout)
+     * must not leave the others waiting at a barrier later. */
+    int own = c->variant == 6 && c->ring_qx;        /* variant 8: variant 6 with the barrier (A/B) */
+    for (int li = 0; li < L && own; li++) own = c->q8_act && q8_ok(layer_type(c, li, 0));
     claim_ctr cl[c->nthreads > 0 ? c->nthreads : 1];
     for (int t = 0; t < c->nthreads; t++) cl[t].n = 0;
-    flow_ctr flow[c->variant == 6 ? Ln : 1];        /* variant 6's per-layer expert counts and ready flags */
+    const int flows = c->variant == 6 || c->variant == 8;
+    flow_ctr flow[flows ? Ln : 1];                  /* variant 6's per-layer expert counts and ready flags */
     memset(flow, 0, sizeof flow);
     double phase_sum[5] = {0.0, 0.0, 0.0, 0.0, 0.0};    /* layer_runs' pt, summed over threads and layers */
     double th_work[TIMED_THREADS], th_last[TIMED_THREADS], th_cpu[TIMED_THREADS];     /* timing's per-thread part */
@@ -896,11 +959,30 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t ph = 0;                                 /* phases done (layer_runs' chunk counters) */
         double ptv[5] = {0.0, 0.0, 0.0, 0.0, 0.0}, mine[Ln];      /* mine: when this thread finished layer li */
+        char had[Ln];                                   /* layers with misses, as this thread read them */
         double *pt = c->timing ? ptv : NULL;
         for (int li = 0; li < L; li++) mine[li] = 0.0;
         for (int li = 0; li < L; li++) {
             const int gq = layer_type(c, li, 0), dq = layer_type(c, li, 1);    /* per projection */
             const int q8g = c->q8_act && q8_ok(gq), q8d = c->q8_act && q8_ok(dq);
+            int32_t own_e[MAX_K], own_ord[MAX_K];
+            float own_w[MAX_K];
+            int own_m = 0;
+            double own_begin = 0.0;
+            if (own && tid != 0) {
+                if (wait_bell(c, li, seq, t0)) break;           /* thread 0 reports the timeout */
+                own_m = miss_list(c, li, own_e, own_ord, own_w);
+                if (own_m < 0) break;
+                own_begin = now_s();
+            }
+            if (own) {
+                /* this parity's scratch free: the last earlier layer of it with misses finished by every thread. A
+                 * decode step's bells ensure it (layer li rings after the answer of li - 1, or li - 1 had no misses
+                 * and li - 2 was answered); bells rung ahead (tests, bench_miss_server) do not */
+                int j = li - 2;
+                while (j >= 0 && !had[j]) j -= 2;
+                if (j >= 0 && wait_count(c, &finished[j], nt, t0)) break;   /* a thread broke out of layer j */
+            }
             if (tid == 0) {
                 double tw = now_s();
                 if (wait_bell(c, li, seq, t0)) {
@@ -914,66 +996,68 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                         memcpy(c->log_slots + (int64_t)li * k, sl, k * sizeof *sl);
                         memcpy(c->log_w + (int64_t)li * k, w, k * sizeof *w);
                     }
-                    int m = 0;
-                    for (int j = 0; j < k; j++) {
-                        if (sl[j] >= 0) continue;
-                        int64_t e = ids[j];
-                        const int64_t at = li * (int64_t)c->E + e;
-                        if (e < 0 || e >= c->E || !c->gate_up[at] || (c->gu_bias && !c->gu_bias[at])
-                            || (c->dn_bias && !c->dn_bias[at])) { status = -100 - li; break; }
-                        miss_e[li][m] = (int32_t)e;
-                        miss_w[li][m++] = w[j];
-                    }
-                    n_miss[li] = m;
-                    total += m;
-                    for (int j = 0; j < m; j++) {       /* phase 1's order: by expert id */
-                        int i = j;
-                        while (i > 0 && miss_e[li][miss_ord[li][i - 1]] > miss_e[li][j]) {
-                            miss_ord[li][i] = miss_ord[li][i - 1];
-                            i--;
+                    const int m = miss_list(c, li, miss_e[li], miss_ord[li], miss_w[li]);
+                    if (m < 0) {
+                        status = -100 - li;
+                    } else {
+                        n_miss[li] = m;
+                        total += m;
+                        if (c->hint && c->hint_flag
+                            && __atomic_load_n(c->hint_flag + (int64_t)li * BELL_STRIDE, __ATOMIC_ACQUIRE) == seq) {
+                            int32_t g[MAX_K];
+                            const int ng = guess_of(c, li, g);
+                            guessed += ng;
+                            guessed_misses += m;
+                            for (int j = 0; j < m; j++)
+                                for (int i = 0; i < ng; i++) guessed_right += g[i] == miss_e[li][j];
                         }
-                        miss_ord[li][i] = j;
-                    }
-                    if (c->hint && c->hint_flag && __atomic_load_n(c->hint_flag + (int64_t)li * BELL_STRIDE, __ATOMIC_ACQUIRE) == seq) {
-                        int32_t g[MAX_K];
-                        const int ng = guess_of(c, li, g);
-                        guessed += ng;
-                        guessed_misses += m;
-                        for (int j = 0; j < m; j++)
-                            for (int i = 0; i < ng; i++) guessed_right += g[i] == miss_e[li][j];
-                    }
-                    if (m && !(q8g && c->ring_qx)) {       /* x's forms for gate_up, unless the ring wrote them */
-                        if (is_quant(gq)) block_sums(c->x + (int64_t)li * D, D, s.xs);
+                        if (m && !(q8g && c->ring_qx)) {       /* x's forms for gate_up, unless the ring wrote them */
+                            if (is_quant(gq)) block_sums(c->x + (int64_t)li * D, D, sc[li & 1].xs);
 #ifdef MOE_Q8
-                        if (q8g) moe_quantize_q8(c->x + (int64_t)li * D, D, s.qxv, s.dx, s.sxv);
+                            if (q8g) {
+                                const serve_scratch *q = &sc[li & 1];
+                                moe_quantize_q8(c->x + (int64_t)li * D, D, q->qxv, q->dx, q->sxv);
+                            }
 #endif
+                        }
                     }
                 }
                 t_wait += now_s() - tw;
                 t_begin[li] = now_s();
             }
-            #pragma omp barrier
-            if (status) break;
+            if (!own) {
+                #pragma omp barrier
+            }
+            if (!own || tid == 0) {             /* thread 0's list (its own in the barrier-free layers) */
+                if (status) break;
+                own_m = n_miss[li];
+                memcpy(own_e, miss_e[li], sizeof own_e);
+                memcpy(own_ord, miss_ord[li], sizeof own_ord);
+                memcpy(own_w, miss_w[li], sizeof own_w);
+                own_begin = t_begin[li];
+            }
             if (pt && li > 0 && mine[li - 1] > 0.0 && t_end[li - 1] > 0.0) pt[4] += t_end[li - 1] - mine[li - 1];
-            const int m = n_miss[li];
+            const int m = own_m;
+            had[li] = m > 0;
             if (m == 0) {
                 if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);
                 continue;
             }
             const int64_t nb = D / 32;      /* x's 32-blocks (their scales and sums: int8 activations only) */
+            const serve_scratch s = sc[li & 1];
             const act_vec ax = q8g && c->ring_qx
                 ? (act_vec){c->x + (int64_t)li * D, s.xs, c->ring_qx + li * (int64_t)D, c->ring_dx + li * nb,
                             c->ring_sx + li * nb}
                 : (act_vec){c->x + (int64_t)li * D, s.xs, s.qxv, s.dx, s.sxv};
             const serve_layer ly = {gq, dq, q8g, q8d, m, c->variant == 3, layer_row_bytes(c, li, 0),
                                     layer_row_bytes(c, li, 1),
-                                    miss_e[li], miss_ord[li], miss_w[li], c->gate_up + li * (int64_t)c->E,
+                                    own_e, own_ord, own_w, c->gate_up + li * (int64_t)c->E,
                                     c->down + li * (int64_t)c->E,
                                     c->gu_bias ? c->gu_bias + li * (int64_t)c->E : NULL,
                                     c->dn_bias ? c->dn_bias + li * (int64_t)c->E : NULL,
                                     ax, c->y + (int64_t)li * D};
             if (c->variant == 1) {
-                layer_rows(c, &ly, &s);                     /* ends in a barrier: all rows of y written */
+                layer_rows(c, &ly, &sc[li & 1]);            /* ends in a barrier: all rows of y written */
                 if (tid == 0) {
                     t_end[li] = now_s();
                     __atomic_store_n(c->done + (int64_t)li * BELL_STRIDE, seq, __ATOMIC_RELEASE);
@@ -981,16 +1065,16 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             } else {
                 /* the last thread to finish its rows of y raises done: no barrier before the next bell (the
                  * next layer's phases start after its bell barrier, which every thread reaches after this) */
-                if (c->variant == 6) layer_flow(c, &ly, &s, cl, &flow[li], tid, nt, &ph, pt);
-                else layer_runs(c, &ly, &s, cl, tid, nt, &ph, pt);
+                if (flows) layer_flow(c, &ly, &sc[li & 1], cl, &flow[li], tid, nt, &ph, pt);
+                else layer_runs(c, &ly, &sc[li & 1], cl, tid, nt, &ph, pt);
                 mine[li] = now_s();
                 const int last = __atomic_add_fetch(&finished[li], 1, __ATOMIC_ACQ_REL) == nt;
                 if (last) {
                     t_end[li] = mine[li];
                     __atomic_store_n(c->done + (int64_t)li * BELL_STRIDE, seq, __ATOMIC_RELEASE);
                 }
-                if (pt && tid < TIMED_THREADS) {     /* (t_begin: set by tid 0 before the bell barrier) */
-                    th_work[tid] += mine[li] - t_begin[li];
+                if (pt && tid < TIMED_THREADS) {     /* from this thread's start of the layer */
+                    th_work[tid] += mine[li] - own_begin;
                     th_last[tid] += last;
                 }
             }

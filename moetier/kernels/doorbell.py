@@ -468,7 +468,9 @@ class _Ctx(ctypes.Structure):
                                            # over the experts' rows (A/B);
                                            # 3: variant 0's reads without the math (a ceiling: y is not the product);
                                            # 4: variant 0 with guided chunks (halving parts of each home);
-                                           # 5: phase 3's rows prefetched in phase 1; 6: no barriers (dataflow)
+                                           # 5: phase 3's rows prefetched in phase 1; 6: no barriers (dataflow;
+                                           # with the ring's int8 x every thread starts a layer at its bell);
+                                           # 8: variant 6 with thread 0's prep and a barrier at each bell (A/B)
         ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p),   # the GPU's guess of the next layer's misses
         ("log_ids", ctypes.c_void_p), ("log_slots", ctypes.c_void_p), ("log_w", ctypes.c_void_p),   # rows as served
         ("ring_qx", ctypes.c_void_p), ("ring_dx", ctypes.c_void_p), ("ring_sx", ctypes.c_void_p)]  # Requests.q8
@@ -487,6 +489,8 @@ def library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build_library(source=Path(__file__).with_name("doorbell.c"))))
         lib.moetier_serve_step.argtypes = [ctypes.POINTER(_Ctx), ctypes.c_int64]
         lib.moetier_serve_supported.argtypes = [ctypes.c_int]
+        lib.moetier_serve_scratch_floats.argtypes = [ctypes.c_int64] * 3
+        lib.moetier_serve_scratch_floats.restype = ctypes.c_int64
         lib.moetier_serve_q8.argtypes = [ctypes.c_int]
         lib.moetier_quantize_q8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_void_p]
@@ -563,10 +567,9 @@ class MissServer:
                     *[0 if t is None else t.data_ptr() for row in table for t in row])
         some = next(t for t in (t for row in gate_up for t in row) if t is not None)
         some_dn = next(t for t in (t for row in down for t in row) if t is not None)
-        # float h [k, 3I]; per-32 sums / scales / int sums of x and h; int8 x and h (doorbell.c)
-        # (variant 2: the missed experts' down rows [k, D] too)
-        self.scratch = torch.zeros(k * 3 * hidden + 3 * (dim + k * hidden) // 32 + (dim + k * hidden) // 4 + k * dim + 272,
-                                   dtype=torch.float32)
+        # two of: float h [k, 3I]; per-32 sums / scales / int sums of x and h; int8 x and h; the missed experts'
+        # down rows [k, D] (doorbell.c scratch_of: one per layer parity)
+        self.scratch = torch.zeros(self.lib.moetier_serve_scratch_floats(k, dim, hidden), dtype=torch.float32)
         self.timing = torch.zeros(16 + 3 * TIMED_THREADS, dtype=torch.float64)   # doorbell.c moetier_serve_step
         # each layer's request row as the server read it (the bookkeeping's copy, independent of when the next
         # replay rewrites req's rows)
@@ -612,7 +615,7 @@ class MissServer:
         # s summed over threads and layers: phase 1's work, its barrier wait, phase 2 with its barrier, phase 3's
         # work, a thread's finish to the layer's last (layer_runs)
         self.phases = tuple(t[11:16])
-        # per thread (the first TIMED_THREADS): work s (bell barrier to its finish), layers it finished last, the
+        # per thread (the first TIMED_THREADS): work s (its start of a layer to its finish), layers it finished last, the
         # CPU it ended the step on (-1: none seen)
         self.per_thread = self.timing[16:].view(3, TIMED_THREADS).clone()
         return t[0], t[1], int(t[2])

@@ -169,11 +169,12 @@ class GraphTiers:
         # MOETIER_MISS_VARIANT (A/B; all bit-identical): 6 the default (no barriers: kernels.doorbell.VARIANT), 0 the
         # phases with barriers (the default until session 17), 1 the old per-row loops, 2 the down phase over the
         # experts' rows (session 13, H200: no gain), 4 guided chunks (session 14, H200: undecided), 5 phase 3's down
-        # rows prefetched during phase 1 (session 15); 3 only reads (bench only)
+        # rows prefetched during phase 1 (session 15), 8 variant 6 with a barrier at each bell (thread 0 reads the
+        # request, the others wait: the default until session 28); 3 only reads (bench only)
         variant = os.environ.get("MOETIER_MISS_VARIANT", str(doorbell.VARIANT))
-        if variant not in ("0", "1", "2", "4", "5", "6"):
+        if variant not in ("0", "1", "2", "4", "5", "6", "8"):
             raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 6 (default), 0, 1, 2, "
-                            "4, 5 (3 reads the experts without computing them: bench/bench_miss_server.py only)")
+                            "4, 5, 8 (3 reads the experts without computing them: bench/bench_miss_server.py only)")
         qtypes = _qtype_id(lay, interleave_bank(tiers, variant))
         # the ring writes x's int8 copy (the C prep's, bit for bit) where the server's gate_up reads int8 activations:
         # its thread 0 then reads nothing of x after the bell (its prep 0.12 -> 0.03 ms a token at 8 GiB on the H200,
