@@ -234,8 +234,8 @@ for step in $STEPS; do
         N="MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0"
         MOETIER_STAMP=1 bench proof48_g8ab3 ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB \
           --compare "neither:$N" --compare "default2:" ;;
-      g8v8ab)  # the miss server's threads starting each layer at its bell (variant 6, the default) against thread 0's
-               # prep and a barrier (8), in one process: 6 / 8 / 6
+      g8v8ab)  # the miss server's default (variant 6: thread 0's prep and a barrier at each bell) against every
+               # thread starting each layer at its bell (8), in one process: 6 / 8 / 6
         bench proof48_g8v8ab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB \
           --compare "v8:MOETIER_MISS_VARIANT=8" --compare "default2:" ;;
       g8base) MOETIER_STAMP=1 MOETIER_RING_Q8=0 MOETIER_WAIT_ADD_NORM=0 \

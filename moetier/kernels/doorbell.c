@@ -939,12 +939,13 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         n_miss[li] = finished[li] = 0;
         t_begin[li] = t_end[li] = t_seen[li] = 0.0;
     }
-    /* variant 6 with the ring's int8 copy of x in every layer: no shared prep, so every thread reads the bell and the
-     * miss list itself and starts at once (the claims and flow counters need no barrier between layers: a thread
+    /* variant 8 (variant 6 with the ring's int8 copy of x in every layer): no shared prep, so every thread reads the
+     * bell and the miss list itself and starts at once (the claims and flow counters need no barrier between layers: a thread
      * leaves a layer only once all its chunks are claimed; the scratches alternate by layer parity); else thread 0
      * does and a barrier follows. For the whole step: a thread that broke out of a barrier-free layer (a timeout)
-     * must not leave the others waiting at a barrier later. */
-    int own = c->variant == 6 && c->ring_qx;        /* variant 8: variant 6 with the barrier (A/B) */
+     * must not leave the others waiting at a barrier later. H200 box, 8 GiB, two calls of 6 / 8 / 6 in one process:
+     * serve 9.31 / 8.41 / 9.81 and 7.10 / 7.78 / 6.71 ms a token: no gain shown (docs/perf-log.md, session 28). */
+    int own = c->variant == 8 && c->ring_qx;        /* variant 8: variant 6 without the bell's barrier */
     for (int li = 0; li < L && own; li++) own = c->q8_act && q8_ok(layer_type(c, li, 0));
     claim_ctr cl[c->nthreads > 0 ? c->nthreads : 1];
     for (int t = 0; t < c->nthreads; t++) cl[t].n = 0;

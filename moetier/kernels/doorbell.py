@@ -468,9 +468,9 @@ class _Ctx(ctypes.Structure):
                                            # over the experts' rows (A/B);
                                            # 3: variant 0's reads without the math (a ceiling: y is not the product);
                                            # 4: variant 0 with guided chunks (halving parts of each home);
-                                           # 5: phase 3's rows prefetched in phase 1; 6: no barriers (dataflow;
-                                           # with the ring's int8 x every thread starts a layer at its bell);
-                                           # 8: variant 6 with thread 0's prep and a barrier at each bell (A/B)
+                                           # 5: phase 3's rows prefetched in phase 1; 6: no barriers (dataflow);
+                                           # 8: variant 6 with every thread starting a layer at its bell (no
+                                           # barrier there; the ring's int8 x only; A/B)
         ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p),   # the GPU's guess of the next layer's misses
         ("log_ids", ctypes.c_void_p), ("log_slots", ctypes.c_void_p), ("log_w", ctypes.c_void_p),   # rows as served
         ("ring_qx", ctypes.c_void_p), ("ring_dx", ctypes.c_void_p), ("ring_sx", ctypes.c_void_p)]  # Requests.q8

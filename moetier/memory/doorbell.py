@@ -169,8 +169,8 @@ class GraphTiers:
         # MOETIER_MISS_VARIANT (A/B; all bit-identical): 6 the default (no barriers: kernels.doorbell.VARIANT), 0 the
         # phases with barriers (the default until session 17), 1 the old per-row loops, 2 the down phase over the
         # experts' rows (session 13, H200: no gain), 4 guided chunks (session 14, H200: undecided), 5 phase 3's down
-        # rows prefetched during phase 1 (session 15), 8 variant 6 with a barrier at each bell (thread 0 reads the
-        # request, the others wait: the default until session 28); 3 only reads (bench only)
+        # rows prefetched during phase 1 (session 15), 8 variant 6 with every thread reading each bell and request
+        # itself, no barrier there (session 28, H200: no gain shown); 3 only reads (bench only)
         variant = os.environ.get("MOETIER_MISS_VARIANT", str(doorbell.VARIANT))
         if variant not in ("0", "1", "2", "4", "5", "6", "8"):
             raise UserError(f"MOETIER_MISS_VARIANT={variant!r}: the miss server's variants are 6 (default), 0, 1, 2, "
