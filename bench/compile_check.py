@@ -114,6 +114,8 @@ def main() -> int:
             ("norm+q8", triton_small._rms_norm_q8_kernel, dict(BN=2048, PDL=True),
              {**bf, **f32, "q_ptr": "*i8", "N": "i32", "eps": "fp32"}),
             ("add_norm", triton_small._add_rms_norm_kernel, dict(BN=2048, PDL=True), {**bf, "N": "i32", "eps": "fp32"}),
+            ("add+norm+q8", triton_small._add_norm_q8_kernel, dict(BN=2048, PDL=True),
+             {**bf, **f32, "q_ptr": "*i8", "N": "i32", "eps": "fp32"}),
             ("router", triton_small._router_topk_kernel,
              dict(E=128, D=2048, K=8, NORM=True, ROWS=2, BD=2048, BE=128, BK=8, PDL=True),
              {**bf, **f32, "cnt_ptr": "*i32", "ids_ptr": "*i64"}),

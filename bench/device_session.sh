@@ -128,7 +128,8 @@ for step in $STEPS; do
     tail -3 "$OUT/pcie.err"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, d[k]) for k in d if k not in ('gather','gather_base')]" "$OUT/pcie.json" ;;
   tests)
     timeout ${TSECS:-90} python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
-      tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py tests/test_quant_linear.py tests/test_doorbell.py \
+      tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py \
+      tests/test_quant_linear.py tests/test_doorbell.py \
       -k "${TEST_K:-graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module}" \
       -p no:cacheprovider -rf --tb=short 2>&1 | tail -60 > "$OUT/gpu_tests.txt"
     grep -E "^E |passed|failed|FAILED" "$OUT/gpu_tests.txt" | tail -14
@@ -246,6 +247,10 @@ for step in $STEPS; do
         bench proof48_g8wan ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      allanab)  # all on the GPU: the residual add after the MoE making the next block's input norm (MOETIER_ADD_NORM_Q8=1)
+                # against the default (a torch add, then the norm's launch), in one process: default / on / default / on
+        bench proof48_allanab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 \
+          --compare "an:MOETIER_ADD_NORM_Q8=1" --compare "default2:" --compare "an2:MOETIER_ADD_NORM_Q8=1" ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;

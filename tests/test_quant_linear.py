@@ -190,6 +190,42 @@ def test_engine_quant_dense_on_cuda(tmp_path):
     assert errs["deq graph/eager"] == 0.0, errs
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_add_norm_q8_changes_no_bit(tmp_path, monkeypatch):
+    """MOETIER_ADD_NORM_Q8=1 (the residual add after the MoE makes the next block's input norm and its int8 copy):
+    the same logits bit for bit as off, eager and in CUDA-graph replays, on a 3-layer Q4_0 file (two blocks hand
+    their norm on)."""
+    from moetier import EngineConfig
+    from moetier.kernels import triton_small
+    from moetier.runtime.cuda_graph import DecodeGraph
+    from moetier.runtime.engine import Engine
+    from moetier.tools.synth import synth
+    path = tmp_path / "q.gguf"
+    synth("qwen3-30b-a3b", "Q4_0", path, layers=3, scale="tiny", log=lambda *a: None, progress=False)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 100, (19,), generator=g).cuda()
+    forced = torch.randint(3, 100, (8,), generator=g).cuda()
+    calls = []
+    monkeypatch.setattr(triton_small, "add_norm_q8", lambda *a, _f=triton_small.add_norm_q8: calls.append(1) or _f(*a))
+    logits = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("MOETIER_ADD_NORM_Q8", on)
+        eng = Engine.load(path, EngineConfig(device="cuda", dtype="bfloat16", max_context=64, progress=False))
+        with torch.inference_mode():
+            eager, graphed = eng.new_session().cache, eng.new_session().cache
+            eng.model(prompt, eager)
+            eng.model(prompt, graphed)
+            graph = DecodeGraph(eng.model, graphed)
+            rows = [(eng.model(t[None], eager)[-1].float(), graph.step(t[None])[-1].float().clone()) for t in forced]
+        logits[on] = [torch.stack(r) for r in zip(*rows)]
+        del eng, graph
+        torch.cuda.empty_cache()
+    assert calls, "the fused add + norm never ran"
+    assert all(torch.equal(a, b) for a, b in zip(logits["0"], logits["1"]))
+    assert torch.isfinite(logits["1"][0]).all()
+
+
 def test_decode_attention_hands_o_proj_its_int8_copy():
     """The fused decode attention with q8: its output's int8 copy is exactly quantize(output) (so the o_proj
     GEMV can skip its quantizer launch), the output itself unchanged, and the GEMV on that copy gives the

@@ -322,6 +322,40 @@ def test_rms_norm_q8_returns_what_the_writer_of_x_made():
         assert small_ops.rms_norm_q8(x, w, 1e-6, lambda a: "twin") == ("twin", None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2048, 96])
+def test_add_norm_q8_is_the_add_then_the_next_blocks_norm(dtype, n, monkeypatch):
+    """MOETIER_ADD_NORM_Q8=1: the residual add after a decode block's MoE makes the next block's input norm and its
+    int8 copy in the same launch and notes them on the sum; the next block's rms_norm_q8 then returns them, bit for
+    bit `h + y` then rms_norm_q8. Off (the default), or where the next attention takes no int8 copy: a plain add."""
+    from types import SimpleNamespace
+
+    from moetier.kernels import triton_small
+    from moetier.models.layers import RMSNorm
+    _skip_bf16_on_cpu(dtype)
+    g = torch.Generator().manual_seed(n + 1)
+    h = (torch.randn(1, n, generator=g) * 3).to(DEV, dtype)
+    y = torch.randn(1, n, generator=g).to(DEV, dtype)
+    norm = RMSNorm(n, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=g))
+    takes_q8 = SimpleNamespace(q8_input=lambda t: True)
+    want_s = h + y
+    want = triton_small.rms_norm_q8(want_s, norm.weight, norm.eps)
+    monkeypatch.setenv("MOETIER_ADD_NORM_Q8", "1")
+    with small_ops.use("triton"), torch.no_grad():
+        s = small_ops.add_norm_q8(h, y, (norm, takes_q8))
+        x, pre = small_ops.rms_norm_q8(s, norm.weight, norm.eps, lambda a: "twin")
+        assert torch.equal(s, want_s) and x is s.moetier_norm_q8[2]
+        assert torch.equal(x, want[0]) and all(torch.equal(a, b) for a, b in zip(pre, want[1]))
+        plain = small_ops.add_norm_q8(h, y, (norm, SimpleNamespace(q8_input=lambda t: False)))
+        assert torch.equal(plain, want_s) and not hasattr(plain, "moetier_norm_q8")
+    monkeypatch.setenv("MOETIER_ADD_NORM_Q8", "0")
+    with small_ops.use("triton"), torch.no_grad():
+        off = small_ops.add_norm_q8(h, y, (norm, takes_q8))
+    assert torch.equal(off, want_s) and not hasattr(off, "moetier_norm_q8")
+
+
 def test_add_rms_norm_falls_back_to_the_twin():
     h, y, w = torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.randn(small_ops.MAX_TOKENS + 1, 16), torch.ones(16)
     twin = lambda a, b: "twin"                                          # noqa: E731

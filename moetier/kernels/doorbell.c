@@ -921,8 +921,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         if ((is_x8(gq) || is_x8(dq)) && (!c->q8_act || I % 16 || D % 16 || c->variant == 1)) return -200;
     }
     /* two scratches, one per layer parity: where threads start a layer without a barrier (own below), the fastest
-     * may be one layer ahead of the slowest (it needs that layer's bell, which follows the GPU's answer of the one
-     * before, which follows every thread's part of it), never two */
+     * may be a layer ahead of the slowest (in a decode step never two: a layer's bell follows the GPU's answer of the
+     * one before, which follows every thread's part of it; with bells rung ahead wait_count holds it) */
     serve_scratch sc[2];
     scratch_of(c->scratch, k, D, I, &sc[0]);
     scratch_of(c->scratch + scratch_floats(k, D, I), k, D, I, &sc[1]);
@@ -940,10 +940,10 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         t_begin[li] = t_end[li] = t_seen[li] = 0.0;
     }
     /* variant 8 (variant 6 with the ring's int8 copy of x in every layer): no shared prep, so every thread reads the
-     * bell and the miss list itself and starts at once (the claims and flow counters need no barrier between layers: a thread
-     * leaves a layer only once all its chunks are claimed; the scratches alternate by layer parity); else thread 0
-     * does and a barrier follows. For the whole step: a thread that broke out of a barrier-free layer (a timeout)
-     * must not leave the others waiting at a barrier later. H200 box, 8 GiB, two calls of 6 / 8 / 6 in one process:
+     * bell and the miss list itself and starts at once (the claims and flow counters need no barrier between layers:
+     * a thread leaves a layer only once all its chunks are claimed; the scratches alternate by layer parity); else
+     * thread 0 does and a barrier follows. For the whole step: a thread that broke out of a barrier-free layer (a
+     * timeout) must not leave the others waiting at a barrier later. H200 box, 8 GiB, two calls of 6 / 8 / 6 in one process:
      * serve 9.31 / 8.41 / 9.81 and 7.10 / 7.78 / 6.71 ms a token: no gain shown (docs/perf-log.md, session 28). */
     int own = c->variant == 8 && c->ring_qx;        /* variant 8: variant 6 without the bell's barrier */
     for (int li = 0; li < L && own; li++) own = c->q8_act && q8_ok(layer_type(c, li, 0));

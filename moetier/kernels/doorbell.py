@@ -615,8 +615,8 @@ class MissServer:
         # s summed over threads and layers: phase 1's work, its barrier wait, phase 2 with its barrier, phase 3's
         # work, a thread's finish to the layer's last (layer_runs)
         self.phases = tuple(t[11:16])
-        # per thread (the first TIMED_THREADS): work s (its start of a layer to its finish), layers it finished last, the
-        # CPU it ended the step on (-1: none seen)
+        # per thread (the first TIMED_THREADS): work s (its start of a layer to its finish), layers it finished last,
+        # the CPU it ended the step on (-1: none seen)
         self.per_thread = self.timing[16:].view(3, TIMED_THREADS).clone()
         return t[0], t[1], int(t[2])
 

@@ -135,6 +135,29 @@ def add_rms_norm(h, y, weight, eps: float, twin):
     return kernel(h, y, weight, eps)
 
 
+def add_norm_q8_on() -> bool:
+    """MOETIER_ADD_NORM_Q8=1: a decode block's residual add after its MoE makes the next block's input norm and its
+    int8 copy in the same launch (add_norm_q8; not yet timed on a GPU, so off by default)."""
+    return os.environ.get("MOETIER_ADD_NORM_Q8", "0") == "1"
+
+
+def add_norm_q8(h, y, then):
+    """h + y, and where `then` (the next decoder block's (input norm, attention)) would call rms_norm_q8 on it with its
+    kernel, that norm and its int8 copy made by the same launch and noted on the sum (made_norm_q8: the next block's
+    rms_norm_q8 returns them). Bit for bit `h + y` then rms_norm_q8. -> h + y."""
+    from ..models.layers import RMSNorm
+    norm, attn = then if then is not None else (None, None)
+    q8 = getattr(attn, "q8_input", None)
+    if (not add_norm_q8_on() or type(norm) is not RMSNorm or q8 is None or not q8(h) or y.shape != h.shape
+            or y.dtype != h.dtype or not y.is_contiguous() or not h.is_contiguous()
+            or not rms_norm_q8_ok(h, norm.weight)):
+        return h + y
+    from .triton_small import add_norm_q8 as kernel
+    s, out, pre = kernel(h, y, norm.weight, norm.eps)
+    made_norm_q8(s, norm.weight, norm.eps, out, pre)
+    return s
+
+
 def router_add_norm_on() -> bool:
     """MOETIER_ROUTER_ADD_NORM=0: the decode block's residual add + norm and its router stay two launches (A/B)."""
     return os.environ.get("MOETIER_ROUTER_ADD_NORM", "1") != "0"

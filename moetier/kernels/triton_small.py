@@ -380,6 +380,36 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, N, eps, BN: tl.con
     tl.store(out_ptr + r * N + n, o, mask=m)
 
 
+@triton.jit
+def _add_norm_q8_kernel(h_ptr, y_ptr, w_ptr, s_ptr, out_ptr, q_ptr, dx_ptr, xs_ptr, N, eps, BN: tl.constexpr,
+                        PDL: tl.constexpr):
+    """One row: s = h + y (rounded to h's dtype, as `h + y`) to s_ptr, then rms_norm_q8 of s (loaded back: the
+    layout _rms_norm_q8_kernel loads x in, for the same sums) to out_ptr, q_ptr, dx_ptr, xs_ptr."""
+    n = tl.arange(0, BN)
+    m = n < N
+    w = tl.load(w_ptr + n, mask=m, other=0.0)
+    _pdl_enter(PDL)
+    h = tl.load(h_ptr + n, mask=m, other=0.0)
+    y = tl.load(y_ptr + n, mask=m, other=0.0)
+    tl.store(s_ptr + n, (h.to(tl.float32) + y.to(tl.float32)).to(h.dtype), mask=m)
+    tl.debug_barrier()      # every thread's stores of s, visible to the program's loads below
+    x = tl.load(s_ptr + n, mask=m, other=0.0)
+    _norm_q8(x, w, N, eps, out_ptr, q_ptr, dx_ptr, xs_ptr, BN)
+
+
+def add_norm_q8(h, y, weight, eps: float):
+    """h, y [1, N] contiguous, one dtype (N a multiple of 32), weight [N] -> (s = h + y, rms_norm_q8(s, weight, eps)'s
+    (out, (q, dx, xs))) in one launch: the residual add after a decode block's MoE and the next block's input norm
+    with its int8 copy, bit for bit the two launches."""
+    n = h.shape[-1]
+    s = h.new_empty(h.shape)
+    out, (q, dx, xs) = norm_q8_buffers(h)
+    on = pdl(h)
+    _add_norm_q8_kernel[(1,)](h, y, weight, s, out, q, dx, xs, n, eps, BN=triton.next_power_of_2(n), PDL=on,
+                              num_warps=_norm_warps(n), **_pdl_kw(on))
+    return s, out, (q, dx, xs)
+
+
 def _norm_warps(n: int) -> int:
     """add_rms_norm's and rms_norm_q8's warps for rows of n (their sums of squares are added in an order that depends
     on them)."""

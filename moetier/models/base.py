@@ -60,6 +60,10 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        for blk, nxt in zip(blocks, blocks[1:]):    # an MoE that makes the next block's input norm (SoftmaxMoE)
+            mlp = getattr(blk, "mlp", None)
+            if mlp is not None and hasattr(mlp, "next_block"):
+                mlp.next_block = (nxt,)
 
 
 class CausalLM(nn.Module):

@@ -517,6 +517,7 @@ class SoftmaxMoE(nn.Module):
         super().__init__()
         self.gate = SoftmaxRouter(dim, num_experts, k, normalize)
         self.experts = DenseExperts(num_experts, dim, hidden)
+        self.next_block = ()        # (the next decoder block,): models.base.Backbone sets it (a tuple: no submodule)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # tiered experts inside a captured decode step: the router, the doorbell and the residual add fused
@@ -544,4 +545,7 @@ class SoftmaxMoE(nn.Module):
         if out is None:                  # NaN logits in the CPU's C router: the Block's own ops decide
             return None
         s, x, ids, w = out
-        return s + self.experts(x, ids, w)
+        nb = self.next_block[0] if self.next_block else None
+        then = (nb.input_layernorm, nb.self_attn) if hasattr(nb, "input_layernorm") and hasattr(nb, "self_attn") \
+            else None
+        return small_ops.add_norm_q8(s, self.experts(x, ids, w), then)
