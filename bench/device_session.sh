@@ -130,7 +130,7 @@ for step in $STEPS; do
     timeout ${TSECS:-90} python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
       tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py \
       tests/test_quant_linear.py tests/test_doorbell.py \
-      -k "${TEST_K:-graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module}" \
+      -k "${TEST_K:-graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module or add_norm or ring or topk}" \
       -p no:cacheprovider -rf --tb=short 2>&1 | tail -60 > "$OUT/gpu_tests.txt"
     grep -E "^E |passed|failed|FAILED" "$OUT/gpu_tests.txt" | tail -14
     # a broken fused decode kernel must not spoil the measurements: bench without it then
