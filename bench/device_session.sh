@@ -127,10 +127,12 @@ for step in $STEPS; do
     timeout ${PSECS:-120} python3 bench/bench_pcie_read.py > "$OUT/pcie.json" 2> "$OUT/pcie.err"
     tail -3 "$OUT/pcie.err"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, d[k]) for k in d if k not in ('gather','gather_base')]" "$OUT/pcie.json" ;;
   tests)
+    TEST_K_DEFAULT="graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module"
+    TEST_K_DEFAULT="$TEST_K_DEFAULT or add_norm or ring or topk"
     timeout ${TSECS:-90} python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
       tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py \
       tests/test_quant_linear.py tests/test_doorbell.py \
-      -k "${TEST_K:-graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module or add_norm or ring or topk}" \
+      -k "${TEST_K:-$TEST_K_DEFAULT}" \
       -p no:cacheprovider -rf --tb=short 2>&1 | tail -60 > "$OUT/gpu_tests.txt"
     grep -E "^E |passed|failed|FAILED" "$OUT/gpu_tests.txt" | tail -14
     # a broken fused decode kernel must not spoil the measurements: bench without it then
