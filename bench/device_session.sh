@@ -129,7 +129,7 @@ for step in $STEPS; do
   tests)
     TEST_K_DEFAULT="graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module"
     TEST_K_DEFAULT="$TEST_K_DEFAULT or add_norm or ring or topk"
-    timeout ${TSECS:-90} python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
+    timeout ${TSECS:-240} python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
       tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py \
       tests/test_quant_linear.py tests/test_doorbell.py \
       -k "${TEST_K:-$TEST_K_DEFAULT}" \
