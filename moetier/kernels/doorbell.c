@@ -966,8 +966,10 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         for (int li = 0; li < L; li++) {
             const int gq = layer_type(c, li, 0), dq = layer_type(c, li, 1);    /* per projection */
             const int q8g = c->q8_act && q8_ok(gq), q8d = c->q8_act && q8_ok(dq);
-            int32_t own_e[MAX_K], own_ord[MAX_K];
+            int32_t own_e[MAX_K], own_ord[MAX_K];      /* variant 8: this thread's read of the request */
             float own_w[MAX_K];
+            const int32_t *lst_e = own_e, *lst_ord = own_ord;    /* the list this thread computes */
+            const float *lst_w = own_w;
             int own_m = 0;
             double own_begin = 0.0;
             if (own && tid != 0) {
@@ -1032,9 +1034,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             if (!own || tid == 0) {             /* thread 0's list (its own in the barrier-free layers) */
                 if (status) break;
                 own_m = n_miss[li];
-                memcpy(own_e, miss_e[li], sizeof own_e);
-                memcpy(own_ord, miss_ord[li], sizeof own_ord);
-                memcpy(own_w, miss_w[li], sizeof own_w);
+                lst_e = miss_e[li], lst_ord = miss_ord[li], lst_w = miss_w[li];
                 own_begin = t_begin[li];
             }
             if (pt && li > 0 && mine[li - 1] > 0.0 && t_end[li - 1] > 0.0) pt[4] += t_end[li - 1] - mine[li - 1];
@@ -1052,7 +1052,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 : (act_vec){c->x + (int64_t)li * D, s.xs, s.qxv, s.dx, s.sxv};
             const serve_layer ly = {gq, dq, q8g, q8d, m, c->variant == 3, layer_row_bytes(c, li, 0),
                                     layer_row_bytes(c, li, 1),
-                                    own_e, own_ord, own_w, c->gate_up + li * (int64_t)c->E,
+                                    lst_e, lst_ord, lst_w, c->gate_up + li * (int64_t)c->E,
                                     c->down + li * (int64_t)c->E,
                                     c->gu_bias ? c->gu_bias + li * (int64_t)c->E : NULL,
                                     c->dn_bias ? c->dn_bias + li * (int64_t)c->E : NULL,

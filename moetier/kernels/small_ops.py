@@ -141,16 +141,26 @@ def add_norm_q8_on() -> bool:
     return os.environ.get("MOETIER_ADD_NORM_Q8", "0") == "1"
 
 
-def add_norm_q8(h, y, then):
-    """h + y, and where `then` (the next decoder block's (input norm, attention)) would call rms_norm_q8 on it with its
-    kernel, that norm and its int8 copy made by the same launch and noted on the sum (made_norm_q8: the next block's
-    rms_norm_q8 returns them). Bit for bit `h + y` then rms_norm_q8. -> h + y."""
+def next_norm_q8(h, then):
+    """The next decoder block's input RMSNorm where that block would call rms_norm_q8 on h with its kernel (then = its
+    (input norm, attention): an RMSNorm before an attention that takes the int8 copy, models.base.Block), else None.
+    The writer of h may make that norm itself (made_norm_q8): the tiered wait_add, add_norm_q8."""
     from ..models.layers import RMSNorm
-    norm, attn = then if then is not None else (None, None)
+    if then is None:
+        return None
+    norm, attn = then
     q8 = getattr(attn, "q8_input", None)
-    if (not add_norm_q8_on() or type(norm) is not RMSNorm or q8 is None or not q8(h) or y.shape != h.shape
-            or y.dtype != h.dtype or not y.is_contiguous() or not h.is_contiguous()
-            or not rms_norm_q8_ok(h, norm.weight)):
+    if type(norm) is not RMSNorm or q8 is None or not q8(h) or not rms_norm_q8_ok(h, norm.weight):
+        return None
+    return norm
+
+
+def add_norm_q8(h, y, then):
+    """h + y, and where the next decoder block (then: its (input norm, attention)) would call rms_norm_q8 on it with
+    its kernel (next_norm_q8), that norm and its int8 copy made by the same launch and noted on the sum (made_norm_q8:
+    the next block's rms_norm_q8 returns them). Bit for bit `h + y` then rms_norm_q8. -> h + y."""
+    norm = next_norm_q8(h, then) if add_norm_q8_on() else None
+    if norm is None or y.shape != h.shape or y.dtype != h.dtype or not y.is_contiguous() or not h.is_contiguous():
         return h + y
     from .triton_small import add_norm_q8 as kernel
     s, out, pre = kernel(h, y, norm.weight, norm.eps)

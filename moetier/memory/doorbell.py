@@ -335,19 +335,11 @@ class GraphTiers:
 
     def _next_norm(self, out, then):
         """The next decoder block's input RMSNorm where wait_add can make it with its int8 copy in its own launch:
-        then = that block's (input norm, attention) (TieredExperts.next_input), and the block would call
-        small_ops.rms_norm_q8 on out (models.base.Block: an RMSNorm, attention.q8_input) with its kernel, and
-        MOETIER_WAIT_ADD_NORM is not 0. Else None. Whatever the block does, its results are the same: rms_norm_q8
-        returns what wait_add made, or computes them."""
+        then = that block's (input norm, attention) (TieredExperts.next_input), small_ops.next_norm_q8 finds that the
+        block would call rms_norm_q8 on out with its kernel, and MOETIER_WAIT_ADD_NORM is not 0. Else None. Whatever
+        the block does, its results are the same: rms_norm_q8 returns what wait_add made, or computes them."""
         from ..kernels import small_ops
-        from ..models.layers import RMSNorm
-        if then is None or not self.wait_add_norm:
-            return None
-        norm, attn = then
-        q8 = getattr(attn, "q8_input", None)
-        if type(norm) is not RMSNorm or q8 is None or not q8(out) or not small_ops.rms_norm_q8_ok(out, norm.weight):
-            return None
-        return norm
+        return small_ops.next_norm_q8(out, then) if self.wait_add_norm else None
 
     # ------------------------------------------------------------------ around the graph
     def serve_async(self) -> "_Server":
@@ -482,8 +474,9 @@ class GraphTiers:
                 **self._thread_report(n)}
 
     def _thread_report(self, n) -> dict:
-        """Per miss thread: its work per layer (us, from the bell barrier to its finish), its share of the layers it
-        finished last, and the CPU it ran on at the end of the last step (two threads on one CPU: a straggler)."""
+        """Per miss thread: its work per layer (us, from its start of the layer to its finish), its share of the
+        layers it finished last, and the CPU it ran on at the end of the last step (two threads on one CPU: a
+        straggler)."""
         nt = min(self.threads, self.thread_timing.shape[1])
         cpus = [int(c) for c in self.thread_cpus[:nt]]
         seen = [c for c in cpus if c >= 0]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import sys
 import time
 import weakref
@@ -538,26 +537,14 @@ def install(model: nn.Module, pl: Placement, config) -> Tiers:
     tiers = Tiers(pl, routers, config)
     for li, (prefix, mod) in enumerate(mods):
         experts = TieredExperts(tiers, li, mod)
-        experts.next_input = _next_input(model, prefix)
-        setattr(model.get_submodule(prefix), "experts", experts)
+        owner = model.get_submodule(prefix)         # the MoE block (SoftmaxMoE knows the next decoder block)
+        experts.next_input = owner.next_input() if hasattr(owner, "next_input") else None
+        setattr(owner, "experts", experts)
     tiers.fill()
     if config.save_profile:     # written at exit (or by Tiers.close); only the small profile is kept alive
         atexit.register(_save_at_exit, tiers.profile, config.save_profile)
     weakref.finalize(tiers, tiers.reader.close)
     return tiers
-
-
-def _next_input(model: nn.Module, prefix: str) -> tuple[nn.Module, nn.Module] | None:
-    """(input_layernorm, self_attn) of the decoder block after the one at `prefix` (`...layers.N.mlp`), or None."""
-    m = re.match(r"(.*layers\.)(\d+)\.", prefix + ".")
-    if m is None:
-        return None
-    try:
-        block = model.get_submodule(f"{m.group(1)}{int(m.group(2)) + 1}")
-    except AttributeError:          # the last block
-        return None
-    norm, attn = getattr(block, "input_layernorm", None), getattr(block, "self_attn", None)
-    return (norm, attn) if norm is not None and attn is not None else None
 
 
 def _save_at_exit(profile: ExpertProfile, path: str) -> None:

@@ -545,7 +545,10 @@ class SoftmaxMoE(nn.Module):
         if out is None:                  # NaN logits in the CPU's C router: the Block's own ops decide
             return None
         s, x, ids, w = out
+        return small_ops.add_norm_q8(s, self.experts(x, ids, w), self.next_input())
+
+    def next_input(self) -> tuple[nn.Module, nn.Module] | None:
+        """(input norm, attention) of the decoder block after this one (next_block), or None (the last block)."""
         nb = self.next_block[0] if self.next_block else None
-        then = (nb.input_layernorm, nb.self_attn) if hasattr(nb, "input_layernorm") and hasattr(nb, "self_attn") \
-            else None
-        return small_ops.add_norm_q8(s, self.experts(x, ids, w), then)
+        norm, attn = getattr(nb, "input_layernorm", None), getattr(nb, "self_attn", None)
+        return (norm, attn) if norm is not None and attn is not None else None
