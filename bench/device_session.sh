@@ -40,6 +40,7 @@
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5qwave     v5q at the shipped tiles, then at PAIR_TILES_WAVE (whole waves, no spills: bench/kernel_regs.py)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
+#   v5qp        v5q at the shipped tiles, then with the persistent gate_up at PAIR_TILES_P (TFMT, TLBUDGET)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
 #               variants)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
@@ -249,10 +250,11 @@ for step in $STEPS; do
         bench proof48_g8wan ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
-      allanab)  # all on the GPU: the residual add after the MoE making the next block's input norm (MOETIER_ADD_NORM_Q8=1)
-                # against the default (a torch add, then the norm's launch), in one process: default / on / default / on
+      allanab)  # all on the GPU: the residual add after the MoE making the next block's input norm (the default since
+                # session 29) against a torch add then the norm's launch (MOETIER_ADD_NORM_Q8=0), in one process:
+                # default / off / default / off
         bench proof48_allanab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 \
-          --compare "an:MOETIER_ADD_NORM_Q8=1" --compare "default2:" --compare "an2:MOETIER_ADD_NORM_Q8=1" ;;
+          --compare "off:MOETIER_ADD_NORM_Q8=0" --compare "default2:" --compare "off2:MOETIER_ADD_NORM_Q8=0" ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
@@ -434,6 +436,12 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qwave.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5q gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+" ;;
+  v5qp)
+    # v5q at the shipped tiles, then v5qp (the persistent gate_up) at bench_gpu_kernels.PAIR_TILES_P
+    timeout ${TLSECS:-240} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qp \
+      --fmt ${TFMT:-Q4_0,Q4_K,Q6_K} --budget ${TLBUDGET:-210} --out "$OUT/v5qp.json" 2> "$OUT/v5qp.err" > /dev/null
+    grep "gate_up + down" "$OUT/v5qp.err" \
+      | grep -oE "^ *[A-Z0-9_]+ v5qp? gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+, 'max_rel_err': [0-9.e-]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

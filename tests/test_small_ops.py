@@ -325,9 +325,10 @@ def test_rms_norm_q8_returns_what_the_writer_of_x_made():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [2048, 96])
 def test_add_norm_q8_is_the_add_then_the_next_blocks_norm(dtype, n, monkeypatch):
-    """MOETIER_ADD_NORM_Q8=1: the residual add after a decode block's MoE makes the next block's input norm and its
-    int8 copy in the same launch and notes them on the sum; the next block's rms_norm_q8 then returns them, bit for
-    bit `h + y` then rms_norm_q8. Off (the default), or where the next attention takes no int8 copy: a plain add."""
+    """The residual add after a decode block's MoE makes the next block's input norm and its int8 copy in the same
+    launch and notes them on the sum (the default); the next block's rms_norm_q8 then returns them, bit for bit
+    `h + y` then rms_norm_q8. Off (MOETIER_ADD_NORM_Q8=0), or where the next attention takes no int8 copy: a plain
+    add."""
     from types import SimpleNamespace
 
     from moetier.kernels import triton_small
@@ -342,7 +343,7 @@ def test_add_norm_q8_is_the_add_then_the_next_blocks_norm(dtype, n, monkeypatch)
     takes_q8 = SimpleNamespace(q8_input=lambda t: True)
     want_s = h + y
     want = triton_small.rms_norm_q8(want_s, norm.weight, norm.eps)
-    monkeypatch.setenv("MOETIER_ADD_NORM_Q8", "1")
+    monkeypatch.delenv("MOETIER_ADD_NORM_Q8", raising=False)      # on by default
     with small_ops.use("triton"), torch.no_grad():
         s = small_ops.add_norm_q8(h, y, (norm, takes_q8))
         x, pre = small_ops.rms_norm_q8(s, norm.weight, norm.eps, lambda a: "twin")

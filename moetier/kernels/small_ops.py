@@ -136,9 +136,10 @@ def add_rms_norm(h, y, weight, eps: float, twin):
 
 
 def add_norm_q8_on() -> bool:
-    """MOETIER_ADD_NORM_Q8=1: a decode block's residual add after its MoE makes the next block's input norm and its
-    int8 copy in the same launch (add_norm_q8; not yet timed on a GPU, so off by default)."""
-    return os.environ.get("MOETIER_ADD_NORM_Q8", "0") == "1"
+    """A decode block's residual add after its MoE makes the next block's input norm and its int8 copy in the same
+    launch (add_norm_q8; H200, 48 layers all on the GPU: 631 -> 668 tok/s, docs/perf-log.md session 29).
+    MOETIER_ADD_NORM_Q8=0: two launches (A/B)."""
+    return os.environ.get("MOETIER_ADD_NORM_Q8", "1") != "0"
 
 
 def next_norm_q8(h, then):
