@@ -465,6 +465,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qp: v5q with the persistent gate_up, at its tiles
         for gt in PAIR_TILES_P if "v5qp" in wanted and v5(c.fmt) else ():
             pair(c, "v5qp", (gt, None), "v5qp")
+        for gt in PAIR_TILES_P if "v5pdlp" in wanted and v5(c.fmt) else ():    # h quantized by its own launch
+            pair(c, "v5pdlp", (gt, None), "v5pdlp")
     for c in cases.values():                      # --only v5qtiles: v5q at wider gate_up tiles (h in registers)
         for gt in PAIR_TILES_V5Q if "v5qtiles" in wanted and v5(c.fmt) else ():
             pair(c, "v5q", (gt, None), "v5qtiles")

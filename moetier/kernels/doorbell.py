@@ -242,12 +242,12 @@ if triton is not None:
         _rms_norm_q8_kernel loads its x: the same layout, the same sums); stamp[1] after all of it."""
         if TRIGGER:     # the next kernel (the next layer's qkv GEMV) may be scheduled while this one spins
             tl.extra.cuda.gdc_launch_dependents()
+        n = tl.arange(0, BD)
+        m = n < D
+        w = tl.load(nw_ptr + n, mask=m, other=0.0)      # before the spin: off the path after the CPU's answer
         _wait_add(hits_ptr, slots_ptr, seq_ptr, done_ptr, hy_ptr, out_ptr, err_ptr, res_ptr, D, K, max_spin,
                   timeout_ns, stamp_ptr, SYS, BD, BK, True, STAMP)
         tl.debug_barrier()      # every thread's stores of out, visible to the program's loads below
-        n = tl.arange(0, BD)
-        m = n < D
-        w = tl.load(nw_ptr + n, mask=m, other=0.0)
         x = tl.load(out_ptr + n, mask=m, other=0.0)
         _norm_q8(x, w, D, eps, x_ptr, q_ptr, dx_ptr, xs_ptr, BD)
         if STAMP:
@@ -265,6 +265,8 @@ if triton is not None:
         dd = tl.program_id(0) * BD + tl.arange(0, BD)
         dm = dd < D
         acc = tl.load(hits_ptr + dd, mask=dm, other=0.0).to(tl.float32)
+        if HAS_RES:     # loaded before the spin (its acquire loads keep later loads after them)
+            res = tl.load(res_ptr + dd, mask=dm, other=0.0).to(tl.float32)
         failed = tl.load(err_ptr, volatile=True)    # an earlier layer timed out: do not wait again
         if (n_miss > 0) & (failed == 0):
             seq = tl.load(seq_ptr)
@@ -285,7 +287,7 @@ if triton is not None:
                 acc += tl.load(hy_ptr + dd, mask=dm, other=0.0, volatile=True)
         o = acc.to(out_ptr.dtype.element_ty)
         if HAS_RES:     # the block's residual add, rounded as `res + moe(x)` is: one launch fewer
-            o = (tl.load(res_ptr + dd, mask=dm, other=0.0).to(tl.float32) + o.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            o = (res + o.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + dd, o, mask=dm)
 
 
