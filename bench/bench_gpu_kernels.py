@@ -245,7 +245,7 @@ def rel_err(a, b) -> float:
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
     """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
     down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
-    if variant in ("v4", "v5q", "v5qp"):  # v4: one launch; v5q / v5qp: x quantizer, gate_up (+ h quantizer), down
+    if variant in ("v4", "v5q"):          # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
         rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
@@ -363,10 +363,6 @@ PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8
 PAIR_TILES_WAVE = {"Q4_0": [((8, 0, 2), None)],
                    "Q4_K": [(None, (4, 0, 4)), (None, (8, 0, 8)), ((4, 0, 4), (4, 0, 4))],
                    "Q6_K": [(None, (8, 0, 4)), (None, (4, 0, 4)), (None, (8, 0, 8))]}
-# v5qp: v5q with the persistent gate_up (--only v5qp): (rows, programs an SM, warps); bench/kernel_regs.py-style
-# counts for Q4_0 (sm_90, session 29): (16, 1, 8) 210 registers, (16, 1, 4) 255, (8, 2, 4) 168, (32, 1, 8) 255 and
-# 416 bytes of spills, (16, 2, 4) 255: one to three programs an SM
-PAIR_TILES_P = [(16, 1, 8), (16, 1, 4), (8, 2, 4), (16, 2, 4), (32, 1, 8), (8, 1, 4)]
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -462,11 +458,6 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qwave: v5q at the tiles of whole waves
         for tiles in PAIR_TILES_WAVE.get(c.fmt, []) if "v5qwave" in wanted else ():
             pair(c, "v5q", tiles, "v5qwave")
-    for c in cases.values():                      # --only v5qp: v5q with the persistent gate_up, at its tiles
-        for gt in PAIR_TILES_P if "v5qp" in wanted and v5(c.fmt) else ():
-            pair(c, "v5qp", (gt, None), "v5qp")
-        for gt in PAIR_TILES_P if "v5pdlp" in wanted and v5(c.fmt) else ():    # h quantized by its own launch
-            pair(c, "v5pdlp", (gt, None), "v5pdlp")
     for c in cases.values():                      # --only v5qtiles: v5q at wider gate_up tiles (h in registers)
         for gt in PAIR_TILES_V5Q if "v5qtiles" in wanted and v5(c.fmt) else ():
             pair(c, "v5q", (gt, None), "v5qtiles")

@@ -3,8 +3,7 @@ passes; ptxas where Triton bundles it or a CUDA toolkit is installed: a PTX erro
 so CUDA-only compile errors (the interpreter accepts more: a `return` inside a branch, globals that are not
 constexpr) show up before a device call.
 
-    python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer; the persistent gate_up)
-                                     # and the dense GEMV (every
+    python bench/compile_check.py    # v5 decode kernels (with gate_up's fused h quantizer) and the dense GEMV (every
                                      # v5 format), the embedding gather, the decode step's small kernels with PDL
                                      # (the router with and without the add + norm), the doorbell's ring, route+ring
                                      # (with and without the add + norm; with x's int8 copy), hint and wait_add
@@ -82,7 +81,6 @@ def main() -> int:
             "gate_up": (q8._gate_up_kernel, dict(gu, BN=4, QH=0)),
             "gate_up+qh": (q8._gate_up_kernel, dict(gu, BN=4, QH=1)),
             "gate_up+qh2": (q8._gate_up_kernel, dict(gu, BN=32, QH=2)),
-            "gate_up_p": (q8._gate_up_persist_kernel, dict(gu, BN=16, QH=1, NPROG=132, NR=3)),   # v5qp
             "down": (q8._down_kernel, dn),
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
                                                        NB2=v3_pieces(d, fmt)[1])),

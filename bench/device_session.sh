@@ -40,8 +40,6 @@
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
 #   v5qwave     v5q at the shipped tiles, then at PAIR_TILES_WAVE (whole waves, no spills: bench/kernel_regs.py)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
-#   v5qp        v5q at the shipped tiles, then with the persistent gate_up at PAIR_TILES_P (TFMT, TLBUDGET; QPONLY
-#               "v5pdl,v5pdlp": the same with h quantized by a launch of its own)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
 #               variants)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
@@ -437,12 +435,6 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qwave.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5q gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+" ;;
-  v5qp)
-    # v5q at the shipped tiles, then v5qp (the persistent gate_up) at bench_gpu_kernels.PAIR_TILES_P
-    timeout ${TLSECS:-240} python3 bench/bench_gpu_kernels.py --variants --only ${QPONLY:-v5q,v5qp} \
-      --fmt ${TFMT:-Q4_0,Q4_K,Q6_K} --budget ${TLBUDGET:-210} --out "$OUT/v5qp.json" 2> "$OUT/v5qp.err" > /dev/null
-    grep "gate_up + down" "$OUT/v5qp.err" \
-      | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+, 'max_rel_err': [0-9.e-]+" ;;
   v5tiles)
     # the v5pdl pair at the tile combinations of bench_gpu_kernels.PAIR_TILES_V5 (TFMT formats), shipped tiles first
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5pdl,v5tiles --fmt ${TFMT:-Q4_0,MXFP4} \

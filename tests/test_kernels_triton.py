@@ -272,25 +272,6 @@ def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
         assert torch.equal(got, want), (cfg, (got - want).abs().max().item())
 
 
-@pytest.mark.parametrize("fmt,gpt_oss,rows", [("Q4_0", True, (16, 32)), ("Q6_K", False, (16,))])
-def test_decode_persistent_gate_up_equals_v5q(fmt, gpt_oss, rows, monkeypatch):
-    """v5qp (gate_up in a few persistent programs, each taking items it, it + NPROG, ... with the next item's weight
-    loads issued before this one's math): the same bits as v5q at the same rows a program, with h's int8 copy by
-    counters (16 rows) and in registers (32); 3 programs (an SM count of 3, on a GPU too), so every program runs
-    several items, the last round partial, and a skipped pair's items are masked."""
-    monkeypatch.setattr(tm.v5, "sm_count", lambda device: 3)
-    d, i = V5Q_SHAPES[fmt]
-    gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
-    act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
-    ids, w = routing(1, 3, 6)
-    g = torch.Generator().manual_seed(13)
-    for bn in rows:     # (Q6_K: its own loads and math, once: the interpreter takes ~25 s a Q6_K pair here)
-        x = torch.randn(1, d, generator=g).to(DEV) * (3.0 if gpt_oss else 1.0)
-        want = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5q", cfg_gate_up=(bn, 0, 4))
-        got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant="v5qp", cfg_gate_up=(bn, 1, 4))
-        assert torch.equal(got, want), (bn, (got - want).abs().max().item())
-
-
 @triton.jit
 def _mxfp4_values_kernel(w_ptr, lo_ptr, hi_ptr, N: tl.constexpr, EMU: tl.constexpr):
     i = tl.arange(0, N)

@@ -494,125 +494,6 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
 
 
 @triton.jit
-def _pair_item(it, ids_ptr, NI, I: tl.constexpr, BN: tl.constexpr):
-    """Work item `it` of the persistent gate_up (item = pair p's row block of BN rows; past NI: masked, addresses
-    clamped in bounds) -> (p, n rows [BN], s slot (0 where skipped), r [BN, 2] gate / up row offsets, m2 mask,
-    ok: a real pair's real item)."""
-    NRB: tl.constexpr = (I + BN - 1) // BN
-    itc = tl.minimum(it, NI - 1)
-    p = itc // NRB
-    n = (itc % NRB) * BN + tl.arange(0, BN)
-    s = tl.load(ids_ptr + p).to(tl.int64)
-    ok = (s >= 0) & (it < NI)
-    gu = tl.arange(0, 2)[None, :]
-    r = tl.minimum(n, I - 1).to(tl.int64)[:, None] + gu * I
-    m2 = (n < I)[:, None] & (gu >= 0) & ok
-    return p, n, tl.maximum(s, 0), r, m2, ok
-
-
-@triton.jit
-def _pair_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n,
-               smn_s, smn_n, sh_s, sh_n, s, r, m2, NBK: tl.constexpr, FMT: tl.constexpr, NB1: tl.constexpr,
-               NB2: tl.constexpr):
-    """_v5_dot's weight loads of one item's rows (both pieces; the second is the first again where NB2 == 0), as
-    two tuples (loop-carried by the persistent gate_up: the next item's loads in flight during this one's math)."""
-    rq, rd, rm = s * sq_s + r * sq_n, s * sd_s + r * sd_n, s * sm_s + r * sm_n
-    rsc, rmn, rh = s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n
-    if FMT == Q6_K:
-        a = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, m2, 0, NBK, NB1)
-        b = a
-        if NB2 > 0:
-            b = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, m2, NB1, NBK, NB2)
-    else:
-        a = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, m2, 0, NBK, FMT, NB1)
-        b = a
-        if NB2 > 0:
-            b = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, m2, NB1, NBK, FMT,
-                         NB2)
-    return a, b
-
-
-@triton.jit
-def _pair_math(a, b, m_ptr, NBK: tl.constexpr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr,
-               NB1: tl.constexpr, NB2: tl.constexpr, EMU: tl.constexpr):
-    """_v5_dot's math on _pair_load's values."""
-    if FMT == Q6_K:
-        acc = _q6_math(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], 0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB1, EMU)
-        if NB2 > 0:
-            acc += _q6_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2,
-                            EMU)
-    else:
-        acc = _v5_step(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], 0, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr,
-                       xdo, FMT, NB1, EMU)
-        if NB2 > 0:
-            acc += _v5_step(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr,
-                            xs_ptr, xdo, FMT, NB2, EMU)
-    return acc
-
-
-@triton.jit
-def _gate_up_persist_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr,
-                            sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
-                            b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr, NI,
-                            I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr,
-                            ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-                            NB1: tl.constexpr, NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr,
-                            ROUND: tl.constexpr, QH: tl.constexpr, NPROG: tl.constexpr,
-                            NR: tl.constexpr):
-    """_gate_up_kernel's h (and with QH its int8 copy) from NPROG programs (about one an SM) that each take the
-    items (pair, BN-row block) it, it + NPROG, ...: the next item's weight loads are issued before this item's math,
-    so an SM keeps bytes in flight while it computes, and the last wave is not a partial one (the shipped Q4_0 tile:
-    192 programs of 255 registers, 1.45 waves of one program an SM). The same sums as _gate_up_kernel at BN."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    NBK: tl.constexpr = D // BS
-    NRB: tl.constexpr = (I + BN - 1) // BN
-    gu = tl.arange(0, 2)[None, :]
-    p0, n0, s0, r0, m0, ok0 = _pair_item(tl.program_id(0), ids_ptr, NI, I, BN)
-    a, b = _pair_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n,
-                      smn_s, smn_n, sh_s, sh_n, s0, r0, m0, NBK, FMT, NB1, NB2)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    for rnd in range(0, NR):                # NR rounds of NPROG items; past the last item a program idles
-        it = tl.program_id(0) + rnd * NPROG
-        p, n, s, r, m2, ok = _pair_item(it, ids_ptr, NI, I, BN)
-        pn, nn, sn, rn, mn2, okn = _pair_item(it + NPROG, ids_ptr, NI, I, BN)
-        a2, b2 = _pair_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s,
-                            ssc_n, smn_s, smn_n, sh_s, sh_n, sn, rn, mn2, NBK, FMT, NB1, NB2)
-        if it < NI:
-            t = (p // KTOP).to(tl.int64)
-            xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 4)
-            xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 32)
-            acc = _pair_math(a, b, m_ptr, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, EMU)
-            acc = tl.where(m2, acc, 0.0)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + s * sb_s + r, mask=m2, other=0.0).to(tl.float32)
-            gate = tl.sum(tl.where(gu == 0, acc, 0.0), axis=1)
-            up = tl.sum(tl.where(gu == 1, acc, 0.0), axis=1)
-            h = _act(gate, up, ACT, alpha, limit)
-            if ROUND == 1:
-                h = h.to(tl.bfloat16).to(tl.float32)
-            elif ROUND == 2:
-                h = h.to(tl.float16).to(tl.float32)
-            pl = p.to(tl.int64)
-            tl.store(out_ptr + pl * I + n, h, mask=n < I)
-            rb = it % NRB
-            if QH == 2:
-                bq = rb * (BN // 32) + tl.arange(0, BN // 32)
-                _h_q8_store(tl.reshape(h, [BN // 32, 32]), pl, bq, bq < I // 32, hq_ptr, hd_ptr, hs_ptr, I)
-            if QH == 1:
-                tl.debug_barrier()
-                cb = cnt_ptr + pl * (I // 32) + (rb * BN) // 32
-                if tl.atomic_add(cb, 1, sem="acq_rel") == 32 // BN - 1:
-                    tl.atomic_xchg(cb, 0)
-                    bq = tl.zeros([1], dtype=tl.int64) + (rb * BN) // 32
-                    hb = tl.load(out_ptr + pl * I + bq[:, None] * 32 + tl.arange(0, 32)[None, :],
-                                 cache_modifier=".cg")
-                    _h_q8_store(hb, pl, bq, bq >= 0, hq_ptr, hd_ptr, hs_ptr, I)
-        a, b = a2, b2
-
-
-@triton.jit
 def _h_q8_store(h, row, b, bm, hq_ptr, hd_ptr, hs_ptr, I: tl.constexpr):
     """h float32 [NB, 32], the 32-blocks b [NB] of pair `row`'s h (those where bm) -> down's int8 copy of them
     (`quantize`'s q, dx, xs: _q8_blocks)."""
@@ -671,8 +552,6 @@ GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4),
 # Q4_0 (32, 0, 8) 10.65 / 10.49 us vs v5pdl 10.97 / 10.89; Q6_K (32, 0, 8) 13.97 / 14.21 vs 14.31 / 14.29; Q4_K at
 # GATE_UP5's (8, 0, 4) 12.58 / 12.65 vs 13.02 / 12.98. (32, 0, 2): 17-234 us (spills); 64 rows slower.
 GATE_UP5Q = {"Q4_0": Tile(32, 0, 8), "Q6_K": Tile(32, 0, 8)}
-# The persistent gate_up (variant v5qp; (rows, programs an SM, warps)): not timed yet (session 29)
-GATE_UP5P = {f: Tile(16, 1, 8) for f in FORMATS}
 DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(4, 0, 4), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 2),
          "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4)}
 
@@ -699,20 +578,16 @@ def _iq3_grid_words(device) -> torch.Tensor:
 
 
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
-               quantize_h: bool = False, persist: bool = False):
+               quantize_h: bool = False):
     """As triton_decode.gate_up (h float32 [T*k, I], values rounded to x's dtype), x quantized to int8 per
     32-block first (one more launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8
     copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last
-    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them. persist: the
-    persistent kernel (_gate_up_persist_kernel; cfg (rows, programs an SM, warps), GATE_UP5P)."""
-    if persist:
-        tile = Tile(*(cfg or GATE_UP5P[w.fmt])[:3])
-    else:
-        tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
+    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them."""
+    tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
     qh = h_quantizer(tile.bn) if quantize_h else 0
     xq = quantize_x(x, pdl)
     hx = h_int8(h) if qh else (h, h, h)
-    launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0), persist)
+    launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0))
     if quantize_h:
         return h, (hx if qh else None)
     return h
@@ -738,32 +613,20 @@ def h_int8(h) -> tuple:
 
 
 def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx, tile, qh: int, pdl: bool,
-                   rnd: int, persist: bool = False):
-    """One _gate_up_kernel launch (persist: _gate_up_persist_kernel, tile.bk programs an SM): h of every pair from
-    x's int8 copy xq, h's int8 copy into hx where qh, rounded as x's dtype (rnd: ROUND)."""
+                   rnd: int):
+    """One _gate_up_kernel launch: h of every pair from x's int8 copy xq, h's int8 copy into hx where qh, rounded as
+    x's dtype (rnd: ROUND)."""
     xw, xd, xs = xq
     t, d = xw.shape
     k, i = ids.numel() // t, w.n // 2
     b, sb = (bias, bias.stride(0)) if bias is not None else (h, 0)
     nb1, nb2 = v3_pieces(d, w.fmt)
     cnt = arrival_counters(h.device, t * k * (i // 32), "gate_up_h") if qh == 1 else xd
-    args = (xw.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, *hx, cnt)
-    const = dict(I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
-                 NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, num_warps=tile.warps,
-                 **({"launch_pdl": True} if pdl else {}))
-    if persist:
-        items = t * k * triton.cdiv(i, tile.bn)
-        nprog = min(items, tile.bk * sm_count(h.device))
-        _gate_up_persist_kernel[(nprog,)](*args, items, NPROG=nprog, NR=triton.cdiv(items, nprog), **const)
-    else:
-        _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](*args, **const)
-
-
-def sm_count(device) -> int:
-    """The GPU's SMs (the persistent kernels' programs); 3 off CUDA (the interpreter: items of several rounds)."""
-    if device.type != "cuda":
-        return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
+        xw.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, *hx, cnt,
+        I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
+        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh,
+        num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
 
 
 _counters: dict = {}

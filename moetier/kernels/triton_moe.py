@@ -439,7 +439,7 @@ def _bias(b, like: torch.Tensor):
 # Q5_K 15.09 vs 36.61, IQ3_XXS 25.88 vs 62.53
 DEFAULT_VARIANT = {"Q4_0": "v5q", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
-VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q", "v5qp", "v5pdlp")
+VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q")
 
 
 def variant_of(fmt: str, variant: str | None) -> str:
@@ -450,15 +450,14 @@ def variant_of(fmt: str, variant: str | None) -> str:
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
-    Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qp" (v5q with the
-    persistent gate_up, triton_decode_q8._gate_up_persist_kernel: opt-in, moe_decode only), "v5pdlp" (v5pdl with
-    that gate_up: h quantized by a launch of its own; opt-in) or "v4" (opt-in: the whole
+    Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl) or "v4" (opt-in: the whole
     layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases, triton_decode_v4; anything else, and
     decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch whose programs spin on counters,
     was slower than v5pdl and raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of
     programs that each own 32 rows of h and add their share of down by float32 atomics, was slower too: session 16;
     gate_up's programs asking L2 for down's bytes gained nothing: session 18; v5half, v5q in two halves of h's rows
-    whose gate_up / down chains overlap, was slower than v5q in every format and was removed: docs/perf-log.md.)"""
+    whose gate_up / down chains overlap, was slower than v5q in every format and was removed: docs/perf-log.md; so was
+    v5qp, gate_up in about one persistent program an SM with the next item's loads in flight: session 29.)"""
     # MOETIER_DECODE_VARIANT: the default for quantized formats (A/B runs of the whole engine)
     default = "v1" if fmt == "dense" else os.environ.get("MOETIER_DECODE_VARIANT") or DEFAULT_VARIANT.get(fmt, "v2")
     v = variant or default
@@ -473,11 +472,9 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    persist = v == "v5pdlp"
-    v = "v5pdl" if v in ("v5q", "v5qp", "v5pdlp") else v
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
-        return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x),
-                             persist=persist)
+        return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
         return v2.gate_up_v3(x, ids, gate_up, act, alpha, limit, bias, h, cfg,
                              pdl=v in ("v3pdl", "v5pdl") and pdl_supported(x))
@@ -497,7 +494,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    v = "v5pdl" if v in ("v5q", "v5qp", "v5pdlp") else v
+    v = "v5pdl" if v == "v5q" else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -526,10 +523,9 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     if v == "v4" and v4.supports(x, gate_up, down, act, biases):
         return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
-    if v in ("v5q", "v5qp") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
+    if v == "v5q" and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
-        _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True,
-                               persist=v == "v5qp")
+        _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True)
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
                           pre=pre)
     decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
