@@ -211,7 +211,8 @@ for step in $STEPS; do
                                             # g8c8 / g8c16: its chunks per
                                             # thread and phase 8 / 16, MOETIER_MISS_CHUNKS;
                                             # g8t14: 8 GiB on 14 miss threads; g8stamp: 8 GiB with the GPU's
-                                            # clock stamps; g8q8: that with x's int8 copy written by the ring only,
+                                            # clock stamps (g8trace: and the miss threads' timelines);
+                                            # g8q8: that with x's int8 copy written by the ring only,
                                             # MOETIER_RING_Q8; g8wan: that with the next block's input norm made
                                             # by wait_add only, MOETIER_WAIT_ADD_NORM; g8fused: both (the default);
                                             # g8base: neither; g8ab: default / neither / default / neither in one
@@ -226,6 +227,10 @@ for step in $STEPS; do
       g8v6) MOETIER_MISS_VARIANT=6 bench proof48_g8v6 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8v6b) MOETIER_MISS_VARIANT=6 bench proof48_g8v6b ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8stamp) MOETIER_STAMP=1 bench proof48_g8stamp ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8trace)  # g8stamp with the miss threads' timelines: graph.straggler_us splits a layer's tail
+                # (MOETIER_MISS_TRACE)
+        MOETIER_STAMP=1 MOETIER_MISS_TRACE=1 \
+          bench proof48_g8trace ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8old) MOETIER_STAMP=1 MOETIER_ROUTER_ADD_NORM=0 \
         bench proof48_g8old ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8ab)   # the default against neither fusion, interleaved in one process (the box's RAM rate drifts between

@@ -687,6 +687,43 @@ def test_prefetch_of_guessed_misses_changes_nothing(qtype, q8, threads, variant)
         assert err <= (3e-2 if q8 else 2e-5), (qtype, li, err)
 
 
+def test_trace_gives_each_threads_timeline_and_the_stragglers_split(monkeypatch):
+    """MOETIER_MISS_TRACE=1: the step's timeline per layer (bell seen <= begin <= last finish; per thread start <= end
+    of its gate_up claims <= finish <= the layer's last finish, which is one thread's finish; threads beyond the
+    team and layers without misses zero), y unchanged, and late_thread_split's straggler figures from it."""
+    s_gu, s_dn, f_gu, f_dn, tid = experts("Q4_0", seed=23)
+    g = torch.Generator().manual_seed(24)
+    x, ids = torch.randn(L, D, generator=g), torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)])
+    w = torch.rand(L, K, generator=g)
+    slots = torch.tensor([[-1, 3, -1, -1], [2, 1, 0, 4], [-1, -1, -1, -1]], dtype=torch.int32)    # layer 1: all hits
+    ys, threads = [], 3
+    for trace in ("0", "1"):
+        monkeypatch.setenv("MOETIER_MISS_TRACE", trace)
+        req = db.Requests(L, D, K, pin=False)
+        srv = db.MissServer(req, s_gu, s_dn, tid, D, I, Act(), threads=threads, q8_act=True)
+        assert (srv.trace is None) == (trace == "0")
+        req.x[:], req.ids[:], req.w[:], req.slots[:] = x, ids.int(), w, slots
+        req.y.fill_(float("nan"))
+        req.bell[::db.BELL_STRIDE] = 1                   # every bell rung ahead
+        assert srv.serve(1)[2] == 3 + 0 + 4
+        ys.append(req.y.clone())
+    assert torch.equal(ys[0][[0, 2]], ys[1][[0, 2]])
+    t = srv.trace.numpy()
+    assert (t[1, 3:] == 0).all() and t[1, 2] == 0              # layer 1 had no misses: no thread ran it
+    for li in (0, 2):
+        seen, begin, end = t[li, :3]
+        per = t[li, 3:].reshape(-1, 3)
+        assert 0 < seen <= begin <= end
+        assert (per[threads:] == 0).all()
+        start, gu_end, fin = per[:threads].T
+        assert (begin <= start + 1e-6).all() and (start <= gu_end).all()
+        assert (gu_end <= fin).all() and (fin <= end).all()
+        assert fin.max() == end
+    n, late = db.late_thread_split(t, threads)
+    assert n == 2 and late["tail"] >= 0
+    assert late["tail"] == pytest.approx(late["start"] + late["gate_up"] + late["down"])
+
+
 @pytest.mark.skipif(db.triton is None, reason="needs triton (interpreted on CPU)")
 def test_hint_kernel_writes_the_guessed_misses(monkeypatch):
     """hint (interpreted): the guessed experts the GPU table does not hold, -1 for those it does, then the flag =
@@ -768,6 +805,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
         detail, guesses, prefetched, first_bell, phases = (0.0, 0, 0.0), (0, 0, 0), 0.0, 0.0, (0.0,) * 5
         log_ids, log_slots, log_w = req.ids.clone(), req.slots.clone(), req.w.clone()
         per_thread = torch.zeros(3, db.TIMED_THREADS, dtype=torch.float64)
+        trace = None
 
         def serve(self, seq, timeout_s=None):
             time.sleep(0.05)                      # the accounting of step seq - 1 happens in here

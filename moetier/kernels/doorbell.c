@@ -77,6 +77,11 @@ typedef struct {
                                            * (moe_quantize_q8's bits), with its scales ring_dx and sums ring_sx
                                            * [L, D / 32]: gate_up's int8 activations, so tid 0 reads nothing of x */
     const float *ring_dx, *ring_sx;
+    double *trace;                        /* NULL, or [L, TRACE_COLS]: the step's timeline in s from its start
+                                           * (diagnosis): [0] tid 0 saw the bell, [1] the layer began (after tid 0's
+                                           * prep), [2] its last thread finished; per thread t < TIMED_THREADS:
+                                           * [3 + 3t] its start, [4 + 3t] its gate_up claims ran out (variants 6 / 8),
+                                           * [5 + 3t] its finish (0: no misses, or the thread did not run it) */
 } serve_ctx;
 
 static int is_quant(int qtype) { return qtype != F32 && qtype != BF16 && qtype != F16; }
@@ -702,9 +707,10 @@ static void aside_drop(flow_chunk *a, int *n, int i) {
     --*n;
 }
 
-/* Thread t of nt's share of a layer in variant 6 (pt as layer_runs': [1] the time spent waiting for experts) */
+/* Thread t of nt's share of a layer in variant 6 (pt as layer_runs': [1] the time spent waiting for experts; gu_end:
+ * NULL, or out: when its gate_up claims ran out) */
 static void layer_flow(const serve_ctx *c, const serve_layer *ly, const serve_scratch *s, claim_ctr *cl,
-                       flow_ctr *f, int t, int nt, int64_t *ph, double *pt) {
+                       flow_ctr *f, int t, int nt, int64_t *ph, double *pt, double *gu_end) {
     double t0 = pt ? now_s() : 0.0, t1;
     const int64_t I = c->I, D = c->D;
     const int m = ly->m;
@@ -722,6 +728,7 @@ static void layer_flow(const serve_ctx *c, const serve_layer *ly, const serve_sc
         }
     }
     ++*ph;
+    if (gu_end) *gu_end = now_s();
     if (pt) {
         t1 = now_s();
         pt[0] += t1 - t0;
@@ -906,6 +913,8 @@ static int miss_list(const serve_ctx *c, int li, int32_t *e, int32_t *ord, float
 }
 
 #define TIMED_THREADS 64                /* threads with timings of their own (serve_ctx.timing) */
+#define TRACE_COLS (3 + 3 * TIMED_THREADS)      /* serve_ctx.trace's row: a layer */
+int moetier_serve_trace_cols(void) { return TRACE_COLS; }
 
 /* Serve every MoE layer of decode step `seq`. 0, or -(1 + li) if layer li's bell never rang
  * (timeout), -100 - li if a missed expert has no RAM pointer, -200 on bad arguments. */
@@ -939,6 +948,7 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
         n_miss[li] = finished[li] = 0;
         t_begin[li] = t_end[li] = t_seen[li] = 0.0;
     }
+    if (c->trace) memset(c->trace, 0, (size_t)L * TRACE_COLS * sizeof *c->trace);
     /* variant 8 (variant 6 with the ring's int8 copy of x in every layer): no shared prep, so every thread reads the
      * bell and the miss list itself and starts at once (the claims and flow counters need no barrier between layers:
      * a thread leaves a layer only once all its chunks are claimed; the scratches alternate by layer parity); else
@@ -1044,6 +1054,8 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
                 if (li + 1 < L) prefetch_guess(c, li + 1, seq, tid, nt, t0, &prefetched);
                 continue;
             }
+            double *tr = c->trace && tid < TIMED_THREADS ? c->trace + (int64_t)li * TRACE_COLS + 3 + 3 * tid : NULL;
+            if (tr) tr[0] = now_s() - t0;
             const int64_t nb = D / 32;      /* x's 32-blocks (their scales and sums: int8 activations only) */
             const serve_scratch s = sc[li & 1];
             const act_vec ax = q8g && c->ring_qx
@@ -1066,9 +1078,14 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
             } else {
                 /* the last thread to finish its rows of y raises done: no barrier before the next bell (the
                  * next layer's phases start after its bell barrier, which every thread reaches after this) */
-                if (flows) layer_flow(c, &ly, &sc[li & 1], cl, &flow[li], tid, nt, &ph, pt);
+                double gu_end = 0.0;
+                if (flows) layer_flow(c, &ly, &sc[li & 1], cl, &flow[li], tid, nt, &ph, pt, tr ? &gu_end : NULL);
                 else layer_runs(c, &ly, &sc[li & 1], cl, tid, nt, &ph, pt);
                 mine[li] = now_s();
+                if (tr) {
+                    tr[1] = gu_end > 0.0 ? gu_end - t0 : 0.0;
+                    tr[2] = mine[li] - t0;
+                }
                 const int last = __atomic_add_fetch(&finished[li], 1, __ATOMIC_ACQ_REL) == nt;
                 if (last) {
                     t_end[li] = mine[li];
@@ -1088,6 +1105,12 @@ int moetier_serve_step(const serve_ctx *c, int64_t seq) {
 #ifdef __linux__
         if (pt && tid < TIMED_THREADS) th_cpu[tid] = sched_getcpu();     /* the CPU it ends the step on */
 #endif
+    }
+    for (int li = 0; li < L && c->trace; li++) {
+        double *tr = c->trace + (int64_t)li * TRACE_COLS;
+        tr[0] = t_seen[li] > 0.0 ? t_seen[li] - t0 : 0.0;
+        tr[1] = t_begin[li] > 0.0 ? t_begin[li] - t0 : 0.0;
+        tr[2] = t_end[li] > 0.0 ? t_end[li] - t0 : 0.0;
     }
     double t_busy = 0.0;
     for (int li = 0; li < L; li++)          /* layers that ran to their end */

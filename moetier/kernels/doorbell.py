@@ -475,7 +475,8 @@ class _Ctx(ctypes.Structure):
                                            # barrier there; the ring's int8 x only; A/B)
         ("hint", ctypes.c_void_p), ("hint_flag", ctypes.c_void_p),   # the GPU's guess of the next layer's misses
         ("log_ids", ctypes.c_void_p), ("log_slots", ctypes.c_void_p), ("log_w", ctypes.c_void_p),   # rows as served
-        ("ring_qx", ctypes.c_void_p), ("ring_dx", ctypes.c_void_p), ("ring_sx", ctypes.c_void_p)]  # Requests.q8
+        ("ring_qx", ctypes.c_void_p), ("ring_dx", ctypes.c_void_p), ("ring_sx", ctypes.c_void_p),  # Requests.q8
+        ("trace", ctypes.c_void_p)]        # MOETIER_MISS_TRACE=1: the step's timeline (MissServer.trace)
 
 
 # The miss server's default variant (serve_ctx.variant): 6, the phases without barriers (doorbell.c layer_flow; each
@@ -581,6 +582,11 @@ class MissServer:
         self.guesses = (0, 0, 0)
         self.prefetched, self.first_bell, self.phases = 0.0, 0.0, (0.0,) * 5     # serve's, below
         self.per_thread = torch.zeros(3, TIMED_THREADS, dtype=torch.float64)
+        # MOETIER_MISS_TRACE=1 (diagnosis): the last step's timeline, s from its start, a row a layer: tid 0 saw the
+        # bell, the layer began, its last thread finished; then per thread its start, the end of its gate_up claims,
+        # its finish (doorbell.c serve_ctx.trace; late_thread_split reads it)
+        self.trace = (torch.zeros(n_layers, self.lib.moetier_serve_trace_cols(), dtype=torch.float64)
+                      if os.environ.get("MOETIER_MISS_TRACE") == "1" else None)
         self.ctx = _Ctx(n_layers, n_exp, dim, hidden, k, gu_id, 0 if act.kind == "swiglu" else 1, threads,
                         act.alpha, act.limit, some.stride(0) * some.element_size(),
                         some_dn.stride(0) * some_dn.element_size(), int(timeout_s * 1e9),
@@ -593,7 +599,8 @@ class MissServer:
                         *(None if b is None else ctypes.cast(b, ctypes.c_void_p) for b in self._bias), VARIANT,
                         req.hint.data_ptr() if hints else None, req.hint_flag.data_ptr() if hints else None,
                         self.log_ids.data_ptr(), self.log_slots.data_ptr(), self.log_w.data_ptr(),
-                        *((t.data_ptr() for t in (req.qx, req.dx, req.sx)) if req.q8 else (None,) * 3))
+                        *((t.data_ptr() for t in (req.qx, req.dx, req.sx)) if req.q8 else (None,) * 3),
+                        None if self.trace is None else self.trace.data_ptr())
 
     def serve(self, seq: int, timeout_s: float | None = None) -> tuple[float, float, int]:
         """Answer step `seq`; -> (compute s, s waiting for bells, misses computed). timeout_s: this step's wait
@@ -621,6 +628,33 @@ class MissServer:
         # the CPU it ended the step on (-1: none seen)
         self.per_thread = self.timing[16:].view(3, TIMED_THREADS).clone()
         return t[0], t[1], int(t[2])
+
+
+def late_thread_split(trace, threads: int) -> tuple[int, dict]:
+    """A step's trace (MissServer.trace) -> (layers with misses, sums over them in s). Per layer, of the thread that
+    finished last against the median of the threads: how much later it started (`start`), how much longer its
+    gate_up claims took (`gate_up`: its start to their end) and the rest of its layer (`down`), and `tail`, the sum
+    of the three (about its finish after the median thread's): whether the layer's straggler woke late, streamed its
+    gate_up rows slowly, or waited / worked longer in down."""
+    import numpy as np
+    t = np.asarray(trace)
+    nt = min(threads, TIMED_THREADS)
+    per = t[:, 3:3 + 3 * nt].reshape(t.shape[0], nt, 3)
+    sums = {"tail": 0.0, "start": 0.0, "gate_up": 0.0, "down": 0.0}
+    n = 0
+    for row in per:
+        ran = row[:, 2] > 0
+        if ran.sum() < 2 or (row[ran, 1] <= 0).any():
+            continue
+        start, gu, fin = row[ran, 0], row[ran, 1] - row[ran, 0], row[ran, 2] - row[ran, 1]
+        j = int(np.argmax(row[ran, 2]))
+        parts = {"start": start[j] - np.median(start), "gate_up": gu[j] - np.median(gu),
+                 "down": fin[j] - np.median(fin)}
+        parts["tail"] = sum(parts.values())
+        for key, v in parts.items():
+            sums[key] += float(v)
+        n += 1
+    return n, sums
 
 
 def _why(rc: int, timeout: float) -> str:

@@ -132,10 +132,12 @@ def interleave_bank(tiers, variant: str) -> dict[tuple[str, str], int]:
 
 
 PHASES = ("gate_up_s", "gate_up_wait_s", "h_s", "down_s", "tail_s")     # doorbell.c layer_runs, per thread
+# MOETIER_MISS_TRACE=1: the layers' stragglers against the median thread (kernels.doorbell.late_thread_split)
+TRACE_SUMS = ("trace_layers", "trace_tail_s", "trace_start_s", "trace_gate_up_s", "trace_down_s")
 # GraphTiers.timing's sums over the graphed steps (report() turns them into per-step figures)
 STEP_TIMING = ("steps", "serve_s", "cpu_busy_s", "bell_wait_s", "account_s", "admitted", "round_s", "round_pairs",
                "prep_s", "guessed", "guessed_right", "guessed_misses", "prefetched", "first_bell_s", "outside_s",
-               "outside_n", "stamp_gpu_s", "stamp_add_s", "stamp_n", *PHASES)
+               "outside_n", "stamp_gpu_s", "stamp_add_s", "stamp_n", *PHASES, *TRACE_SUMS)
 
 
 class GraphTiers:
@@ -388,6 +390,12 @@ class GraphTiers:
             per = self.server.per_thread.numpy()
             self.thread_timing += per[:2]
             self.thread_cpus = per[2]
+            if self.server.trace is not None:
+                from ..kernels.doorbell import late_thread_split
+                layers, late = late_thread_split(self.server.trace.numpy(), self.threads)
+                tm["trace_layers"] += layers
+                for key, v in late.items():
+                    tm[f"trace_{key}_s"] += v
             if self.req.stamping:
                 self._stamps()
             if self._t_served:
@@ -471,6 +479,11 @@ class GraphTiers:
                 # down's work, the wait from the thread's finish to the layer's last (imbalance)
                 "phase_us": {k.removesuffix("_s"): round(tm[k] / n / max(1, self.L) / max(1, self.threads) * 1e6, 2)
                              for k in PHASES},
+                # MOETIER_MISS_TRACE=1: per layer with misses, the thread that finished last against the median
+                # thread, us: its finish later by `tail` = a later start + a longer gate_up + a longer rest
+                **({"straggler_us": {k.removeprefix("trace_").removesuffix("_s"):
+                                     round(tm[k] / tm["trace_layers"] * 1e6, 2) for k in TRACE_SUMS[1:]}}
+                   if tm["trace_layers"] else {}),
                 **self._thread_report(n)}
 
     def _thread_report(self, n) -> dict:
