@@ -14,7 +14,8 @@ from moetier.tools.synth import synth
 BW = {"ram_gbs": 10.0, "hbm_gbs": 1000.0, "pcie_gbs": 10.0, "ssd_gbs": 1.0, "source": {}}
 FIELDS = ("decode_tok_s", "prefill_tok_s", "ttft_s", "peak_vram_bytes", "peak_rss_bytes", "memory", "time_split",
           "bound_tok_s", "fraction_of_bound", "bound", "bandwidths", "configs", "device", "dtype", "load_s",
-          "decode_tok_s_by_length", "ttft_s_by_length", "distinct_token_frac", "gpu_budget_bytes", "ram_gbs_check")
+          "decode_tok_s_by_length", "ttft_s_by_length", "distinct_token_frac", "gpu_budget_bytes", "ram_gbs_check",
+          "hbm_gbs_check")
 
 
 @pytest.fixture(scope="module")

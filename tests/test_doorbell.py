@@ -819,7 +819,7 @@ def test_step_bookkeeping_runs_during_the_next_serve():
     gt.timing, gt._t_served = dict.fromkeys(STEP_TIMING, 0), 0.0
     gt.thread_timing, gt.thread_cpus = np.zeros((2, db.TIMED_THREADS)), np.full(db.TIMED_THREADS, -1.0)
     gt.tiers = SimpleNamespace(stats=SimpleNamespace(prefetch={"predicted": 0, "correct": 0, "actual": 0}))
-    gt._account = lambda ids, slots, w, busy: seen.append(int(ids[0, 0]))
+    gt._account = lambda ids, slots, w, busy, trace: seen.append(int(ids[0, 0]))
     for _ in range(3):
         gt.after_step()
     assert during == [[], [1], [1, 2]] and seen == [1, 2]

@@ -107,18 +107,27 @@ def gpu_test_bytes(budget: int | None) -> int:
     return 512 << 20 if not budget else max(8 << 20, min(512 << 20, budget // 4))
 
 
-def measure_gpu(device: str = "cuda", nbytes: int = 512 << 20) -> tuple[float, float]:
-    """(HBM GB/s, pinned host->device GB/s)."""
+def measure_hbm(device: str = "cuda", nbytes: int = 512 << 20) -> float:
+    """GPU memory read GB/s: the best of ten sums of an nbytes buffer, after ~0.2 s of them (a card fresh from idle may
+    clock low: one H200 box read 1,955 GB/s where the others read 3,720-3,840 (session 27), another 1,473 before a
+    bench whose decode then ran as fast as on a box that read 3,938 (session 30); the causes were not found there, and
+    bench reads it again after its runs: hbm_recheck)."""
     a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     torch.cuda.synchronize()
 
     def hbm():
         a.sum()
         torch.cuda.synchronize()
-    t_end = time.perf_counter() + 0.2       # ~0.2 s of reads first (a card fresh from idle may clock low): one H200
-    while time.perf_counter() < t_end:      # box read 1,955 GB/s where the others read 3,720-3,840 (session 27; the
-        hbm()                               # cause was not found there)
-    hbm_gbs = nbytes / _best(hbm, 10) / 1e9
+    t_end = time.perf_counter() + 0.2
+    while time.perf_counter() < t_end:
+        hbm()
+    return nbytes / _best(hbm, 10) / 1e9
+
+
+def measure_gpu(device: str = "cuda", nbytes: int = 512 << 20) -> tuple[float, float]:
+    """(HBM GB/s, pinned host->device GB/s)."""
+    hbm_gbs = measure_hbm(device, nbytes)
+    a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
 

@@ -372,7 +372,8 @@ class GraphTiers:
             # the rows as the server read them, copied before the next serve, so an error of the worker loses no
             # step
             sv = self.server
-            self._pending = (sv.log_ids.numpy().copy(), sv.log_slots.numpy().copy(), sv.log_w.numpy().copy(), busy)
+            self._pending = (sv.log_ids.numpy().copy(), sv.log_slots.numpy().copy(), sv.log_w.numpy().copy(), busy,
+                             None if sv.trace is None else sv.trace.numpy().copy())
             self._wait_worker()
             tm = self.timing
             tm["steps"] += 1
@@ -390,12 +391,6 @@ class GraphTiers:
             per = self.server.per_thread.numpy()
             self.thread_timing += per[:2]
             self.thread_cpus = per[2]
-            if self.server.trace is not None:
-                from ..kernels.doorbell import late_thread_split
-                layers, late = late_thread_split(self.server.trace.numpy(), self.threads)
-                tm["trace_layers"] += layers
-                for key, v in late.items():
-                    tm[f"trace_{key}_s"] += v
             if self.req.stamping:
                 self._stamps()
             if self._t_served:
@@ -497,7 +492,13 @@ class GraphTiers:
                 "thread_last_share": [round(float(v) / n / max(1, self.L), 3) for v in self.thread_timing[1, :nt]],
                 "thread_cpus": cpus, "threads_sharing_a_cpu": len(seen) - len(set(seen))}
 
-    def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float) -> None:
+    def _account(self, ids: np.ndarray, slots: np.ndarray, w: np.ndarray, busy: float, trace=None) -> None:
+        if trace is not None:   # MOETIER_MISS_TRACE=1: here, off the path between the serve and the next step
+            from ..kernels.doorbell import late_thread_split
+            layers, late = late_thread_split(trace, self.threads)
+            self.timing["trace_layers"] += layers
+            for key, v in late.items():
+                self.timing[f"trace_{key}_s"] += v
         t = self.tiers
         pcie = slots >= self.stage0 if self.n_pcie else np.zeros_like(slots, dtype=bool)
         hit = (slots >= 0) & ~pcie      # a PCIe-read expert is a miss served from the RAM bank

@@ -308,6 +308,23 @@ def ram_recheck(engine, bw: dict, bound: dict) -> dict | None:
             "fastest": round(fast, 2), "spread": round(abs(after / bw["ram_gbs"] - 1), 3)}
 
 
+def hbm_recheck(engine, bw: dict) -> dict | None:
+    """The HBM read rate again after the runs, on CUDA: -> {"before", "after" GB/s, "used" (the faster: the bound's
+    rate)}, or None off CUDA. One H200 box read 1,473 GB/s before a bench (cached for the box) and its all-GPU bound
+    came out 826 tok/s where a box reading 3,938 gave 2,210 for the same decode speed (docs/perf-log.md, session 30)."""
+    if not engine.device.startswith("cuda") or not bw.get("hbm_gbs"):
+        return None
+    from ..memory.bandwidth import measure_hbm
+    nbytes, budget = 512 << 20, gpu_budget(engine)
+    if budget:      # a hard limit (--gpu-mem), the expert cache filled to it: read within what is left
+        nbytes = min(nbytes, max(0, budget - torch.cuda.memory_allocated(engine.device)) // 2 >> 22 << 22)
+    before = round(bw["hbm_gbs"], 1)
+    if nbytes < 32 << 20:
+        return {"before": before, "after": None, "used": before}
+    after = round(measure_hbm(engine.device, nbytes), 1)
+    return {"before": before, "after": after, "used": max(after, before)}
+
+
 # ---------------------------------------------------------------- one configuration
 def decode_mode(mode: str, model_path: Path) -> str:
     """auto: 'stream' for moetier synth checkpoints (random weights loop under greedy decoding,
@@ -346,8 +363,11 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
         again.append(measured(lambda: request(prompt_lens[0], gen, prompt_lens[0] + i)))
     decodes = [first["decode_tok_s"]] + [r["decode_tok_s"] for r in again]
     context = first["prompt_tokens"] + gen // 2
-    bound = byte_bound(engine, bw, context)
     rss, vram = (watch.peak_rss() if watch is not None else peak_rss()), peak_vram(engine.device)
+    hbm = hbm_recheck(engine, bw)       # (after the peaks: its buffer is the bench's, not the engine's)
+    if hbm is not None:
+        bw = dict(bw, hbm_gbs=hbm["used"])
+    bound = byte_bound(engine, bw, context)
     ram = watch.check(bw) if watch is not None else ram_recheck(engine, bw, bound)     # (after the peak RSS)
     fastest = None
     if ram is not None:     # the bound at the RAM rate of the runs; the one at the fastest reading beside it
@@ -369,7 +389,8 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
         "fraction_of_bound": float(f"{dec / bound_tok_s:.4g}") if bound_tok_s else None,
         "fastest_bound_tok_s": float(f"{fastest:.5g}") if fastest else None,
         "fraction_of_fastest_bound": float(f"{dec / fastest:.4g}") if fastest else None,
-        "bound": bound, "ram_gbs_check": ram, "distinct_token_frac": first["distinct_token_frac"], "runs": runs,
+        "bound": bound, "ram_gbs_check": ram, "hbm_gbs_check": hbm,
+        "distinct_token_frac": first["distinct_token_frac"], "runs": runs,
         "device": engine.device, "dtype": str(engine.dtype).removeprefix("torch."), "decode_mode": mode,
     }
 
