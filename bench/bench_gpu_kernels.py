@@ -245,7 +245,8 @@ def rel_err(a, b) -> float:
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
     """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
     down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
-    if variant in ("v4", "v5q"):          # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down
+    if variant in ("v4", "v5q", "v5qx"):  # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down; v5qx:
+                                          # v5q without the x quantizer (gate_up's programs quantize x)
         rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
@@ -448,7 +449,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
-        for v in ("v5", "v5pdl", "v5q") if v5(c.fmt) else ():      # v5q: h quantized inside gate_up (session 10)
+        for v in ("v5", "v5pdl", "v5q", "v5qx") if v5(c.fmt) else ():   # v5q: h quantized inside gate_up (session
+                                                                        # 10); v5qx: and x (session 30)
             pair(c, v)
     for c in cases.values():                      # --only v5tiles: the v5pdl pair at combinations of tiles
         for gt in PAIR_TILES_V5["gate_up"] if "v5tiles" in wanted and v5(c.fmt) else ():

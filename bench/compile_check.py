@@ -74,19 +74,23 @@ def main() -> int:
     for fmt in q8.FORMATS:
         d, i = 2048, 768
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
-        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1)
+        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
+                  NBP=d // 32)
         dn = dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True, NB1=v3_pieces(i, fmt)[0],
                   NB2=v3_pieces(i, fmt)[1])
         cases = {
-            "gate_up": (q8._gate_up_kernel, dict(gu, BN=4, QH=0)),
-            "gate_up+qh": (q8._gate_up_kernel, dict(gu, BN=4, QH=1)),
-            "gate_up+qh2": (q8._gate_up_kernel, dict(gu, BN=32, QH=2)),
+            "gate_up": (q8._gate_up_kernel, dict(gu, BN=4, QH=0, XQ=False)),
+            "gate_up+qh": (q8._gate_up_kernel, dict(gu, BN=4, QH=1, XQ=False)),
+            "gate_up+qh2": (q8._gate_up_kernel, dict(gu, BN=32, QH=2, XQ=False)),
+            "gate_up+qh2+xq": (q8._gate_up_kernel, dict(gu, BN=32, QH=2, XQ=True)),    # v5qx
+            "gate_up+qh+xq": (q8._gate_up_kernel, dict(gu, BN=16, QH=1, XQ=True)),
             "down": (q8._down_kernel, dn),
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],
                                                        NB2=v3_pieces(d, fmt)[1])),
         }
         for kind, (fn, const) in cases.items():
-            types = {"hq_ptr": "*i8", "cnt_ptr": "*i32", **({"m_ptr": "*i32"} if fmt == "IQ3_XXS" else {})}
+            types = {"hq_ptr": "*i8", "cnt_ptr": "*i32", "x_ptr": "*bf16", "xq8_ptr": "*i8",
+                     **({"m_ptr": "*i32"} if fmt == "IQ3_XXS" else {})}
             err = compile_for_sm90(fn, const, types)
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")

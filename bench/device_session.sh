@@ -254,6 +254,10 @@ for step in $STEPS; do
         bench proof48_g8wan ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      allxab)  # all on the GPU: the expert pair without x's quantizer launch (v5qx: gate_up's programs quantize x)
+               # against the default (v5q), in one process: default / v5qx / default / v5qx
+        bench proof48_allxab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 \
+          --compare "v5qx:MOETIER_DECODE_VARIANT=v5qx" --compare "default2:" --compare "v5qx2:MOETIER_DECODE_VARIANT=v5qx" ;;
       allanab)  # all on the GPU: the residual add after the MoE making the next block's input norm (the default since
                 # session 29) against a torch add then the norm's launch (MOETIER_ADD_NORM_Q8=0), in one process:
                 # default / off / default / off
@@ -433,6 +437,14 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qtiles.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5[a-z]* gate_up \+ down, [^:]*: \{'us': [0-9.]+" ;;
+  v5qx)
+    # v5q against v5qx (gate_up's programs quantize x themselves: no quantizer launch in the pair), two runs
+    for R in 1 2; do
+      timeout ${TLSECS:-150} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qx \
+        --fmt ${TFMT:-Q4_0,Q4_K,Q6_K} --budget ${TLBUDGET:-120} --out "$OUT/v5qx$R.json" 2> "$OUT/v5qx$R.err" > /dev/null
+      grep "gate_up + down" "$OUT/v5qx$R.err" \
+        | grep -oE "^ *[A-Z0-9_]+ v5qx? gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+"
+    done ;;
   v5qwave)
     # v5q at the shipped tiles, then at bench_gpu_kernels.PAIR_TILES_WAVE (tiles of about whole waves without spills)
     timeout ${TLSECS:-200} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qwave \

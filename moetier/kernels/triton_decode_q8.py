@@ -137,14 +137,20 @@ def _quantize_kernel(x_ptr, stride_x, q_ptr, d_ptr, s_ptr, K: tl.constexpr, NBP:
     if TRIGGER == 2:
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
+    _q8_row(x_ptr + r * stride_x, q_ptr + r * K, d_ptr + r * (K // 32), s_ptr + r * (K // 32), K, NBP)
+
+
+@triton.jit
+def _q8_row(x_ptr, q_ptr, d_ptr, s_ptr, K: tl.constexpr, NBP: tl.constexpr):
+    """One row x [K] -> its int8 copy q [K], dx and xs [K / 32] (_q8_blocks)."""
     b = tl.arange(0, NBP)
     j = tl.arange(0, 32)
     mb = b < K // 32
-    x = tl.load(x_ptr + r * stride_x + b[:, None] * 32 + j[None, :], mask=mb[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + b[:, None] * 32 + j[None, :], mask=mb[:, None], other=0.0).to(tl.float32)
     q, dx, xs = _q8_blocks(x)
-    tl.store(q_ptr + r * K + b[:, None] * 32 + j[None, :], q.to(tl.int8), mask=mb[:, None])
-    tl.store(d_ptr + r * (K // 32) + b, dx, mask=mb)
-    tl.store(s_ptr + r * (K // 32) + b, xs, mask=mb)
+    tl.store(q_ptr + b[:, None] * 32 + j[None, :], q.to(tl.int8), mask=mb[:, None])
+    tl.store(d_ptr + b, dx, mask=mb)
+    tl.store(s_ptr + b, xs, mask=mb)
 
 
 @triton.jit
@@ -402,53 +408,85 @@ def _q6_math(wa, wb, wh, d, s0, s1, s2, s3, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, N
 
 
 @triton.jit
+def _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NBK: tl.constexpr,
+              FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr):
+    """_v5_dot's weight loads of both pieces, as two tuples (the second is the first again where NB2 == 0)."""
+    if FMT == Q6_K:
+        a = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK, NB1)
+        b = a
+        if NB2 > 0:
+            b = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NB1, NBK, NB2)
+    else:
+        a = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, 0, NBK, FMT, NB1)
+        b = a
+        if NB2 > 0:
+            b = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NB1, NBK, FMT,
+                         NB2)
+    return a, b
+
+
+@triton.jit
+def _v5_maths(a, b, m_ptr, NBK: tl.constexpr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr,
+              NB1: tl.constexpr, NB2: tl.constexpr, EMU: tl.constexpr):
+    """_v5_dot's math on _v5_loads' values."""
+    if FMT == Q6_K:
+        acc = _q6_math(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], 0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB1, EMU)
+        if NB2 > 0:
+            acc += _q6_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2,
+                            EMU)
+    else:
+        acc = _v5_step(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], 0, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr,
+                       xdo, FMT, NB1, EMU)
+        if NB2 > 0:
+            acc += _v5_step(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr,
+                            xs_ptr, xdo, FMT, NB2, EMU)
+    return acc
+
+
+@triton.jit
 def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NBK: tl.constexpr,
             xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
             PDL_WAIT: tl.constexpr, EMU: tl.constexpr):
     """[A, B] dot products of whole rows: the weight loads of both pieces, (PDL_WAIT: the wait for the
     activations' grid), then the math. Planes beyond q, d: dmin, sc, mn (Q4_K; Q5_K + h), sc, h (Q6_K), the grid
     in dmin's slot, sc, h (IQ3_XXS)."""
-    if FMT == Q6_K:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK,
-                                                  NB1)
-        if NB2 > 0:
-            b0, b1, b2, b3, b4, b5, b6, b7 = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NB1,
-                                                      NBK, NB2)
-        if PDL_WAIT:
-            tl.extra.cuda.gdc_wait()
-        acc = _q6_math(a0, a1, a2, a3, a4, a5, a6, a7, 0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB1, EMU)
-        if NB2 > 0:
-            acc += _q6_math(b0, b1, b2, b3, b4, b5, b6, b7, NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2, EMU)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn,
-                                                  rh, mask, 0, NBK, FMT, NB1)
-        if NB2 > 0:
-            b0, b1, b2, b3, b4, b5, b6, b7 = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc,
-                                                      rmn, rh, mask, NB1, NBK, FMT, NB2)
-        if PDL_WAIT:
-            tl.extra.cuda.gdc_wait()
-        acc = _v5_step(a0, a1, a2, a3, a4, a5, a6, a7, 0, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1,
-                       EMU)
-        if NB2 > 0:
-            acc += _v5_step(b0, b1, b2, b3, b4, b5, b6, b7, NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT,
-                            NB2, EMU)
-    return acc
+    a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NBK, FMT, NB1, NB2)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+    return _v5_maths(a, b, m_ptr, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, EMU)
+
+
+@triton.jit
+def _x_q8_mine(x_ptr, stride_x, t, q8_ptr, xd_ptr, xs_ptr, slot, D: tl.constexpr, NBP: tl.constexpr):
+    """XQ: token t's row of x (float / bf16 [T, D]) -> this program's own int8 copy at `slot` of gate_up's scratch (q8
+    int8 [slot, D], dx and xs [slot, D / 32]: `quantize`'s values, _q8_blocks), then a barrier: the program's math
+    reads it back from there (its own writes, so no other program is waited for)."""
+    _q8_row(x_ptr + t * stride_x, q8_ptr + slot * D, xd_ptr + slot * (D // 32), xs_ptr + slot * (D // 32), D, NBP)
+    tl.debug_barrier()
 
 
 @triton.jit
 def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr,
                     sq_s, sq_n, sd_s, sd_n, sm_s, sm_n, ssc_s, ssc_n, smn_s, smn_n, sh_s, sh_n,
-                    b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr,
+                    b_ptr, sb_s, out_ptr, alpha, limit, hq_ptr, hd_ptr, hs_ptr, cnt_ptr, x_ptr, stride_x, xq8_ptr,
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
-                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr):
+                    NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr,
+                    XQ: tl.constexpr, NBP: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
     tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH: h also quantized for down
     (`quantize`'s q, dx, xs, bit-equal), so down needs no quantizer launch. QH 1 (BN divides 32): the last of a
     32-block's 32 / BN programs to finish (an acq_rel counter per block, reset by that program for the next launch)
     quantizes the block; QH 2 (32 divides BN): each program owns whole blocks and quantizes them in registers.
     The ids are read before the PDL wait: safe because the x quantizer launched before it waits for the ids' writer
-    first (a chain without that launch faulted: docs/perf-log.md, session 26)."""
+    first (a chain without that launch faulted: docs/perf-log.md, session 26). XQ (variant v5qx): no quantizer launch;
+    each program makes its own int8 copy of x (x_ptr, bf16 / float [T, D]) into gate_up's scratch (xq8_ptr: int8
+    [programs, D]; xd_ptr, xs_ptr: [programs, D / 32]) while its weight loads are in flight (_x_q8_mine); with PDL it
+    first waits for the previous grid (it wrote the ids), and only then lets down be scheduled: down reads the ids
+    before its own wait too (triggered at gate_up's start, down read ids the router had not written yet: an illegal
+    address in the H200 engine, session 30)."""
+    if PDL and XQ:
+        tl.extra.cuda.gdc_wait()
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
@@ -460,12 +498,21 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
     acc = tl.zeros([BN, 2], dtype=tl.float32)
     if s >= 0:
         t = (p // KTOP).to(tl.int64)
-        xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 4)
-        xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 32)
-        acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                      s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                      r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
-    elif PDL:
+        if XQ:
+            slot = p.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)      # this program's copy of x
+            a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                             s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
+                             r >= 0, D // BS, FMT, NB1, NB2)
+            _x_q8_mine(x_ptr, stride_x, t, xq8_ptr, xd_ptr, xs_ptr, slot, D, NBP)
+            acc = _v5_maths(a, b, m_ptr, D // BS, xw_ptr, tl.zeros([1, 1], dtype=tl.int64) + slot * (D // 4),
+                            xd_ptr, xs_ptr, tl.zeros([1, 1], dtype=tl.int64) + slot * (D // 32), FMT, NB1, NB2, EMU)
+        else:
+            xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 4)
+            xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 32)
+            acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                          s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
+                          r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
+    elif PDL and not XQ:
         tl.extra.cuda.gdc_wait()
     m2 = m2 & (s >= 0)
     s = tl.maximum(s, 0)
@@ -578,16 +625,24 @@ def _iq3_grid_words(device) -> torch.Tensor:
 
 
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
-               quantize_h: bool = False):
+               quantize_h: bool = False, x_here: bool = False):
     """As triton_decode.gate_up (h float32 [T*k, I], values rounded to x's dtype), x quantized to int8 per
     32-block first (one more launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8
     copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last
-    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them."""
+    program of each 32-block where the tile's rows divide 32, in registers where 32 divides them. x_here (variant
+    v5qx): no quantizer launch, each gate_up program quantizes x itself (the same int8 copy)."""
     tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
     qh = h_quantizer(tile.bn) if quantize_h else 0
-    xq = quantize_x(x, pdl)
+    if x_here:
+        t, d = x.shape
+        progs = ids.numel() * triton.cdiv(w.n // 2, tile.bn)
+        xq = (torch.empty(progs, d, dtype=torch.int8, device=x.device),
+              *(torch.empty(progs, d // 32, dtype=torch.float32, device=x.device) for _ in range(2)))
+    else:
+        xq = quantize_x(x, pdl)
     hx = h_int8(h) if qh else (h, h, h)
-    launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0))
+    launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0),
+                   x if x_here else None)
     if quantize_h:
         return h, (hx if qh else None)
     return h
@@ -613,20 +668,21 @@ def h_int8(h) -> tuple:
 
 
 def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx, tile, qh: int, pdl: bool,
-                   rnd: int):
+                   rnd: int, x=None):
     """One _gate_up_kernel launch: h of every pair from x's int8 copy xq, h's int8 copy into hx where qh, rounded as
-    x's dtype (rnd: ROUND)."""
+    x's dtype (rnd: ROUND). x given (XQ): xq is the scratch each program writes its own copy of x into."""
     xw, xd, xs = xq
-    t, d = xw.shape
+    t, d = xw.shape if x is None else x.shape
     k, i = ids.numel() // t, w.n // 2
     b, sb = (bias, bias.stride(0)) if bias is not None else (h, 0)
     nb1, nb2 = v3_pieces(d, w.fmt)
     cnt = arrival_counters(h.device, t * k * (i // 32), "gate_up_h") if qh == 1 else xd
     _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
         xw.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, *hx, cnt,
+        *((x, x.stride(0), xw) if x is not None else (xd, 0, xw)),
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
-        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh,
-        num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+        NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, XQ=x is not None,
+        NBP=triton.next_power_of_2(d // 32), num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
 
 
 _counters: dict = {}

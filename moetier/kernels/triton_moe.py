@@ -439,7 +439,7 @@ def _bias(b, like: torch.Tensor):
 # Q5_K 15.09 vs 36.61, IQ3_XXS 25.88 vs 62.53
 DEFAULT_VARIANT = {"Q4_0": "v5q", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
-VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q")
+VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q", "v5qx")
 
 
 def variant_of(fmt: str, variant: str | None) -> str:
@@ -450,7 +450,9 @@ def variant_of(fmt: str, variant: str | None) -> str:
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
-    Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl) or "v4" (opt-in: the whole
+    Q4_0 / Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's
+    quantizer launch: each gate_up program quantizes x itself while its weight loads are in flight) or "v4" (opt-in:
+    the whole
     layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases, triton_decode_v4; anything else, and
     decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch whose programs spin on counters,
     was slower than v5pdl and raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of
@@ -472,7 +474,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    v = "v5pdl" if v == "v5q" else v
+    v = "v5pdl" if v in ("v5q", "v5qx") else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
         return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -494,7 +496,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    v = "v5pdl" if v == "v5q" else v
+    v = "v5pdl" if v in ("v5q", "v5qx") else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
     if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
@@ -523,9 +525,10 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     if v == "v4" and v4.supports(x, gate_up, down, act, biases):
         return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
-    if v == "v5q" and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
+    if v in ("v5q", "v5qx") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
-        _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True)
+        _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True,
+                               x_here=v == "v5qx")
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
                           pre=pre)
     decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
