@@ -255,9 +255,9 @@ for step in $STEPS; do
       g8fused) MOETIER_STAMP=1 MOETIER_RING_Q8=1 MOETIER_WAIT_ADD_NORM=1 \
         bench proof48_g8fused ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
       allxab)  # all on the GPU: the expert pair without x's quantizer launch (v5qx: gate_up's programs quantize x)
-               # against the default (v5q), in one process: default / v5qx / default / v5qx
+               # against the default (v5q), in one process: default / v5qx / default
         bench proof48_allxab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 \
-          --compare "v5qx:MOETIER_DECODE_VARIANT=v5qx" --compare "default2:" --compare "v5qx2:MOETIER_DECODE_VARIANT=v5qx" ;;
+          --compare "v5qx:MOETIER_DECODE_VARIANT=v5qx" --compare "default2:" ;;
       allanab)  # all on the GPU: the residual add after the MoE making the next block's input norm (the default since
                 # session 29) against a torch add then the norm's launch (MOETIER_ADD_NORM_Q8=0), in one process:
                 # default / off / default / off
