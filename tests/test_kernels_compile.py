@@ -19,14 +19,14 @@ def test_v5_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, str(root / "bench" / "compile_check.py")], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    # gate_up (plain, with the fused h quantizer by counters and in registers), down, gemv x the v5 formats (ptxas
-    # checks their inline asm); embed; the decode step's eight small kernels with PDL (attention combine + q8, split,
-    # qkv prep, norm + q8, add + norm, add + norm + q8, router, router with the add + norm); the doorbell's ring and
-    # hint kernels with the PCIe share, route + ring, route + ring with the add + norm, wait_add with the residual,
-    # wait_add with the next block's norm + q8; all but the embedding gather again for sm_80 with PDL off
-    # (griddepcontrol is sm_90+: kernels.pdl keeps it off on an A100 or an RTX 4090)
+    # gate_up (plain, with the fused h quantizer by counters and in registers, both with x's own int8 copy: v5qx), down,
+    # gemv x the v5 formats (ptxas checks their inline asm); embed; the decode step's eight small kernels with PDL
+    # (attention combine + q8, split, qkv prep, norm + q8, add + norm, add + norm + q8, router, router with the add +
+    # norm); the doorbell's ring and hint kernels with the PCIe share, route + ring, route + ring with the add + norm,
+    # wait_add with the residual, wait_add with the next block's norm + q8; all but the embedding gather again for sm_80
+    # with PDL off (griddepcontrol is sm_90+: kernels.pdl keeps it off on an A100 or an RTX 4090)
     from moetier.kernels.triton_decode_q8 import FORMATS
-    v5 = 5 * len(FORMATS)      # gate_up, gate_up + h quantizer (counters, registers), down, gemv per v5 format
+    v5 = 7 * len(FORMATS)      # gate_up, + h quantizer (counters, registers), those + x's copy, down, gemv a format
     assert r.stdout.count("sm80 ") == v5 + 14, r.stdout
     assert r.stdout.count(" ok") == (v5 + 15) + (v5 + 14), r.stdout
 
