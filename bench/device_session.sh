@@ -449,7 +449,7 @@ PY
     # v5q and v5qx at the shipped tiles, then v5qx at bench_gpu_kernels.PAIR_TILES_V5Q (session 30: v5qx slowed Q4_K's
     # 8-row tile, whose 768 programs each copy x)
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qx,v5qxtiles \
-      --fmt ${TFMT:-Q4_K,Q6_K} --budget ${TLBUDGET:-250} --out "$OUT/v5qxtiles.json" 2> "$OUT/v5qxtiles.err" \
+      --fmt ${TFMT:-Q4_0,Q4_K,Q6_K} --budget ${TLBUDGET:-250} --out "$OUT/v5qxtiles.json" 2> "$OUT/v5qxtiles.err" \
       > /dev/null
     grep "gate_up + down" "$OUT/v5qxtiles.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5qx? gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+" ;;
