@@ -633,13 +633,7 @@ def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=Non
     v5qx): no quantizer launch, each gate_up program quantizes x itself (the same int8 copy)."""
     tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
     qh = h_quantizer(tile.bn) if quantize_h else 0
-    if x_here:
-        t, d = x.shape
-        progs = ids.numel() * triton.cdiv(w.n // 2, tile.bn)
-        xq = (torch.empty(progs, d, dtype=torch.int8, device=x.device),
-              *(torch.empty(progs, d // 32, dtype=torch.float32, device=x.device) for _ in range(2)))
-    else:
-        xq = quantize_x(x, pdl)
+    xq = None if x_here else quantize_x(x, pdl)
     hx = h_int8(h) if qh else (h, h, h)
     launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0),
                    x if x_here else None)
@@ -670,14 +664,18 @@ def h_int8(h) -> tuple:
 def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx, tile, qh: int, pdl: bool,
                    rnd: int, x=None):
     """One _gate_up_kernel launch: h of every pair from x's int8 copy xq, h's int8 copy into hx where qh, rounded as
-    x's dtype (rnd: ROUND). x given (XQ): xq is the scratch each program writes its own copy of x into."""
-    xw, xd, xs = xq
-    t, d = xw.shape if x is None else x.shape
+    x's dtype (rnd: ROUND). x given (XQ, xq None): each program makes its own copy of x in a scratch made here."""
+    t, d = xq[0].shape if x is None else x.shape
     k, i = ids.numel() // t, w.n // 2
+    grid = (t * k, triton.cdiv(i, tile.bn))
+    if x is not None:
+        xq = (torch.empty(grid[0] * grid[1], d, dtype=torch.int8, device=x.device),
+              *(torch.empty(grid[0] * grid[1], d // 32, dtype=torch.float32, device=x.device) for _ in range(2)))
+    xw, xd, xs = xq
     b, sb = (bias, bias.stride(0)) if bias is not None else (h, 0)
     nb1, nb2 = v3_pieces(d, w.fmt)
     cnt = arrival_counters(h.device, t * k * (i // 32), "gate_up_h") if qh == 1 else xd
-    _gate_up_kernel[(t * k, triton.cdiv(i, tile.bn))](
+    _gate_up_kernel[grid](
         xw.view(torch.int32), xd, xs, ids, *_planes(w), b, sb, h, alpha, limit, *hx, cnt,
         *((x, x.stride(0), xw) if x is not None else (xd, 0, xw)),
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
