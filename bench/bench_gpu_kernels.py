@@ -364,13 +364,6 @@ PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8
 PAIR_TILES_WAVE = {"Q4_0": [((8, 0, 2), None)],
                    "Q4_K": [(None, (4, 0, 4)), (None, (8, 0, 8)), ((4, 0, 4), (4, 0, 4))],
                    "Q6_K": [(None, (8, 0, 4)), (None, (4, 0, 4)), (None, (8, 0, 8))]}
-# v5q / v5qx at staged gate_up tiles (--only v5stiles, session 31): (rows, elements a K step, warps, stages): a K loop
-# whose loads tl.range pipelines (cp.async into shared memory), ~72-126 registers a thread against the shipped
-# Q4_0 tile's 255 (one program an SM, 192 programs in 1.45 waves): several programs an SM, NS steps in flight each
-PAIR_TILES_STAGED = {"Q4_0": [(16, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 2), (8, 512, 4, 3), (32, 256, 4, 3),
-                              (32, 256, 8, 3), (16, 256, 2, 3), (8, 256, 2, 4), (16, 128, 4, 4)],
-                     "Q4_K": [(16, 512, 4, 3), (8, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (8, 1024, 4, 2)],
-                     "Q6_K": [(16, 256, 4, 3), (8, 512, 4, 3), (16, 512, 4, 2), (32, 256, 4, 3)]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
 
 
@@ -473,10 +466,6 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qxtiles: v5qx at the same tiles (fewer programs, fewer
         for gt in PAIR_TILES_V5Q if "v5qxtiles" in wanted and v5(c.fmt) else ():    # copies of x: session 30)
             pair(c, "v5qx", (gt, None), "v5qxtiles")
-    for c in cases.values():                      # --only v5stiles: v5q / v5qx at staged gate_up tiles (K loops)
-        for gt in PAIR_TILES_STAGED.get(c.fmt, []) if "v5stiles" in wanted else ():
-            for v in ("v5q", "v5qx") if c.fmt == "Q4_0" else ("v5q",):
-                pair(c, v, (gt, None), "v5stiles")
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):

@@ -453,17 +453,6 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qxtiles.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5qx? gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+" ;;
-  v5stiles)
-    # v5q and v5qx at the shipped tiles, then at bench_gpu_kernels.PAIR_TILES_STAGED (gate_up as a K loop whose loads
-    # tl.range pipelines: session 31), twice
-    for R in 1 2; do
-      timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qx,v5stiles \
-        --fmt ${TFMT:-Q4_0,Q4_K,Q6_K} --budget ${TLBUDGET:-250} --out "$OUT/v5stiles$R.json" 2> "$OUT/v5stiles$R.err" \
-        > /dev/null
-      grep "gate_up + down" "$OUT/v5stiles$R.err" \
-        | grep -oE "^ *[A-Z0-9_]+ v5qx? gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+"
-      [ -n "${TLONCE:-}" ] && break
-    done ;;
   v5qwave)
     # v5q at the shipped tiles, then at bench_gpu_kernels.PAIR_TILES_WAVE (tiles of about whole waves without spills)
     timeout ${TLSECS:-200} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qwave \

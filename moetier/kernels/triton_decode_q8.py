@@ -457,26 +457,6 @@ def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh
 
 
 @triton.jit
-def _v5_staged(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, acc, NBK: tl.constexpr,
-               xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr, NBS: tl.constexpr, NS: tl.constexpr,
-               EMU: tl.constexpr):
-    """acc [A, B] + the dot products of whole rows in a K loop of NBS step blocks an iteration, tl.range pipelining
-    NS iterations' loads (staged tiles, Tile.bk > 0: a few KB a step in flight instead of every load of the row in
-    registers, so several programs fit on an SM)."""
-    for g0 in tl.range(0, NBK, NBS, num_stages=NS):
-        if FMT == Q6_K:
-            a = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, NBS)
-            acc += _q6_math(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NBS,
-                            EMU)
-        else:
-            a = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, g0, NBK, FMT,
-                         NBS)
-            acc += _v5_step(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], g0, NBK, m_ptr, xw_ptr, xwo, xd_ptr,
-                            xs_ptr, xdo, FMT, NBS, EMU)
-    return acc
-
-
-@triton.jit
 def _x_q8_mine(x_ptr, stride_x, t, q8_ptr, xd_ptr, xs_ptr, slot, D: tl.constexpr, NBP: tl.constexpr):
     """XQ: token t's row of x (float / bf16 [T, D]) -> this program's own int8 copy at `slot` of gate_up's scratch (q8
     int8 [slot, D], dx and xs [slot, D / 32]: `quantize`'s values, _q8_blocks), then a barrier: the program's math
@@ -492,7 +472,7 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
                     NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr,
-                    XQ: tl.constexpr, NBP: tl.constexpr, NBS: tl.constexpr, NS: tl.constexpr):
+                    XQ: tl.constexpr, NBP: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
     tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH: h also quantized for down
     (`quantize`'s q, dx, xs, bit-equal), so down needs no quantizer launch. QH 1 (BN divides 32): the last of a
@@ -518,20 +498,7 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
     acc = tl.zeros([BN, 2], dtype=tl.float32)
     if s >= 0:
         t = (p // KTOP).to(tl.int64)
-        if NBS > 0:                                         # staged tile: a K loop (_v5_staged), x ready first
-            xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 4)
-            xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 32)
-            if XQ:
-                slot = p.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-                _x_q8_mine(x_ptr, stride_x, t, xq8_ptr, xd_ptr, xs_ptr, slot, D, NBP)
-                xwo = tl.zeros([1, 1], dtype=tl.int64) + slot * (D // 4)
-                xdo = tl.zeros([1, 1], dtype=tl.int64) + slot * (D // 32)
-            elif PDL:
-                tl.extra.cuda.gdc_wait()
-            acc = _v5_staged(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                             s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                             r >= 0, acc, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NBS, NS, EMU)
-        elif XQ:
+        if XQ:
             slot = p.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)      # this program's copy of x
             a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
                              s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
@@ -713,8 +680,7 @@ def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx
         *((x, x.stride(0), xw) if x is not None else (xd, 0, xw)),
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
         NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, XQ=x is not None,
-        NBP=triton.next_power_of_2(d // 32), NBS=tile.bk // STEP_BLOCK[w.fmt], NS=max(1, tile.stages),
-        num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+        NBP=triton.next_power_of_2(d // 32), num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
 
 
 _counters: dict = {}
