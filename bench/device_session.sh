@@ -277,6 +277,15 @@ for step in $STEPS; do
       cpumoe0) bench proof48_cpumoe0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --cpu-moe --pcie-share 0 ;;
       cpumoe) bench proof48_cpumoe ${P48SECS:-150} $M --prompt-len 512 --gen 48 --cpu-moe ;;
       g8v2) MOETIER_MISS_VARIANT=2 bench proof48_g8v2 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g8shareab)  # 8 GiB with an 8K prompt (61% of the routes from RAM): the default (a PCIe share that would read
+                  # no expert is now 0) / the share it had before (0.005) / default / 0.005, in one process
+        bench proof48_g8shareab ${P48ABSECS:-480} $M --prompt-len 512,8192 --gen 48 --gpu-mem 8GiB \
+          --compare "old:--pcie-share 0.005" --compare "default2:" --compare "old2:--pcie-share 0.005" ;;
+      g8mixab)  # 8 GiB prefill: the generic path / MOETIER_MIXED_PREFILL=1 (cached experts from their slots, the
+                # rest staged in groups, no host sync a layer) / generic / mixed, in one process (session 31)
+        M1="MOETIER_MIXED_PREFILL=1"
+        bench proof48_g8mixab ${P48ABSECS:-480} $M --prompt-len 512,8192 --gen 16 --gpu-mem 8GiB \
+          --compare "mixed:$M1" --compare "generic2:" --compare "mixed2:$M1" ;;
       g8mixed) MOETIER_MIXED_PREFILL=1 bench proof48_g8mixed ${P48SECS:-150} $M --prompt-len 512,8192 --gen 16 \
         --gpu-mem 8GiB ;;
       esac

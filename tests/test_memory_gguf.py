@@ -239,7 +239,7 @@ def test_mixed_prefill_layer_without_a_host_sync(gguf, monkeypatch):
     runs = []
     real = tiers_mod.Tiers._forward_mixed_layer
     monkeypatch.setattr(tiers_mod.Tiers, "_forward_mixed_layer", lambda self, *a: runs.append(a[0]) or real(self, *a))
-    monkeypatch.setattr(tiers_mod, "MIXED_PREFILL", True)
+    monkeypatch.setenv("MOETIER_MIXED_PREFILL", "1")
     eng = check(gguf, gpu_mem=7 * fb, ram_mem=1 << 30, prefill_copy_tokens=2)
     assert runs and set(runs) == {0, 1, 2}         # the 3 MoE layers (tier indices) of each big prefill chunk
     c = eng.memory_stats()["cumulative"]

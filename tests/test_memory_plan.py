@@ -209,13 +209,18 @@ def test_pcie_share_follows_the_measured_bandwidths():
 
 def test_pcie_share_beside_the_prefetch_of_guessed_misses():
     """With the CPU's prefetch of guessed misses the PCIe share is 0 where up to PREFETCH_SHARE_FROM of the routes
-    come from RAM (measured: 8 GiB, 55%), the full share where all do (--cpu-moe), linear between."""
+    come from RAM (measured: 8 GiB, 55%), the full share where all do (--cpu-moe), linear between, and 0 where it
+    would read no expert of an average layer."""
     from moetier.memory.plan import PREFETCH_SHARE_FROM, prefetch_share
     assert prefetch_share(0.211, 0.55) == prefetch_share(0.211, PREFETCH_SHARE_FROM) == 0.0
     assert prefetch_share(0.211, 1.0) == 0.211
     mid = (PREFETCH_SHARE_FROM + 1.0) / 2
     assert prefetch_share(0.2, mid) == pytest.approx(0.1, abs=1e-3)
     assert prefetch_share(0.2, 0.0) == 0.0 and prefetch_share(0.0, 1.0) == 0.0
+    # a share that reads no expert of an average layer's misses (k = 8 routes): off, it only costs the fusions
+    assert prefetch_share(0.22, 0.61) == pytest.approx(0.006, abs=1e-3) and prefetch_share(0.22, 0.61, 8) == 0.0
+    assert prefetch_share(0.22, 0.8, 8) == prefetch_share(0.22, 0.8) == pytest.approx(0.11, abs=1e-3)
+    assert prefetch_share(0.22, 1.0, 8) == 0.22
 
 
 def test_gpu_bandwidth_test_fits_the_budget():

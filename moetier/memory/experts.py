@@ -36,7 +36,11 @@ from .stats import Counters, delta, request_view, snapshot
 from .store import RamBank, SsdReader
 
 
-MIXED_PREFILL = os.environ.get("MOETIER_MIXED_PREFILL", "0") == "1"    # Tiers._forward_mixed_layer (opt-in)
+def mixed_prefill() -> bool:
+    """MOETIER_MIXED_PREFILL=1: Tiers._forward_mixed_layer (opt-in), read at each chunk so `bench --compare` can
+    switch it within one process."""
+    return os.environ.get("MOETIER_MIXED_PREFILL", "0") == "1"
+
 
 
 def _parts(xs: list, n: int) -> list[list]:
@@ -309,7 +313,7 @@ class Tiers:
         default: written for the H200 and not measured there): GGML experts without biases (bf16 on CUDA, where
         torch._grouped_mm takes no other; any dtype on a CPU fast tier, as the tests run it), every expert the fast
         tier lacks in the RAM bank, stage slots for the copies."""
-        return (MIXED_PREFILL and (self.pl.dtype == torch.bfloat16 or not self.cuda) and hasattr(torch, "_grouped_mm")
+        return (mixed_prefill() and (self.pl.dtype == torch.bfloat16 or not self.cuda) and hasattr(torch, "_grouped_mm")
                 and self.layout.qtype is not None and self.bank.all_resident and li not in self.bank.disk_layers
                 and bool(self.fast.stage) and self.fast.kernel_biases() is None
                 and {p.name for p in self.layout.params} == {"gate_up_proj", "down_proj"})

@@ -388,7 +388,7 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         state_bytes=state, problems=problems, embed_host_bytes=embed_host, lm_head_bytes=lm_head,
         miss_prefetch=config.prefetch != "off")
     if pl.pcie_share and pl.miss_prefetch and config.pcie_share is None:
-        pl.pcie_share = prefetch_share(pl.pcie_share, pl.expected_coverage()["ram"])
+        pl.pcie_share = prefetch_share(pl.pcie_share, pl.expected_coverage()["ram"], pl.top_k)
     return pl
 
 
@@ -400,10 +400,15 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
 PREFETCH_SHARE_FROM = 0.6
 
 
-def prefetch_share(share: float, ram_coverage: float) -> float:
-    """The PCIe share beside the CPU's prefetch, for the expected share of routes served from RAM."""
+def prefetch_share(share: float, ram_coverage: float, k: int = 0) -> float:
+    """The PCIe share beside the CPU's prefetch, for the expected share of routes served from RAM; 0 where the GPU
+    would read no expert of an average layer's misses (round(share x k x ram_coverage) == 0, k the routes a token
+    takes a layer): a share turns the router's doorbell ring and wait_add's next norm off (memory.doorbell). A share
+    of 0.005 (8 GiB with an 8K context: 61% of the routes from RAM) read nothing, and its round trip was 38 us a layer
+    against 27 at a 512 context without a share (docs/perf-log.md, session 31)."""
     f = (ram_coverage - PREFETCH_SHARE_FROM) / (1.0 - PREFETCH_SHARE_FROM)
-    return round(share * min(1.0, max(0.0, f)), 3)
+    s = round(share * min(1.0, max(0.0, f)), 3)
+    return 0.0 if k and s * k * ram_coverage < 0.5 else s
 
 
 def cache_bytes(model, ctx: int, dtype: torch.dtype, kv_dtype: str = "auto") -> tuple[int, int]:
