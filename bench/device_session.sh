@@ -203,8 +203,8 @@ for step in $STEPS; do
     # placement: 76.6 tok/s), 8 GiB (>= 100 tok/s and >= 70% of the bound), an 8K prefill with all experts in RAM
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
-    for P in ${P48ONLY:-g9 g8 pp8k}; do     # (P48ONLY="g8 all": those; g8nopdl / g8v2 / g8mixed: 8 GiB with
-                                            # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2 / MOETIER_MIXED_PREFILL=1;
+    for P in ${P48ONLY:-g9 g8 pp8k}; do     # (P48ONLY="g8 all": those; g8nopdl / g8v2: 8 GiB with
+                                            # MOETIER_PDL=0 / MOETIER_MISS_VARIANT=2;
                                             # g8rows / g9rows: the bank's GGML rows, MOETIER_X8_BANK=0; cpumoe;
                                             # g8pf0: 8 GiB without the guessed-miss prefetch; g8v5 / g9v5: the
                                             # miss server's variant 5 (g8v6, g8v6b: 6; g8b: g8 again);
@@ -281,13 +281,6 @@ for step in $STEPS; do
                   # no expert is now 0) / the share it had before (0.005) / default / 0.005, in one process
         bench proof48_g8shareab ${P48ABSECS:-480} $M --prompt-len 512,8192 --gen 48 --gpu-mem 8GiB \
           --compare "old:--pcie-share 0.005" --compare "default2:" --compare "old2:--pcie-share 0.005" ;;
-      g8mixab)  # 8 GiB prefill: the generic path / MOETIER_MIXED_PREFILL=1 (cached experts from their slots, the
-                # rest staged in groups, no host sync a layer) / generic / mixed, in one process (session 31)
-        M1="MOETIER_MIXED_PREFILL=1"
-        bench proof48_g8mixab ${P48ABSECS:-480} $M --prompt-len 512,8192 --gen 16 --gpu-mem 8GiB \
-          --compare "mixed:$M1" --compare "generic2:" --compare "mixed2:$M1" ;;
-      g8mixed) MOETIER_MIXED_PREFILL=1 bench proof48_g8mixed ${P48SECS:-150} $M --prompt-len 512,8192 --gen 16 \
-        --gpu-mem 8GiB ;;
       esac
     done
     [ -n "${KEEP48:-}" ] || rm -f $M ;;

@@ -228,25 +228,6 @@ def test_gpt_oss_gguf_experts_with_biases_in_the_tiers(tmp_path):
     assert got["few_slots"] == got["untiered"] and got["cpu_moe"] == got["untiered"]
 
 
-def test_mixed_prefill_layer_without_a_host_sync(gguf, monkeypatch):
-    """MOETIER_MIXED_PREFILL (Tiers._forward_mixed_layer): a big prefill chunk runs each MoE layer's cached experts
-    from their slots and copies every other expert into the stage, in groups, with no per-expert host work
-    (torch._grouped_mm over device-side offsets; CPU float32 here, bf16 on CUDA): the dense model's logits and
-    greedy tokens, and the deferred counters split GPU hits from staged copies."""
-    from moetier.memory import experts as tiers_mod
-    out, tokens, want, want_toks = gguf
-    _, _, fb = sizes(out)
-    runs = []
-    real = tiers_mod.Tiers._forward_mixed_layer
-    monkeypatch.setattr(tiers_mod.Tiers, "_forward_mixed_layer", lambda self, *a: runs.append(a[0]) or real(self, *a))
-    monkeypatch.setenv("MOETIER_MIXED_PREFILL", "1")
-    eng = check(gguf, gpu_mem=7 * fb, ram_mem=1 << 30, prefill_copy_tokens=2)
-    assert runs and set(runs) == {0, 1, 2}         # the 3 MoE layers (tier indices) of each big prefill chunk
-    c = eng.memory_stats()["cumulative"]
-    assert c["hits"]["gpu"] > 0 and c["staged_prefill_experts"] > 0
-    eng.tiers.close()
-
-
 def test_interleaved_bank_is_undone_for_every_other_reader(gguf):
     """memory/doorbell.interleave_bank (done when a graphed decode starts, CUDA): the RAM bank's Q8_0 / Q4_0 / Q4_K
     expert rows interleaved by 8 in place, here on a CPU load with a few fast slots. Every other reader undoes it: the

@@ -14,7 +14,6 @@ Same call as DenseExperts: forward(x [T, D], ids [T, k], w [T, k]) -> [T, D]. Pe
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 import weakref
@@ -34,39 +33,6 @@ from .prefetch import Prefetcher
 from .profile import ExpertProfile
 from .stats import Counters, delta, request_view, snapshot
 from .store import RamBank, SsdReader
-
-
-def mixed_prefill() -> bool:
-    """MOETIER_MIXED_PREFILL=1: Tiers._forward_mixed_layer (opt-in), read at each chunk so `bench --compare` can
-    switch it within one process."""
-    return os.environ.get("MOETIER_MIXED_PREFILL", "0") == "1"
-
-
-
-def _parts(xs: list, n: int) -> list[list]:
-    return [xs[i:i + n] for i in range(0, len(xs), n)]
-
-
-def _group_mm(x, flat, token, wf, experts: list[int], num_experts: int, gu, dn, act, out) -> None:
-    """out[token] += w * expert(x[token]) over the (token, expert) pairs whose expert is in `experts` (gu / dn their
-    float weights [n, 2I, D] / [n, D, I], in that order), on the device without a host sync: pairs ordered by their
-    expert's position in the group (the rest after), grouped GEMMs over the group's offsets (torch._grouped_mm
-    leaves the rows past them unwritten: masked out), the weighted rows added back."""
-    from .fast import _to
-    n, dev = len(experts), x.device
-    pos = torch.full((num_experts,), n, dtype=torch.long, device=dev)
-    pos[_to(torch.tensor(experts, dtype=torch.long), dev)] = torch.arange(n, device=dev)
-    key = pos[flat]
-    order = torch.argsort(key, stable=True)
-    offs = torch.zeros(n + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    offs = offs[:n].cumsum(0).to(torch.int32)                  # group ends
-    rows = token[order]
-    h = torch._grouped_mm(x[rows], gu.transpose(-2, -1), offs=offs)
-    gate, up = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(act(gate, up).contiguous(), dn.transpose(-2, -1), offs=offs)
-    keep = (key[order] < n)[:, None]
-    y = torch.where(keep, y * wf[order, None].to(y.dtype), torch.zeros((), dtype=y.dtype, device=dev))
-    add_pairs(out, rows, order, y, flat.numel() // out.shape[0], into=out)
 
 
 class TieredExperts(nn.Module):
@@ -176,8 +142,6 @@ class Tiers:
             self._fold()        # the last chunk's staged layers (one sync per chunk, before its first layer)
         if big and self._whole_layer_staged(li):
             return self._forward_staged_layer(li, x, ids, w, act)
-        if big and self._mixed_ok(li):
-            return self._forward_mixed_layer(li, x, ids, w, act)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = order // k                                   # token of each sorted pair
@@ -307,93 +271,20 @@ class Tiers:
         self._prefetch_next(li + 1)
         return out
 
-    # ------------------------------------------------------------------ prefill, cached and copied experts
-    def _mixed_ok(self, li: int) -> bool:
-        """A big prefill chunk of a layer whose experts are partly cached (MOETIER_MIXED_PREFILL=1; not yet the
-        default: written for the H200 and not measured there): GGML experts without biases (bf16 on CUDA, where
-        torch._grouped_mm takes no other; any dtype on a CPU fast tier, as the tests run it), every expert the fast
-        tier lacks in the RAM bank, stage slots for the copies."""
-        return (mixed_prefill() and (self.pl.dtype == torch.bfloat16 or not self.cuda) and hasattr(torch, "_grouped_mm")
-                and self.layout.qtype is not None and self.bank.all_resident and li not in self.bank.disk_layers
-                and bool(self.fast.stage) and self.fast.kernel_biases() is None
-                and {p.name for p in self.layout.params} == {"gate_up_proj", "down_proj"})
-
-    def _forward_mixed_layer(self, li: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act) -> torch.Tensor:
-        """Layer li of a big prefill chunk without a host sync: its cached experts from their slots, in groups
-        of DEQUANT_EXPERTS, then every expert the fast tier lacks copied into a stage half (stage_batch at a
-        time, the other half's copies overlapping this group's compute), each group dequantized and run as
-        grouped GEMMs. Which experts are cached the host knows (cache.slot_of), so only the rows per expert
-        stay on the device: a group's pairs go first by a sort on their position in the group, its GEMMs run
-        over those offsets, and its rows are added back with the routing weights (the others masked out).
-        Counters are folded in later (_fold). What the generic path did instead: a host sync and Python per
-        expert every layer (an 8 GiB 512-token prefill idled 829 of 1,127 ms, perf-log session 12)."""
-        from .fast import DEQUANT_EXPERTS
-        fast, bank, E = self.fast, self.bank, self.E
-        slot_of = self.cache.slot_of[li]
-        cached = slot_of >= 0
-        fast.wait(li)
-        tok = fast.compute_timer["prefill"].start()
-        self.profile.add(li, ids, w, False)
-        t, k = ids.shape
-        flat = ids.reshape(-1)
-        token = torch.arange(t * k, device=x.device) // k
-        wf = w.reshape(-1)
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat, dtype=torch.int64))
-        out = torch.zeros_like(x)
-        hit = np.flatnonzero(cached).tolist()
-        miss = np.flatnonzero(~cached).tolist()
-        groups = [(g, None) for g in _parts(hit, DEQUANT_EXPERTS)] + \
-                 [(g, True) for g in _parts(miss, max(1, min(fast.stage_batch, DEQUANT_EXPERTS)))]   # bounded floats
-        fast._ahead = None          # the stage halves are this layer's now
-        for experts, staged in groups:
-            if staged:
-                half = fast._next_stage % 2 if fast.stage_batch < len(fast.stage) else 0
-                fast._next_stage += 1
-                slots = fast.stage[half * fast.stage_batch:][:len(experts)]
-                self._stage_copy(li, slots, experts, fast._after(half) if self.cuda else None)
-            else:
-                slots = slot_of[experts].tolist()
-            gu, dn = fast.dequantized(slots, x.dtype, li)
-            _group_mm(x, flat, token, wf, experts, E, gu, dn, act, out)
-            del gu, dn
-            if staged and self.cuda:
-                fast.computed(half, slots)
-        fast.compute_timer["prefill"].stop(tok)
-        self._deferred.append((li, counts, cached.copy()))
-        return out
-
-    def _stage_copy(self, li: int, slots: list[int], experts: list[int], after) -> None:
-        """Layer li's `experts` from the RAM bank into stage `slots` (CUDA: on the copy stream after `after`, the
-        compute stream then waits for it; the bank buffers stay busy until the copies end)."""
-        fast, bank = self.fast, self.bank
-        bufs = [bank.slots[int(bank.where[li, e])] for e in experts]
-        if not self.cuda:
-            for s_, buf in zip(slots, bufs):
-                fast._put(s_, self.layout.unpack(buf, li), li)
-            return
-        ev = fast.load_many(slots, bufs, after, [li] * len(slots))
-        torch.cuda.current_stream(fast.device).wait_event(ev)
-        for e in experts:
-            bank.mark_busy(("bank", int(bank.where[li, e])), ev)
-
     def _fold(self) -> None:
-        """Counters of layers run without a host sync (_forward_staged_layer, _forward_mixed_layer: one sync for
-        all of them): routes served from the GPU's cache or from RAM, staged experts, the cache's miss counts and
-        policy. An entry is (layer, device rows per expert[, which experts were cached then])."""
+        """Counters of layers run without a host sync (_forward_staged_layer: one sync for all of them): routes
+        served from RAM through the stage, staged experts, the cache's miss counts and policy. An entry is (layer,
+        device rows per expert)."""
         items, self._deferred = self._deferred, []
         counts = torch.stack([c[1] for c in items]).cpu().numpy()
         phase, self.stats.phase = self.stats.phase, "prefill"
-        for item, row in zip(items, counts):
-            li = item[0]
-            on_gpu = item[2] if len(item) > 2 else np.zeros(self.E, dtype=bool)
+        for (li, _), row in zip(items, counts):
             used = np.flatnonzero(row)
             self.cache.lookup(li, used.tolist(), row[used].tolist())
             for e, n in zip(used.tolist(), row[used].tolist()):
-                self.stats.served(li, "gpu" if on_gpu[e] else "ram", n)
-            copied = int((~on_gpu[used]).sum())
-            self.stats.staged["prefill"] += copied
-            self.bank.stats["ram_hits"] += copied
+                self.stats.served(li, "ram", n)
+            self.stats.staged["prefill"] += len(used)
+            self.bank.stats["ram_hits"] += len(used)
         self.stats.phase = phase
 
     def _prefetch_next(self, li: int) -> None:
