@@ -404,8 +404,9 @@ def prefetch_share(share: float, ram_coverage: float, k: int = 0) -> float:
     """The PCIe share beside the CPU's prefetch, for the expected share of routes served from RAM; 0 where the GPU
     would read no expert of an average layer's misses (round(share x k x ram_coverage) == 0, k the routes a token
     takes a layer): a share turns the router's doorbell ring and wait_add's next norm off (memory.doorbell). A share
-    of 0.005 (8 GiB with an 8K context: 61% of the routes from RAM) read nothing, and its round trip was 38 us a layer
-    against 27 at a 512 context without a share (docs/perf-log.md, session 31)."""
+    of 0.005 (8 GiB with an 8K context: 61% of the routes from RAM) read nothing: 104.2 / 104.0 tok/s against 122.1 /
+    129.3 without it, in one process on the H200 (round trip 42.6 / 39.6 against 36.0 / 34.3 us a layer; and the
+    bound counted the PCIe rate it never used: docs/perf-log.md, session 31)."""
     f = (ram_coverage - PREFETCH_SHARE_FROM) / (1.0 - PREFETCH_SHARE_FROM)
     s = round(share * min(1.0, max(0.0, f)), 3)
     return 0.0 if k and s * k * ram_coverage < 0.5 else s
