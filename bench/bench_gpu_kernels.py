@@ -9,7 +9,7 @@ Each call touches a different set of slots (16 rotating routings over a 128-slot
 the L2), so weights come from HBM, as in a real decode step. Times: CUDA graph replays of the 16
 calls (the engine's mode; per call) and triton.testing.do_bench (eager launches, L2 flushed).
 
-    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 (vs v4) kernels and tiles, every
+    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 (vs v5) kernels and tiles, every
                                                                # format, Qwen3-30B-A3B T=1 (< 2 min)
     python bench/bench_gpu_kernels.py --variants --only v2,v5pdl --fmt MXFP4   # those variants only
     python bench/bench_gpu_kernels.py --profile-pair --only v5pdl,v5q --fmt Q4_0  # where each pair's time goes
@@ -243,10 +243,10 @@ def rel_err(a, b) -> float:
 
 
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
-    """ROT closures of the T=1 decode pair (moe_decode's own launches for v4 / v5q, else decode_calls' gate_up then
+    """ROT closures of the T=1 decode pair (moe_decode's own launches for v5q / v5qx, else decode_calls' gate_up then
     down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
-    if variant in ("v4", "v5q", "v5qx"):  # v4: one launch; v5q: x quantizer, gate_up (+ h quantizer), down; v5qx:
-                                          # v5q without the x quantizer (gate_up's programs quantize x)
+    if variant in ("v5q", "v5qx"):       # v5q: x quantizer, gate_up (+ h quantizer), down; v5qx: v5q without the x
+                                          # quantizer (gate_up's programs quantize x)
         rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
@@ -382,8 +382,7 @@ def time_kernel(c: Case, gen, kind: str, variant: str, cfg) -> dict:
 def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only: str = "") -> list[dict]:
     """Qwen3-30B-A3B decode T=1 in passes over the formats, each step skipped once budget_s has passed
     (Triton compiles dominate): 1. v1 (Q8_0/Q4_0/Q4_K, dense), v2 and v3 (Q8_0/Q4_0/Q4_K), both
-    kernels back to back at the shipped tiles, with the error against the twin, and v4 (Q8_0/Q4_0: the
-    whole layer in one persistent launch); 2. v2pdl / v3pdl
+    kernels back to back at the shipped tiles, with the error against the twin; 2. v2pdl / v3pdl
     (down as a programmatic dependent launch) likewise; 3. each kernel alone, shipped tiles; 4. v3 at
     ALT_TILES_V3; 5. v2 at ALT_TILES. Then per format and variant the best gate_up + best down. v5 / v5pdl / v5q
     right after the baselines. only: these variants, nothing else."""
@@ -443,8 +442,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     def v3(fmt):                                  # formats with their own v3 kernels (others run v2)
         return fmt in tm.v2.V3_FORMATS
     for c in cases.values():
-        for v in ("v1", "v2", "v3", "v4"):    # v4: one persistent launch (Q4_0 / Q8_0; T=1 SwiGLU, else v3)
-            if has(c.fmt, v) and (v != "v3" or v3(c.fmt)) and (v != "v4" or c.fmt in tm.v4.V4_FORMATS):
+        for v in ("v1", "v2", "v3"):
+            if has(c.fmt, v) and (v != "v3" or v3(c.fmt)):
                 pair(c, v)
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
@@ -618,18 +617,6 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
                           dict(D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), FMT=dn.code, HAS_BIAS=False, BS=bsz,
                                BN=t2.bn, NB1=dp[0], NB2=dp[1], PDL=False, num_warps=t2.warps), k * t2.bn * i)]
                 step.update({f"v3_decode_gate_up{tag}": d, f"v3_decode_down{tag}": i})
-        if fmt in tm.v4.V4_FORMATS:                       # v4: the whole layer, one persistent launch (132 SMs)
-            v4, v2 = tm.v4, tm.v2
-            bsz, p = v2.STEP_BLOCK[fmt], 132
-            br = triton.next_power_of_2(triton.cdiv(d, p))
-            kc = max(1, min(k, 1 << max(0, (v4.CHUNK_BYTES // (br * (i // 2 if fmt == "Q4_0" else i))).bit_length() - 1)))
-            (g1, g2), (n1, n2) = v2.v3_pieces(d, fmt), v2.v3_pieces(i, fmt)
-            h32, sync = torch.empty(k, i, dtype=torch.float32), torch.zeros(v4.SYNC_LEN, dtype=torch.int32)
-            jobs += [("v4_decode_layer", v4._moe_v4_kernel,
-                      (x, ids, w, *gu.v2_planes[:2], *gu.v2_strides[:4], *dn.v2_planes[:2], *dn.v2_strides[:4], h32, x,
-                       sync, v2.ONE_BITS),
-                      dict(P=p, I=i, D=d, KTOP=k, FMT=gu.code, BS=bsz, BI=v4.ITEM_ROWS[fmt], G1=g1, G2=g2, KC=kc, BR=br,
-                           N1=n1, N2=n2, PHASES=3, SPIN=v4.SPIN_LIMIT, HCG=v4.H_CG, num_warps=v4.WARPS), 0)]
         if fmt in tm.v5.FORMATS:                          # v5 / v5q (PDL on: sm_90)
             jobs += v5_jobs(fmt, gu, dn, d, i, k)
         jobs += [("grouped_gate_up", tm._grouped_gate_up_kernel,
@@ -716,8 +703,7 @@ def sass_loop(sass: str) -> dict:
 
 
 def sass_waits(sass: str, threads: int) -> dict:
-    """Latency cover of the 128-bit global loads up to the first ATOMG (v4: phase 1 and the arrive; other
-    kernels: all), from the scoreboards in each instruction's control bits (sm_70+: second word >> 41,
+    """Latency cover of the 128-bit global loads up to the first ATOMG (kernels without one: all), from the scoreboards in each instruction's control bits (sm_70+: second word >> 41,
     write barrier bits 5-7, wait mask bits 11-16): per load, the instructions from issue to the first wait
     on its scoreboard (any load on a scoreboard is retired by a wait on it), and the 128-bit loads in
     flight at each wait that retires some, as KB per SM (threads per program, one program per SM)."""

@@ -34,7 +34,6 @@ import triton.language as tl
 
 from . import triton_decode as v2
 from . import triton_decode_q8 as v5
-from . import triton_decode_v4 as v4
 from .pdl import supported as pdl_supported
 from .triton_decode import _act, gate_up_act, pair_rows
 from .triton_tiles import deq_tile
@@ -440,7 +439,7 @@ def _bias(b, like: torch.Tensor):
 # 10.62, all on the GPU 686.6 tok/s vs 670.8 / 670.7 in one process (Q4_K 14.04 vs 12.65 and Q6_K 14.72 vs 14.23: v5q)
 DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
-VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v4", "v5", "v5pdl", "v5q", "v5qx")
+VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx")
 
 
 def variant_of(fmt: str, variant: str | None) -> str:
@@ -452,9 +451,9 @@ def variant_of(fmt: str, variant: str | None) -> str:
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
     Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer
-    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0) or
-    "v4" (opt-in: the whole layer in one persistent launch for T=1 Q4_0/Q8_0 SwiGLU without biases, triton_decode_v4;
-    anything else, and decode_gate_up / decode_down alone, run v3). (v6, the v5 pair in one launch whose programs spin
+    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0).
+    (v4, the whole layer in one persistent launch for T=1 Q4_0 / Q8_0, was slower and was removed (session 31: history
+    `triton_decode_v4.py`); v6, the v5 pair in one launch whose programs spin
     on counters, was slower than v5pdl and raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch
     of programs that each own 32 rows of h and add their share of down by float32 atomics, was slower too: session 16;
     gate_up's programs asking L2 for down's bytes gained nothing: session 18; v5half, v5q in two halves of h's rows
@@ -477,7 +476,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
     v = "v5pdl" if v in ("v5q", "v5qx") else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
         return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
-    if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
+    if v in ("v3", "v3pdl", "v5", "v5pdl"):
         return v2.gate_up_v3(x, ids, gate_up, act, alpha, limit, bias, h, cfg,
                              pdl=v in ("v3pdl", "v5pdl") and pdl_supported(x))
     if v != "v1":
@@ -499,7 +498,7 @@ def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     v = "v5pdl" if v in ("v5q", "v5qx") else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
-    if v in ("v3", "v3pdl", "v4", "v5", "v5pdl"):
+    if v in ("v3", "v3pdl", "v5", "v5pdl"):
         return v2.down_v3(h, ids, w, down, bias, out, cfg, pdl=v in ("v3pdl", "v5pdl") and pdl_supported(out))
     if v != "v1":
         return v2.down(h, ids, w, down, bias, out, cfg, pdl=v == "v2pdl" and pdl_supported(out))
@@ -517,13 +516,10 @@ def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
 def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: float, limit: float,
                biases=(None, None), out=None, cfg_gate_up=None, cfg_down=None, variant=None) -> torch.Tensor:
     """x [T, D], ids/w [T, k] device tensors -> out [T, D] (x's dtype). Two launches, no host sync.
-    variant: None (the default per format) or one of VARIANTS (variant_of; v4: one launch where v4.supports, else
-    v3)."""
+    variant: None (the default per format) or one of VARIANTS (variant_of)."""
     t, k = ids.shape
     ids, w = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
     v = variant_of(gate_up.fmt, variant)                 # v2, v3: h in float32 (values rounded to x's dtype)
-    if v == "v4" and v4.supports(x, gate_up, down, act, biases):
-        return v4.moe_v4(x, ids, w, gate_up, down, torch.empty_like(x) if out is None else out)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
     if v in ("v5q", "v5qx") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
