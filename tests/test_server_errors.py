@@ -86,6 +86,12 @@ BAD = [
     ("template kwargs not an object", "POST", CHAT, chat_body(chat_template_kwargs=[1]), 400,
      "chat_template_kwargs", ""),
     ("unknown model", "POST", CHAT, chat_body(model="gpt-4"), 404, "model", "gpt-4"),
+    ("tools", "POST", CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
+     "function calling is not supported"),
+    ("tools required", "POST", CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f"}}],
+                                               tool_choice="required"), 400, "tools", "tool_choice"),
+    ("legacy functions", "POST", CHAT, chat_body(functions=[{"name": "f"}]), 400, "functions", "function_call"),
+    ("tools not a list", "POST", CHAT, chat_body(tools={"type": "function"}), 400, "tools", ""),
     ("completion without prompt", "POST", TEXT, {"max_tokens": 3}, 400, "prompt", ""),
     ("completion prompt a number", "POST", TEXT, {"prompt": 5}, 400, "prompt", ""),
     ("completion empty prompt", "POST", TEXT, {"prompt": ""}, 400, "prompt", "empty"),
@@ -129,6 +135,7 @@ def test_auth_body_limit_and_odd_but_valid_input(server):
     assert status == 413 and data["error"]["code"] == "request_too_large"
     # unknown fields are ignored; content parts, surrogates and control characters are just text
     ok = [chat_body(foo={"bar": 1}, user="u1", tools=None),
+          chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none"),   # not to call
           chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
                                                                                           "text": "b"}]}]),
           chat_body(messages=[{"role": "user", "content": "\x00\x01 \ud800 \U0001f600"}], stop=["\ud83d"]),

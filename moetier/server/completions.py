@@ -79,6 +79,11 @@ async def prepare_chat(st, req: ChatCompletionRequest) -> Plan:
                        param="messages", code="unsupported_value")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: only allowed when logprobs is true", param="top_logprobs")
+    for field, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if getattr(req, field) and getattr(req, choice) != "none":
+            raise APIError(400, f"{field}: function calling is not supported (the model's reply is not parsed for "
+                                f"tool calls); send the request without {field}, or with {choice} \"none\"",
+                           param=field, code="unsupported_value")
     messages = []
     for i, m in enumerate(req.messages):
         d = {"role": m.role, "content": message_text(m)}

@@ -155,6 +155,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict | None = Field(None, description="extension: extra chat template variables, "
                                                                 "e.g. {\"enable_thinking\": false}")
+    # function calling is not supported (the reply's tool calls are not parsed): tools are a 400 unless the request
+    # says not to call them (tool_choice / function_call "none"), as vLLM and llama-server refuse what they cannot do
+    tools: list[dict] | None = Field(None, description="not supported: a 400 unless tool_choice is \"none\"")
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = Field(None, description="not supported: a 400 unless function_call is \"none\"")
+    function_call: str | dict | None = None
 
 
 class CompletionRequest(SamplingFields):
