@@ -277,6 +277,11 @@ for step in $STEPS; do
       cpumoe0) bench proof48_cpumoe0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --cpu-moe --pcie-share 0 ;;
       cpumoe) bench proof48_cpumoe ${P48SECS:-150} $M --prompt-len 512 --gen 48 --cpu-moe ;;
       g8v2) MOETIER_MISS_VARIANT=2 bench proof48_g8v2 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
+      g5shareab)  # 5 GiB (~75% of the routes from RAM, a share of ~0.09 by plan.prefetch_share's line): the default
+                  # against --pcie-share 0, default / 0 / default / 0 in one process (the line between 60% and 100%
+                  # of the routes from RAM is interpolated, not measured: perf-log session 31, Next item 3)
+        bench proof48_g5shareab ${P48ABSECS:-480} $M --prompt-len 512 --gen 48 --gpu-mem 5GiB \
+          --compare "share0:--pcie-share 0" --compare "default2:" --compare "share02:--pcie-share 0" ;;
       g8shareab)  # 8 GiB with an 8K prompt (61% of the routes from RAM): the default (a PCIe share that would read
                   # no expert is now 0) / the share it had before (0.005) / default / 0.005, in one process
         bench proof48_g8shareab ${P48ABSECS:-480} $M --prompt-len 512,8192 --gen 48 --gpu-mem 8GiB \
