@@ -460,6 +460,10 @@ PY
       > /dev/null
     grep "gate_up + down" "$OUT/v5qxtiles.err" \
       | grep -oE "^ *[A-Z0-9_]+ v5qx? gate_up \+ down, [^:]*: \{'us': [0-9.]+, 'GBps': [0-9.]+, 'frac_of_copy': [0-9.]+" ;;
+  gluon)
+    # the Gluon gate_up experiment (TMA ring, ~one persistent program an SM): error against v5pdl's gate_up, times
+    timeout ${TLSECS:-200} python3 bench/gluon_gate_up.py --ns ${GNS:-3,4,6} --nprog ${GNPROG:-132,264} \
+      > "$OUT/gluon.json" 2> "$OUT/gluon.err"; tail -${GLINES:-12} "$OUT/gluon.err"; head -c 600 "$OUT/gluon.json" ;;
   v5qwave)
     # v5q at the shipped tiles, then at bench_gpu_kernels.PAIR_TILES_WAVE (tiles of about whole waves without spills)
     timeout ${TLSECS:-200} python3 bench/bench_gpu_kernels.py --variants --only v5q,v5qwave \

@@ -1,0 +1,224 @@
+"""Experiment for #4 (not used by the engine): Q4_0 gate_up at T=1 as a Gluon kernel that streams the weights through
+a ring of shared-memory stages filled by TMA, in about one persistent program an SM (docs/perf-log.md, session 31,
+Next item 1). Triton's own pipeliner copied the broadcast activation loads into shared memory as well and was 2.7-25x
+slower (session 31, item 2); here only the weight tiles go through shared memory and x stays in registers.
+
+    python bench/gluon_gate_up.py --compile          # no GPU: compile for sm_90, print registers / shared memory
+    python bench/gluon_gate_up.py                    # H200: check against the v5 gate_up, time both (graph replays)
+
+A program takes items (pair, 8 rows of h): the 8 gate rows and the 8 matching up rows of the pair's slot, 16 x 1 KB of
+q words and their fp16 block scales, one TMA stage; NS stages in flight; h = silu(gate) * up as float32 (rounded to x's
+dtype, as gate_up_v5's), without its int8 copy (a first test of the streaming alone).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+R = 8           # rows of gate (and of up) an item
+NB = 64         # Q4_0 blocks a row of D = 2048
+W = 4 * NB      # int32 q words a row
+
+
+@gluon.jit
+def _dp4a(a, b, c):
+    return gl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _issue(j, pid, q_desc, d_desc, ids_ptr, bars, qg, qu, dg, du, I: gl.constexpr, NRB: gl.constexpr,
+           NPROG: gl.constexpr, NS: gl.constexpr, RR: gl.constexpr):
+    """TMA loads of this program's j-th item (item pid + j * NPROG) into stage j % NS."""
+    item = pid + j * NPROG
+    p = item // NRB
+    r0 = (item % NRB) * RR
+    s = gl.maximum(gl.load(ids_ptr + p), 0)        # a skipped pair (-1) loads slot 0; its h is not stored
+    g0 = s * (2 * I) + r0
+    st = j % NS
+    bar = bars.index(st)
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * d_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [g0, 0], bar, qg.index(st))
+    tma.async_copy_global_to_shared(q_desc, [g0 + I, 0], bar, qu.index(st))
+    tma.async_copy_global_to_shared(d_desc, [g0, 0], bar, dg.index(st))
+    tma.async_copy_global_to_shared(d_desc, [g0 + I, 0], bar, du.index(st))
+
+
+@gluon.jit
+def _rows_dot(words, d, xl, xh, dx, xs, L3: gl.constexpr):
+    """Q4_0 rows [RR, NB, 4] words (4 of a block in one thread) . x: [RR] float32 (v5's arithmetic)."""
+    r = _dp4a((words >> 4) & 0x0F0F0F0F, xh, _dp4a(words & 0x0F0F0F0F, xl, gl.zeros_like(words)))
+    bs = gl.sum(r, axis=2).to(gl.float32)                              # [RR, NB] integer sums, exact
+    v = (bs * dx - 8.0 * xs) * d.to(gl.float32)
+    return gl.sum(v, axis=1)
+
+
+@gluon.jit
+def gate_up_kernel(q_desc, d_desc, ids_ptr, xw_ptr, xd_ptr, xs_ptr, h_ptr, I: gl.constexpr, KTOP: gl.constexpr,
+                   NS: gl.constexpr, NPROG: gl.constexpr, RR: gl.constexpr, NBK: gl.constexpr,
+                   ROUND: gl.constexpr, num_warps: gl.constexpr):
+    """grid (NPROG,): h[pair, n] = silu(gate row n . x) * (up row n . x) for the T=1 decode (pairs = KTOP), x as
+    int8 words (xw_ptr: int32 [D / 4], `quantize`'s; xd / xs its scales per 32-block)."""
+    NRB: gl.constexpr = I // RR
+    NITEMS: gl.constexpr = KTOP * NRB
+    pid = gl.program_id(0)
+    n_mine = (NITEMS - pid + NPROG - 1) // NPROG
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0])
+    LB: gl.constexpr = gl.SliceLayout(2, L3)                           # [RR, NB]
+    LR: gl.constexpr = gl.SliceLayout(1, LB)                           # [RR]
+    qg = gl.allocate_shared_memory(gl.int32, [NS, RR, 4 * NBK], q_desc.layout)
+    qu = gl.allocate_shared_memory(gl.int32, [NS, RR, 4 * NBK], q_desc.layout)
+    dg = gl.allocate_shared_memory(gl.float16, [NS, RR, NBK], d_desc.layout)
+    du = gl.allocate_shared_memory(gl.float16, [NS, RR, NBK], d_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(bars.index(i), count=1)
+    for j in gl.static_range(NS - 1):                                  # the ring's first stages
+        if j < n_mine:
+            _issue(j, pid, q_desc, d_desc, ids_ptr, bars, qg, qu, dg, du, I, NRB, NPROG, NS, RR)
+    # x once: word e of a block b (e < 4) meets x words 8b + e (low nibbles) and 8b + 4 + e (high)
+    LX: gl.constexpr = gl.SliceLayout(0, L3)                           # [NB, 4]
+    b2 = gl.arange(0, NBK, layout=gl.SliceLayout(1, LX))[:, None]
+    e2 = gl.arange(0, 4, layout=gl.SliceLayout(0, LX))[None, :]
+    xl = gl.load(xw_ptr + b2 * 8 + e2)[None, :, :]
+    xh = gl.load(xw_ptr + b2 * 8 + 4 + e2)[None, :, :]
+    bb = gl.arange(0, NBK, layout=gl.SliceLayout(0, LB))
+    dx = gl.load(xd_ptr + bb)[None, :]
+    xs = gl.load(xs_ptr + bb)[None, :]
+    rows = gl.arange(0, RR, layout=LR)
+    for j in range(n_mine):
+        nxt = j + NS - 1
+        if nxt < n_mine:
+            gl.thread_barrier()                    # every warp has read stage nxt % NS (item j - 1) before it refills
+            _issue(nxt, pid, q_desc, d_desc, ids_ptr, bars, qg, qu, dg, du, I, NRB, NPROG, NS, RR)
+        st = j % NS
+        mbarrier.wait(bars.index(st), (j // NS) & 1)
+        g = _rows_dot(qg.index(st).reshape([RR, NBK, 4]).load(L3), dg.index(st).load(LB), xl, xh, dx, xs, L3)
+        u = _rows_dot(qu.index(st).reshape([RR, NBK, 4]).load(L3), du.index(st).load(LB), xl, xh, dx, xs, L3)
+        h = g / (1.0 + gl.exp(-g)) * u
+        if ROUND == 1:
+            h = h.to(gl.bfloat16).to(gl.float32)
+        item = pid + j * NPROG
+        p = item // NRB
+        ok = gl.load(ids_ptr + p) >= 0
+        gl.store(h_ptr + p * I + (item % NRB) * RR + rows, h, mask=(rows >= 0) & ok)
+    for i in gl.static_range(NS):
+        mbarrier.invalidate(bars.index(i))
+
+
+def descriptors(q: torch.Tensor, d: torch.Tensor):
+    """TMA descriptors of the gate_up planes (q int32 words [slots, 2I, W], d fp16 [slots, 2I, NB], each contiguous)
+    as [slots x 2I, .] matrices, boxes of R rows."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    if not (q.is_contiguous() and d.is_contiguous()):
+        raise ValueError("gluon_gate_up reads contiguous planes (a [slots x rows, .] view for TMA)")
+    q2, d2 = q.view(-1, q.shape[-1]), d.view(-1, d.shape[-1])
+    ql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    dl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    return TensorDescriptor.from_tensor(q2, [R, q2.shape[1]], ql), TensorDescriptor.from_tensor(d2, [R, d2.shape[1]], dl)
+
+
+def launch(xq, ids, q, d, h, nprog: int, ns: int, rnd: int, warps: int = 4, descs=None):
+    qd, dd = descs or descriptors(q, d)
+    i, k = h.shape[1], ids.numel()
+    gate_up_kernel[(nprog,)](qd, dd, ids, xq[0].view(torch.int32), xq[1], xq[2], h, I=i, KTOP=k, NS=ns, NPROG=nprog,
+                             RR=R, NBK=NB, ROUND=rnd, num_warps=warps)
+    return h
+
+
+def compile_only(ns: int, nprog: int) -> dict:
+    """sm_90 build without a GPU: the argument types from CPU stand-ins."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    slots, i = 4, 768
+    q = torch.zeros(slots, 2 * i, W, dtype=torch.int32)
+    d = torch.zeros(slots, 2 * i, NB, dtype=torch.float16)
+    qd, dd = descriptors(q, d)
+    fn = gate_up_kernel
+    args = {"q_desc": qd, "d_desc": dd}
+    const = dict(I=i, KTOP=8, NS=ns, NPROG=nprog, RR=R, NBK=NB, ROUND=1, num_warps=4)
+    sig = {}
+    for n in fn.arg_names:
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in args:
+            sig[n] = mangle_type(args[n])
+        else:
+            sig[n] = "*fp32" if n in ("xd_ptr", "xs_ptr", "h_ptr") else "*i32"
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return {"ns": ns, "nprog": nprog, "shared": int(k.metadata.shared), "n_regs": getattr(k, "n_regs", None),
+            "ptx_lines": k.asm["ptx"].count("\n")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compile", action="store_true", help="no GPU: compile for sm_90 only")
+    ap.add_argument("--ns", default="3,4,6")
+    ap.add_argument("--nprog", default="132,264")
+    a = ap.parse_args()
+    if a.compile:
+        for ns in map(int, a.ns.split(",")):
+            print(json.dumps(compile_only(ns, 132)))
+        return 0
+    return run_gpu([int(s) for s in a.ns.split(",")], [int(p) for p in a.nprog.split(",")])
+
+
+def run_gpu(stages, nprogs) -> int:
+    """Against the shipped v5 gate_up (decode_gate_up, variant v5pdl: the same x quantizer launch, h in float32), on
+    bench_gpu_kernels' Q4_0 cases: max error, then per-call graph-replay time of each over ROT routings."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_gpu_kernels as bk
+    from moetier.kernels import triton_decode_q8 as q8
+    from moetier.kernels import triton_moe as tm
+    gen = torch.Generator().manual_seed(0)
+    c = bk.Case("qwen3-30b-a3b", "Q4_0", gen)
+    q, d = c.gw.v2_planes[0], c.gw.v2_planes[1]
+    descs = descriptors(q, d)
+    rs = bk.routings(1, c.k, c.slots, gen)
+    x = torch.randn(1, c.d, generator=gen).to(bk.DEV, bk.XDT)
+    xq = q8.quantize(x)
+    rnd = q8.ROUND.get(x.dtype, 0)
+    out = []
+    h_ref = torch.empty(c.k, c.i, device=bk.DEV)
+    h = torch.empty_like(h_ref)
+    ids0 = rs[0][0].reshape(-1).contiguous()
+    tm.decode_gate_up(x, ids0, c.gw, c.code, c.act.alpha, c.act.limit, None, h_ref, variant="v5pdl")
+    ref_us = bk.graph_us([lambda ids=ids.reshape(-1).contiguous(): tm.decode_gate_up(
+        x, ids, c.gw, c.code, c.act.alpha, c.act.limit, None, h_ref, variant="v5pdl") for ids, _ in rs])
+    uniq = sum(len(set(i.reshape(-1).tolist()) - {-1}) for i, _ in rs) / len(rs)
+    nbytes = int(uniq * c.gu_bytes)
+    out.append({"kernel": "v5pdl gate_up (with its x quantizer)", "us": round(ref_us, 2), "MB": round(nbytes / 1e6, 2),
+                "read_ceiling_us": bk.read_ceiling_us(nbytes)})
+    for ns in stages:
+        for nprog in nprogs:
+            try:
+                launch(xq, ids0, q, d, h, nprog, ns, rnd, descs=descs)
+                err = ((h - h_ref).abs().max() / h_ref.abs().max()).item()
+                us = bk.graph_us([lambda ids=ids.reshape(-1).contiguous(): (
+                    q8.quantize(x), launch(xq, ids, q, d, h, nprog, ns, rnd, descs=descs)) for ids, _ in rs])
+                alone = bk.graph_us([lambda ids=ids.reshape(-1).contiguous(): launch(
+                    xq, ids, q, d, h, nprog, ns, rnd, descs=descs) for ids, _ in rs])
+                r = {"kernel": "gluon gate_up (with the x quantizer)", "ns": ns, "nprog": nprog, "us": round(us, 2),
+                     "alone_us": round(alone, 2), "max_rel_err": round(err, 6)}
+            except Exception as e:  # noqa: BLE001 (report, go on)
+                r = {"kernel": "gluon gate_up", "ns": ns, "nprog": nprog, "error": f"{type(e).__name__}: {e}"[:300]}
+            out.append(r)
+            print(r, file=sys.stderr, flush=True)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
