@@ -9,7 +9,7 @@ Each call touches a different set of slots (16 rotating routings over a 128-slot
 the L2), so weights come from HBM, as in a real decode step. Times: CUDA graph replays of the 16
 calls (the engine's mode; per call) and triton.testing.do_bench (eager launches, L2 flushed).
 
-    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 (vs v5) kernels and tiles, every
+    python bench/bench_gpu_kernels.py --variants [--out v.json]   # decode v1 vs v2 vs v3 vs v5 kernels and tiles, every
                                                                # format, Qwen3-30B-A3B T=1 (< 2 min)
     python bench/bench_gpu_kernels.py --variants --only v2,v5pdl --fmt MXFP4   # those variants only
     python bench/bench_gpu_kernels.py --profile-pair --only v5pdl,v5q --fmt Q4_0  # where each pair's time goes
@@ -703,7 +703,8 @@ def sass_loop(sass: str) -> dict:
 
 
 def sass_waits(sass: str, threads: int) -> dict:
-    """Latency cover of the 128-bit global loads up to the first ATOMG (kernels without one: all), from the scoreboards in each instruction's control bits (sm_70+: second word >> 41,
+    """Latency cover of the 128-bit global loads up to the first ATOMG (kernels without one: all), from the
+    scoreboards in each instruction's control bits (sm_70+: second word >> 41,
     write barrier bits 5-7, wait mask bits 11-16): per load, the instructions from issue to the first wait
     on its scoreboard (any load on a scoreboard is retired by a wait on it), and the 128-bit loads in
     flight at each wait that retires some, as KB per SM (threads per program, one program per SM)."""

@@ -124,7 +124,8 @@ def descriptors(q: torch.Tensor, d: torch.Tensor):
     q2, d2 = q.view(-1, q.shape[-1]), d.view(-1, d.shape[-1])
     ql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     dl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    return TensorDescriptor.from_tensor(q2, [R, q2.shape[1]], ql), TensorDescriptor.from_tensor(d2, [R, d2.shape[1]], dl)
+    return (TensorDescriptor.from_tensor(q2, [R, q2.shape[1]], ql),
+            TensorDescriptor.from_tensor(d2, [R, d2.shape[1]], dl))
 
 
 def launch(xq, ids, q, d, h, nprog: int, ns: int, rnd: int, warps: int = 4, descs=None):
