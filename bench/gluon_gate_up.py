@@ -1,14 +1,17 @@
-"""Experiment for #4 (not used by the engine): Q4_0 gate_up at T=1 as a Gluon kernel that streams the weights through
-a ring of shared-memory stages filled by TMA, in about one persistent program an SM (docs/perf-log.md, session 31,
-Next item 1). Triton's own pipeliner copied the broadcast activation loads into shared memory as well and was 2.7-25x
-slower (session 31, item 2); here only the weight tiles go through shared memory and x stays in registers.
+"""Experiment for #4 (not used by the engine): Q4_0 gate_up and down at T=1 as Gluon kernels that stream the weights
+through a ring of shared-memory stages filled by TMA, in about one persistent program an SM (docs/perf-log.md,
+session 31, Next item 1). Triton's own pipeliner copied the broadcast activation loads into shared memory as well
+and was 2.7-25x slower (session 31, item 2); here only the weight tiles go through shared memory and x stays in
+registers.
 
-    python bench/gluon_gate_up.py --compile          # no GPU: compile for sm_90, print registers / shared memory
-    python bench/gluon_gate_up.py                    # H200: check against the v5 gate_up, time both (graph replays)
+    python bench/gluon_gate_up.py --compile    # no GPU: compile both kernels for sm_90, print their shared memory
+    python bench/gluon_gate_up.py              # H200: check against v5pdl's gate_up and pair, time them (graph replays)
 
 A program takes items (pair, 8 rows of h): the 8 gate rows and the 8 matching up rows of the pair's slot, 16 x 1 KB of
 q words and their fp16 block scales, one TMA stage; NS stages in flight; h = silu(gate) * up as float32 (rounded to x's
-dtype, as gate_up_v5's), without its int8 copy (a first test of the streaming alone).
+dtype, as gate_up_v5's), without its int8 copy (a first test of the streaming alone). Down: items of 16 rows of D over
+all k experts, one stage an expert (its rows padded to 32 blocks by TMA's zero fill), h's int8 copy from `quantize`;
+the pair is then v5pdl's four launches (x quantizer, gate_up, h quantizer, down) without PDL.
 """
 from __future__ import annotations
 
@@ -115,6 +118,97 @@ def gate_up_kernel(q_desc, d_desc, ids_ptr, xw_ptr, xd_ptr, xs_ptr, h_ptr, I: gl
         mbarrier.invalidate(bars.index(i))
 
 
+RD = 16         # rows of D a down item
+NBD = 32        # down's blocks a row, padded to a power of two (I = 768: 24; TMA fills the rest with zeros)
+
+
+@gluon.jit
+def _issue_down(t, pid, q_desc, d_desc, ids_ptr, bars, qb, db, D: gl.constexpr, KTOP: gl.constexpr,
+                NPROG: gl.constexpr, NS: gl.constexpr, RR: gl.constexpr):
+    """TMA loads of this program's t-th stage (item pid + (t // KTOP) * NPROG, expert t % KTOP) into stage t % NS."""
+    item = pid + (t // KTOP) * NPROG
+    s = gl.maximum(gl.load(ids_ptr + t % KTOP), 0)
+    st = t % NS
+    bar = bars.index(st)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + d_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [s * D + item * RR, 0], bar, qb.index(st))
+    tma.async_copy_global_to_shared(d_desc, [s * D + item * RR, 0], bar, db.index(st))
+
+
+@gluon.jit
+def down_kernel(q_desc, d_desc, ids_ptr, w_ptr, hw_ptr, hd_ptr, hs_ptr, out_ptr, D: gl.constexpr, I: gl.constexpr,
+                KTOP: gl.constexpr, NS: gl.constexpr, NPROG: gl.constexpr, RR: gl.constexpr, NBK: gl.constexpr,
+                num_warps: gl.constexpr):
+    """grid (NPROG,): out[n] = sum_j w[j] * (down_j row n . h[j]) for the T=1 decode, h as int8 words (hw_ptr: int32
+    [KTOP, I / 4], `quantize`'s; hd / hs its scales per 32-block). An item is RR rows of D over all KTOP experts, one
+    TMA stage an expert, accumulated in registers (no atomics)."""
+    NITEMS: gl.constexpr = D // RR
+    NBR: gl.constexpr = I // 32                                        # real blocks a row (NBK: padded)
+    pid = gl.program_id(0)
+    n_mine = (NITEMS - pid + NPROG - 1) // NPROG
+    n_st = n_mine * KTOP
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [num_warps, 1, 1], [2, 1, 0])
+    LB: gl.constexpr = gl.SliceLayout(2, L3)
+    LR: gl.constexpr = gl.SliceLayout(1, LB)
+    LX: gl.constexpr = gl.SliceLayout(0, L3)
+    qb = gl.allocate_shared_memory(gl.int32, [NS, RR, 4 * NBK], q_desc.layout)
+    db = gl.allocate_shared_memory(gl.float16, [NS, RR, NBK], d_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(bars.index(i), count=1)
+    for t in gl.static_range(NS - 1):
+        if t < n_st:
+            _issue_down(t, pid, q_desc, d_desc, ids_ptr, bars, qb, db, D, KTOP, NPROG, NS, RR)
+    b2 = gl.arange(0, NBK, layout=gl.SliceLayout(1, LX))[:, None]
+    e2 = gl.arange(0, 4, layout=gl.SliceLayout(0, LX))[None, :]
+    mx = (b2 < NBR) & (e2 >= 0)
+    bb = gl.arange(0, NBK, layout=gl.SliceLayout(0, LB))
+    rows = gl.arange(0, RR, layout=LR)
+    acc = gl.zeros([RR], gl.float32, LR)
+    for t in range(n_st):
+        nxt = t + NS - 1
+        if nxt < n_st:
+            gl.thread_barrier()
+            _issue_down(nxt, pid, q_desc, d_desc, ids_ptr, bars, qb, db, D, KTOP, NPROG, NS, RR)
+        j = t % KTOP
+        xl = gl.load(hw_ptr + j * (I // 4) + b2 * 8 + e2, mask=mx, other=0)[None, :, :]
+        xh = gl.load(hw_ptr + j * (I // 4) + b2 * 8 + 4 + e2, mask=mx, other=0)[None, :, :]
+        dx = gl.load(hd_ptr + j * NBR + bb, mask=bb < NBR, other=0.0)[None, :]
+        xs = gl.load(hs_ptr + j * NBR + bb, mask=bb < NBR, other=0.0)[None, :]
+        wj = gl.where(gl.load(ids_ptr + j) >= 0, gl.load(w_ptr + j).to(gl.float32), 0.0)
+        st = t % NS
+        mbarrier.wait(bars.index(st), (t // NS) & 1)
+        acc += wj * _rows_dot(qb.index(st).reshape([RR, NBK, 4]).load(L3), db.index(st).load(LB), xl, xh, dx, xs,
+                              L3)
+        if j == KTOP - 1:
+            item = pid + (t // KTOP) * NPROG
+            gl.store(out_ptr + item * RR + rows, acc.to(out_ptr.dtype.element_ty))
+            acc = gl.zeros([RR], gl.float32, LR)
+    for i in gl.static_range(NS):
+        mbarrier.invalidate(bars.index(i))
+
+
+def down_descriptors(q: torch.Tensor, d: torch.Tensor):
+    """TMA descriptors of the down planes (q int32 [slots, D, I / 8], d fp16 [slots, D, I / 32]) as [slots x D, .]
+    matrices, boxes of RD rows x the padded row (4 NBD words, NBD scales: TMA fills past the row with zeros)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    if not (q.is_contiguous() and d.is_contiguous()):
+        raise ValueError("gluon_gate_up reads contiguous planes (a [slots x rows, .] view for TMA)")
+    q2, d2 = q.view(-1, q.shape[-1]), d.view(-1, d.shape[-1])
+    ql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    dl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    return TensorDescriptor.from_tensor(q2, [RD, 4 * NBD], ql), TensorDescriptor.from_tensor(d2, [RD, NBD], dl)
+
+
+def launch_down(hq, ids, w, q, d, out, nprog: int, ns: int, warps: int = 4, descs=None):
+    qd, dd = descs or down_descriptors(q, d)
+    dim, i = out.shape[1], hq[0].shape[1]
+    down_kernel[(min(nprog, dim // RD),)](qd, dd, ids, w, hq[0].view(torch.int32), hq[1], hq[2], out, D=dim, I=i,
+                                          KTOP=ids.numel(), NS=ns, NPROG=min(nprog, dim // RD), RR=RD, NBK=NBD,
+                                          num_warps=warps)
+    return out
+
+
 def descriptors(q: torch.Tensor, d: torch.Tensor):
     """TMA descriptors of the gate_up planes (q int32 words [slots, 2I, W], d fp16 [slots, 2I, NB], each contiguous)
     as [slots x 2I, .] matrices, boxes of R rows."""
@@ -159,8 +253,16 @@ def compile_only(ns: int, nprog: int) -> dict:
             sig[n] = "*fp32" if n in ("xd_ptr", "xs_ptr", "h_ptr") else "*i32"
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return {"ns": ns, "nprog": nprog, "shared": int(k.metadata.shared), "n_regs": getattr(k, "n_regs", None),
-            "ptx_lines": k.asm["ptx"].count("\n")}
+    qd2, dd2 = down_descriptors(torch.zeros(slots, 2048, i // 8, dtype=torch.int32),
+                                torch.zeros(slots, 2048, i // 32, dtype=torch.float16))
+    fn2, args2 = down_kernel, {"q_desc": qd2, "d_desc": dd2}
+    const2 = dict(D=2048, I=i, KTOP=8, NS=ns, NPROG=128, RR=RD, NBK=NBD, num_warps=4)
+    sig2 = {n: "constexpr" if n in const2 else mangle_type(args2[n]) if n in args2 else
+            "*bf16" if n == "out_ptr" else "*fp32" if n in ("hd_ptr", "hs_ptr", "w_ptr") else "*i32"
+            for n in fn2.arg_names}
+    k2 = triton.compile(GluonASTSource(fn2, sig2, constexprs={(fn2.arg_names.index(a),): v for a, v in const2.items()}),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return {"ns": ns, "nprog": nprog, "gate_up_shared": int(k.metadata.shared), "down_shared": int(k2.metadata.shared)}
 
 
 def main() -> int:
@@ -215,6 +317,36 @@ def run_gpu(stages, nprogs) -> int:
                      "alone_us": round(alone, 2), "max_rel_err": round(err, 6)}
             except Exception as e:  # noqa: BLE001 (report, go on)
                 r = {"kernel": "gluon gate_up", "ns": ns, "nprog": nprog, "error": f"{type(e).__name__}: {e}"[:300]}
+            out.append(r)
+            print(r, file=sys.stderr, flush=True)
+    # the pair: x quantizer, gate_up, h quantizer, down (v5pdl's four launches, here without PDL) against v5pdl's pair
+    qdn, ddn = c.dw.v2_planes[0], c.dw.v2_planes[1]
+    ddescs = down_descriptors(qdn, ddn)
+    y_ref = torch.empty_like(x)
+    y = torch.empty_like(x)
+    ids0, w0 = rs[0][0].reshape(-1).contiguous(), rs[0][1].reshape(-1).contiguous()
+    tm.moe_decode(x, rs[0][0], rs[0][1], c.gw, c.dw, c.code, c.act.alpha, c.act.limit, out=y_ref, variant="v5pdl")
+    pair_ref = bk.graph_us([lambda i=i, w=w: tm.moe_decode(x, i, w, c.gw, c.dw, c.code, c.act.alpha, c.act.limit,
+                                                           out=y_ref, variant="v5pdl") for i, w in rs])
+    pb = int(uniq * (c.gu_bytes + c.dn_bytes))
+    copy_bw = bk.hbm_copy_GBps()
+    out.append({"kernel": "v5pdl pair", "us": round(pair_ref, 2), "MB": round(pb / 1e6, 2),
+                "read_ceiling_us": bk.read_ceiling_us(pb)})
+
+    def gpair(i, w, ns, nprog):
+        launch(q8.quantize(x), i, q, d, h, nprog, ns, rnd, descs=descs)
+        return launch_down(q8.quantize(h), i, w, qdn, ddn, y, nprog, ns, descs=ddescs)
+    for ns in stages:
+        for nprog in nprogs:
+            try:
+                gpair(ids0, w0, ns, nprog)
+                err = ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
+                us = bk.graph_us([lambda i=i.reshape(-1).contiguous(), w=w.reshape(-1).contiguous(): gpair(
+                    i, w, ns, nprog) for i, w in rs])
+                r = {"kernel": "gluon pair", "ns": ns, "nprog": nprog, "us": round(us, 2),
+                     "frac_of_copy": round(pb / (us * 1e-6) / 1e9 / copy_bw, 3), "max_rel_err": round(err, 6)}
+            except Exception as e:  # noqa: BLE001 (report, go on)
+                r = {"kernel": "gluon pair", "ns": ns, "nprog": nprog, "error": f"{type(e).__name__}: {e}"[:300]}
             out.append(r)
             print(r, file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1))
