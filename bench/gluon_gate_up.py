@@ -188,16 +188,21 @@ def down_kernel(q_desc, d_desc, ids_ptr, w_ptr, hw_ptr, hd_ptr, hs_ptr, out_ptr,
         mbarrier.invalidate(bars.index(i))
 
 
-def down_descriptors(q: torch.Tensor, d: torch.Tensor):
-    """TMA descriptors of the down planes (q int32 [slots, D, I / 8], d fp16 [slots, D, I / 32]) as [slots x D, .]
-    matrices, boxes of RD rows x the padded row (4 NBD words, NBD scales: TMA fills past the row with zeros)."""
+def _tma(t: torch.Tensor, rows: int, cols: int):
+    """A TMA descriptor of plane t ([slots, rows of the matrix, .], contiguous) as a [slots x rows, .] matrix, boxes
+    of rows x cols (cols past a row's end read as zeros)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    if not (q.is_contiguous() and d.is_contiguous()):
+    if not t.is_contiguous():
         raise ValueError("gluon_gate_up reads contiguous planes (a [slots x rows, .] view for TMA)")
-    q2, d2 = q.view(-1, q.shape[-1]), d.view(-1, d.shape[-1])
-    ql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    dl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    return TensorDescriptor.from_tensor(q2, [RD, 4 * NBD], ql), TensorDescriptor.from_tensor(d2, [RD, NBD], dl)
+    t2 = t.view(-1, t.shape[-1])
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * t.element_size(), rank=2)
+    return TensorDescriptor.from_tensor(t2, [rows, cols], layout)
+
+
+def down_descriptors(q: torch.Tensor, d: torch.Tensor):
+    """TMA descriptors of the down planes (q int32 [slots, D, I / 8], d fp16 [slots, D, I / 32]), boxes of RD rows x
+    the padded row (4 NBD words, NBD scales: TMA fills past the row with zeros)."""
+    return _tma(q, RD, 4 * NBD), _tma(d, RD, NBD)
 
 
 def launch_down(hq, ids, w, q, d, out, nprog: int, ns: int, warps: int = 4, descs=None):
@@ -210,16 +215,9 @@ def launch_down(hq, ids, w, q, d, out, nprog: int, ns: int, warps: int = 4, desc
 
 
 def descriptors(q: torch.Tensor, d: torch.Tensor):
-    """TMA descriptors of the gate_up planes (q int32 words [slots, 2I, W], d fp16 [slots, 2I, NB], each contiguous)
-    as [slots x 2I, .] matrices, boxes of R rows."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    if not (q.is_contiguous() and d.is_contiguous()):
-        raise ValueError("gluon_gate_up reads contiguous planes (a [slots x rows, .] view for TMA)")
-    q2, d2 = q.view(-1, q.shape[-1]), d.view(-1, d.shape[-1])
-    ql = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    dl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    return (TensorDescriptor.from_tensor(q2, [R, q2.shape[1]], ql),
-            TensorDescriptor.from_tensor(d2, [R, d2.shape[1]], dl))
+    """TMA descriptors of the gate_up planes (q int32 words [slots, 2I, W], d fp16 [slots, 2I, NB]), boxes of R
+    whole rows."""
+    return _tma(q, R, q.shape[-1]), _tma(d, R, d.shape[-1])
 
 
 def launch(xq, ids, q, d, h, nprog: int, ns: int, rnd: int, warps: int = 4, descs=None):
@@ -231,38 +229,29 @@ def launch(xq, ids, q, d, h, nprog: int, ns: int, rnd: int, warps: int = 4, desc
 
 
 def compile_only(ns: int, nprog: int) -> dict:
-    """sm_90 build without a GPU: the argument types from CPU stand-ins."""
+    """sm_90 builds of both kernels without a GPU: the argument types from CPU stand-ins."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
+
+    def build(fn, descs: dict, const: dict, floats: tuple) -> int:
+        sig = {n: "constexpr" if n in const else mangle_type(descs[n]) if n in descs else
+               "*bf16" if n == "out_ptr" else "*fp32" if n in floats else "*i32" for n in fn.arg_names}
+        src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+        return int(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
     slots, i = 4, 768
-    q = torch.zeros(slots, 2 * i, W, dtype=torch.int32)
-    d = torch.zeros(slots, 2 * i, NB, dtype=torch.float16)
-    qd, dd = descriptors(q, d)
-    fn = gate_up_kernel
-    args = {"q_desc": qd, "d_desc": dd}
-    const = dict(I=i, KTOP=8, NS=ns, NPROG=nprog, RR=R, NBK=NB, ROUND=1, num_warps=4)
-    sig = {}
-    for n in fn.arg_names:
-        if n in const:
-            sig[n] = "constexpr"
-        elif n in args:
-            sig[n] = mangle_type(args[n])
-        else:
-            sig[n] = "*fp32" if n in ("xd_ptr", "xs_ptr", "h_ptr") else "*i32"
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    qd2, dd2 = down_descriptors(torch.zeros(slots, 2048, i // 8, dtype=torch.int32),
-                                torch.zeros(slots, 2048, i // 32, dtype=torch.float16))
-    fn2, args2 = down_kernel, {"q_desc": qd2, "d_desc": dd2}
-    const2 = dict(D=2048, I=i, KTOP=8, NS=ns, NPROG=128, RR=RD, NBK=NBD, num_warps=4)
-    sig2 = {n: "constexpr" if n in const2 else mangle_type(args2[n]) if n in args2 else
-            "*bf16" if n == "out_ptr" else "*fp32" if n in ("hd_ptr", "hs_ptr", "w_ptr") else "*i32"
-            for n in fn2.arg_names}
-    k2 = triton.compile(GluonASTSource(fn2, sig2, constexprs={(fn2.arg_names.index(a),): v for a, v in const2.items()}),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return {"ns": ns, "nprog": nprog, "gate_up_shared": int(k.metadata.shared), "down_shared": int(k2.metadata.shared)}
+    qd, dd = descriptors(torch.zeros(slots, 2 * i, W, dtype=torch.int32),
+                         torch.zeros(slots, 2 * i, NB, dtype=torch.float16))
+    gate_up = build(gate_up_kernel, {"q_desc": qd, "d_desc": dd},
+                    dict(I=i, KTOP=8, NS=ns, NPROG=nprog, RR=R, NBK=NB, ROUND=1, num_warps=4),
+                    ("xd_ptr", "xs_ptr", "h_ptr"))
+    qd, dd = down_descriptors(torch.zeros(slots, 2048, i // 8, dtype=torch.int32),
+                              torch.zeros(slots, 2048, i // 32, dtype=torch.float16))
+    down = build(down_kernel, {"q_desc": qd, "d_desc": dd},
+                 dict(D=2048, I=i, KTOP=8, NS=ns, NPROG=128, RR=RD, NBK=NBD, num_warps=4),
+                 ("hd_ptr", "hs_ptr", "w_ptr"))
+    return {"ns": ns, "nprog": nprog, "gate_up_shared": gate_up, "down_shared": down}
 
 
 def main() -> int:

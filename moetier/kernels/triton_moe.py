@@ -453,9 +453,9 @@ def variant_of(fmt: str, variant: str | None) -> str:
     Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer
     launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0).
     (v4, the whole layer in one persistent launch for T=1 Q4_0 / Q8_0, was slower and was removed (session 31: history
-    `triton_decode_v4.py`); v6, the v5 pair in one launch whose programs spin
-    on counters, was slower than v5pdl and raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch
-    of programs that each own 32 rows of h and add their share of down by float32 atomics, was slower too: session 16;
+    `triton_decode_v4.py`); v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and
+    raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of programs that each own 32 rows of
+    h and add their share of down by float32 atomics, was slower too: session 16;
     gate_up's programs asking L2 for down's bytes gained nothing: session 18; v5half, v5q in two halves of h's rows
     whose gate_up / down chains overlap, was slower than v5q in every format and was removed: docs/perf-log.md; so was
     v5qp, gate_up in about one persistent program an SM with the next item's loads in flight: session 29.)"""
