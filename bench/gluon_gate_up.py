@@ -275,7 +275,7 @@ def run_gpu(stages, nprogs) -> int:
     from moetier.kernels import triton_decode_q8 as q8
     from moetier.kernels import triton_moe as tm
     gen = torch.Generator().manual_seed(0)
-    c = bk.Case("qwen3-30b-a3b", "Q4_0", gen)
+    c = bk.Case("qwen3-30b-a3b", "Q4_0", torch.Generator(device=bk.DEV).manual_seed(0))
     q, d = c.gw.v2_planes[0], c.gw.v2_planes[1]
     descs = descriptors(q, d)
     rs = bk.routings(1, c.k, c.slots, gen)

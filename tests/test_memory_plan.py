@@ -221,6 +221,9 @@ def test_pcie_share_beside_the_prefetch_of_guessed_misses():
     assert prefetch_share(0.22, 0.61) == pytest.approx(0.006, abs=1e-3) and prefetch_share(0.22, 0.61, 8) == 0.0
     assert prefetch_share(0.22, 0.8, 8) == prefetch_share(0.22, 0.8) == pytest.approx(0.11, abs=1e-3)
     assert prefetch_share(0.22, 1.0, 8) == 0.22
+    # without the prefetch: the full share, unless it reads no expert of an average layer (14 GiB, 15% from RAM)
+    assert prefetch_share(0.228, 0.15, prefetch=False) == 0.228 and prefetch_share(0.228, 0.15, 8, False) == 0.0
+    assert prefetch_share(0.228, 0.55, 8, False) == 0.228 and prefetch_share(0.228, 0.3, 8, False) == 0.228
 
 
 def test_gpu_bandwidth_test_fits_the_budget():

@@ -227,7 +227,8 @@ class GraphTiers:
         if not fast.stage:
             return "no stage slots on the GPU"
         if self.share <= 0:
-            return "share 0 (--pcie-share 0, or the CPU's prefetch of guessed misses at this RAM coverage)"
+            return ("share 0 (--pcie-share 0, the CPU's prefetch of guessed misses at this RAM coverage, or a share "
+                    "that would read no expert of an average layer: memory.plan.prefetch_share)")
         if all(s >= self.E for s in t.cache.sizes):
             return "every expert is on the GPU"
         if not bank.slots or not bank.slots[0].is_pinned():

@@ -387,8 +387,8 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
         prefill_copy_tokens=copy_tokens if stage else None, share=share, kv_tier="ram" if kv_on_host else "device",
         state_bytes=state, problems=problems, embed_host_bytes=embed_host, lm_head_bytes=lm_head,
         miss_prefetch=config.prefetch != "off")
-    if pl.pcie_share and pl.miss_prefetch and config.pcie_share is None:
-        pl.pcie_share = prefetch_share(pl.pcie_share, pl.expected_coverage()["ram"], pl.top_k)
+    if pl.pcie_share and config.pcie_share is None:
+        pl.pcie_share = prefetch_share(pl.pcie_share, pl.expected_coverage()["ram"], pl.top_k, pl.miss_prefetch)
     return pl
 
 
@@ -400,14 +400,17 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
 PREFETCH_SHARE_FROM = 0.6
 
 
-def prefetch_share(share: float, ram_coverage: float, k: int = 0) -> float:
-    """The PCIe share beside the CPU's prefetch, for the expected share of routes served from RAM; 0 where the GPU
-    would read no expert of an average layer's misses (round(share x k x ram_coverage) == 0, k the routes a token
-    takes a layer): a share turns the router's doorbell ring and wait_add's next norm off (memory.doorbell). A share
-    of 0.005 (8 GiB with an 8K context: 61% of the routes from RAM) read nothing: 104.2 / 104.0 tok/s against 122.1 /
-    129.3 without it, in one process on the H200 (round trip 42.6 / 39.6 against 36.0 / 34.3 us a layer; and the
-    bound counted the PCIe rate it never used: docs/perf-log.md, session 31)."""
-    f = (ram_coverage - PREFETCH_SHARE_FROM) / (1.0 - PREFETCH_SHARE_FROM)
+def prefetch_share(share: float, ram_coverage: float, k: int = 0, prefetch: bool = True) -> float:
+    """The default PCIe share for the expected share of routes served from RAM. Beside the CPU's prefetch of guessed
+    misses (`prefetch`) it grows from 0 at PREFETCH_SHARE_FROM to `share` at all routes from RAM; without it, it is
+    `share`. Either way it is 0 where the GPU would read no expert of an average layer's misses (round(share x k x
+    ram_coverage) == 0, k the routes a token takes a layer): a share turns the router's doorbell ring and wait_add's
+    next norm off (memory.doorbell). Measured on the H200 box, one process each (docs/perf-log.md): with the prefetch
+    at 8 GiB and an 8K context (61% of the routes from RAM) a share of 0.005 read nothing, 104.2 / 104.0 tok/s
+    against 122.1 / 129.3 without it (session 31); with --prefetch off at 14 GiB (15% from RAM) a share of 0.228 read
+    3.7 experts a token over 48 layers, 153.7 / 199.6 tok/s against 260.6 / 201.5 at 0 (round trip 44 against 25 us
+    a layer; session 32)."""
+    f = (ram_coverage - PREFETCH_SHARE_FROM) / (1.0 - PREFETCH_SHARE_FROM) if prefetch else 1.0
     s = round(share * min(1.0, max(0.0, f)), 3)
     return 0.0 if k and s * k * ram_coverage < 0.5 else s
 
