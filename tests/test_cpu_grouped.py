@@ -163,7 +163,9 @@ def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, build):
     """Q4_0 rows x int8 activations per 32 values with 8 rows in the lanes (grp_tile8_nib: AVX-512 VNNI's dpbusd, or
     AVX2's maddubs summed in int16; an expert with >= 16 pairs, here expert 0 at 40 tokens, unpacked once:
     grp_rows8_q4_0_avx2) against float64 on the same rounding (round(v / d), d = max |v| / 127 per 32 values). The
-    integer sums are exact and the float order is one, so the AVX2 build and this machine's own give the same bits."""
+    integer sums are exact; this machine's own build is held to the same reference and to the AVX2 build's values
+    within float32 rounding, not to its bits: on an AVX-512 VNNI box the float steps round in another order (8 of 480
+    and 116 of 3,840 values differed in the last bit, both builds at 1.3-1.5e-7 of the reference)."""
     lib = build("haswell")
     if not cpu.grouped_int8_tile("Q4_0", lib):
         pytest.skip("no integer tile for Q4_0 in the AVX2 build")
@@ -175,7 +177,9 @@ def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, build):
     assert max_rel_err(y, ref) < 1e-3
     assert torch.equal(run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
     if cpu.backend() == "c" and cpu.grouped_int8_tile("Q4_0"):
-        assert torch.equal(run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=1), y)
+        own = run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=1)
+        assert max_rel_err(own, ref) < 1e-5 and max_rel_err(own, y) < 1e-6
+        assert torch.equal(run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=2), own)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", ("Q4_K", "Q6_K")])
