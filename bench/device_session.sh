@@ -283,7 +283,7 @@ for step in $STEPS; do
         bench proof48_g5shareab ${P48ABSECS:-480} $M --prompt-len 512 --gen 48 --gpu-mem 5GiB \
           --compare "share0:--pcie-share 0" --compare "default2:" --compare "share02:--pcie-share 0" ;;
       g14pfoff) bench proof48_g14pfoff ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 14GiB --prefetch off ;;
-      g14pfoffab)  # 14 GiB without the CPU's prefetch (~25% of the routes from RAM): the default PCIe share, which
+      g14pfoffab)  # 14 GiB without the CPU's prefetch (15% of the routes from RAM): the default PCIe share, which
                    # may read no expert an average layer, against --pcie-share 0: default / 0 / default / 0, one
                    # process (whether plan.prefetch_share's "reads nothing" rule should hold with --prefetch off too)
         bench proof48_g14pfoffab ${P48ABSECS:-480} $M --prompt-len 512 --gen 48 --gpu-mem 14GiB --prefetch off \

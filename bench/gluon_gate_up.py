@@ -2,7 +2,9 @@
 through a ring of shared-memory stages filled by TMA, in about one persistent program an SM (docs/perf-log.md,
 session 31, Next item 1). Triton's own pipeliner copied the broadcast activation loads into shared memory as well
 and was 2.7-25x slower (session 31, item 2); here only the weight tiles go through shared memory and x stays in
-registers.
+registers. Run on the H200 in session 32: the values are wrong (relative error ~1) and even as a stream gate_up is
+no faster than v5pdl's (6.19 us alone against 6.50 with its quantizer; read ceiling 4.6): kept as the record, not
+developed (perf-log session 32, item 1).
 
     python bench/gluon_gate_up.py --compile    # no GPU: compile both kernels for sm_90, print their shared memory
     python bench/gluon_gate_up.py              # H200: check against v5pdl's gate_up and pair, time them (graph replays)

@@ -209,8 +209,8 @@ def test_pcie_share_follows_the_measured_bandwidths():
 
 def test_pcie_share_beside_the_prefetch_of_guessed_misses():
     """With the CPU's prefetch of guessed misses the PCIe share is 0 where up to PREFETCH_SHARE_FROM of the routes
-    come from RAM (measured: 8 GiB, 55%), the full share where all do (--cpu-moe), linear between, and 0 where it
-    would read no expert of an average layer."""
+    come from RAM (measured: 8 GiB, 55%), the full share where all do (--cpu-moe), linear between; without the
+    prefetch the full share; either way 0 where it would read no expert of an average layer."""
     from moetier.memory.plan import PREFETCH_SHARE_FROM, prefetch_share
     assert prefetch_share(0.211, 0.55) == prefetch_share(0.211, PREFETCH_SHARE_FROM) == 0.0
     assert prefetch_share(0.211, 1.0) == 0.211
