@@ -25,6 +25,10 @@
 #   vram48      48 layers Q4_0 at --gpu-mem 8GiB: the blocks live at the VRAM peak by allocation site
 #   prefill48   48 layers Q4_0: torch.profiler of an 8K prefill at --cpu-moe and 8 GiB (bench/profile_prefill.py;
 #               PPLEN=512 another length; PPBENCH=1 the bench's 8K figure at both)
+#   prefillhost 48 layers Q4_0 all on the GPU: a short prefill's host enqueue vs its synced time vs a CUDA graph
+#               of it, one layer's MoE by both prefill paths (bench/prefill_host.py; PHLEN lengths, PHFLAGS)
+#   pp512       48 layers Q4_0 all on the GPU: the 512-token prefill with prefill graphs vs eager (PPLENS)
+#   deqtiles    the prefill's expert dequantizer at several tiles (bench/dequant_tiles.py, DQFMT)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
 #   doorbell12  12 layers Q4_0 and BF16 at --gpu-mem 3GiB: graphed vs eager tiered decode
@@ -128,10 +132,10 @@ for step in $STEPS; do
     tail -3 "$OUT/pcie.err"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, d[k]) for k in d if k not in ('gather','gather_base')]" "$OUT/pcie.json" ;;
   tests)
     TEST_K_DEFAULT="graphed or gguf or fused or rms or softmax or cuda_graph or deltanet or dequantize or cuda_module"
-    TEST_K_DEFAULT="$TEST_K_DEFAULT or add_norm or ring or topk"
+    TEST_K_DEFAULT="$TEST_K_DEFAULT or add_norm or ring or topk or prefill"
     timeout ${TSECS:-240} python3 -m pytest -q -o addopts="" tests/test_small_ops.py tests/test_gpu.py tests/test_deltanet_triton.py \
       tests/test_memory_gpu.py tests/test_kernels_triton.py tests/test_quant_experts.py tests/test_triton_repack.py \
-      tests/test_quant_linear.py tests/test_doorbell.py \
+      tests/test_quant_linear.py tests/test_doorbell.py tests/test_prefill_graph.py \
       -k "${TEST_K:-$TEST_K_DEFAULT}" \
       -p no:cacheprovider -rf --tb=short 2>&1 | tail -60 > "$OUT/gpu_tests.txt"
     grep -E "^E |passed|failed|FAILED" "$OUT/gpu_tests.txt" | tail -14
@@ -352,6 +356,30 @@ PY
     [ -n "${PPBENCH:-}" ] && bench prefill48_bench ${PPBSECS:-200} $M --prompt-len 8192 --gen 16 --cpu-moe \
       --compare g8:--gpu-mem=8GiB
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  prefillhost)
+    # a short prefill all on the GPU (llama.cpp pp512 7,991 tok/s): the host's enqueue against the synced forward,
+    # the forward captured in a CUDA graph, one layer's MoE by both prefill paths (bench/prefill_host.py)
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    for L in ${PHLEN:-512}; do
+      timeout ${PHSECS:-150} python3 bench/prefill_host.py $M --prompt-len $L ${PHFLAGS:-} > "$OUT/prefillhost_$L.json" \
+        2> "$OUT/prefillhost_$L.err"; tail -3 "$OUT/prefillhost_$L.err"; cat "$OUT/prefillhost_$L.json"
+    done
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  pp512)
+    # llama.cpp's pp512 placement (all on the GPU, 7,991 tok/s): the bench's 512-token prefill with the prefill
+    # graphs (default) against eager prefill (MOETIER_PREFILL_GRAPH_MAX=0), one process; PPLENS more lengths
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16 --compare "eager:MOETIER_PREFILL_GRAPH_MAX=0" \
+      --compare "graph2:"
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  deqtiles)
+    # the prefill's expert dequantizer at several tiles (bench/dequant_tiles.py; DQFMT formats)
+    for F in ${DQFMT:-Q4_0}; do
+      timeout ${DQSECS:-120} python3 bench/dequant_tiles.py --fmt $F > "$OUT/deqtiles_$F.json" 2> "$OUT/deqtiles_$F.err"
+      cat "$OUT/deqtiles_$F.err" | tail -22
+    done ;;
   g8skew)
     M=$DATA/q30-Q4_0-48-skew.gguf
     synth qwen3-30b-a3b Q4_0 48 0.5 $M 120

@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", default="512,4096,32768", metavar="N,N",
                    help="prompt lengths in tokens (default 512,4096,32768); decode is reported at the first")
     p.add_argument("--gen", type=int, default=128, metavar="N", help="tokens decoded per prompt (default 128)")
-    p.add_argument("--warmup", type=int, default=1, metavar="N", help="short warm-up requests first (default 1)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N",
+                   help="short warm-up requests first (default 2: the second captures the prefill graph of prompts "
+                        "up to 512 tokens where the engine has them)")
     p.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="decode at the first prompt length N times and report the median (every run is in "
                         "the JSON as decode_tok_s_runs; default 1)")

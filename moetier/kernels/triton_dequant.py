@@ -62,14 +62,16 @@ def _dequant_kernel(idx_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sq_s, sq_n, sd
 
 
 def dequantize(fmt: str, planes: dict[str, torch.Tensor] | torch.Tensor, idx: torch.Tensor,
-               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+               dtype: torch.dtype, out: torch.Tensor | None = None, tile: tuple | None = None) -> torch.Tensor:
     """Slots `idx` (int64 [n], on the planes' device) of one projection's planes (repack layout,
-    [slots, N, K']) -> float weights [n, N, K] in `dtype` (into `out` when given)."""
+    [slots, N, K']) -> float weights [n, N, K] in `dtype` (into `out` when given). tile: (rows, elements a step,
+    warps), default (BN, BK, 4) (bench/dequant_tiles.py times others)."""
     w = Weights(planes, fmt)
     n, N, K = idx.shape[0], w.n, w.k
+    bn, bk, warps = tile or (BN, BK, 4)
     if out is None:
         out = torch.empty(n, N, K, dtype=dtype, device=idx.device)
     if n:
-        _dequant_kernel[(n, triton.cdiv(N, BN))](idx, *w.args(), *w.extra_args(), out, N, K, w.code, BN, BK,
-                                                  num_warps=4)
+        _dequant_kernel[(n, triton.cdiv(N, bn))](idx, *w.args(), *w.extra_args(), out, N, K, w.code, bn, bk,
+                                                  num_warps=warps)
     return out

@@ -609,3 +609,33 @@ def moe_grouped(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: flo
     grouped_down(h, sorted_pairs, bslot, bm, w.reshape(-1).contiguous(), down, biases[1], y, cfg)
     res = y.view(t, k, d).sum(1, dtype=torch.float32)
     return res.to(x.dtype) if out is None else out.copy_(res)
+
+
+# ------------------------------------------------------------------ prefill: the k weighted expert rows of a token
+@triton.jit
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BD: tl.constexpr):
+    """grid (T, D / BD): out[t] = sum over j < K of round(y[inv[t K + j]] * w[t K + j]) (y's dtype), added in
+    float32 in j order, stored in out's dtype: what add_pairs makes of y * w, in one pass."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    m = c < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(inv_ptr + t * K + j).to(tl.int64)
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        y = tl.load(y_ptr + r * D + c, mask=m, other=0.0)
+        acc += (y.to(tl.float32) * wj).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + t * D + c, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def combine_pairs(ys: torch.Tensor, order: torch.Tensor, w: torch.Tensor, k: int, dtype) -> torch.Tensor:
+    """ys [T*k, D] expert rows in sorted order (row i is pair order[i] = t*k + j), w [T, k] -> [T, D] in dtype:
+    each token's k rows times their weights (rounded to ys' dtype) summed in float32, one launch (and the inverse
+    permutation's scatter)."""
+    p, d = ys.shape
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(p, device=order.device, dtype=order.dtype))
+    out = torch.empty(p // k, d, dtype=dtype, device=ys.device)
+    bd = min(1024, triton.next_power_of_2(d))
+    _combine_kernel[(p // k, triton.cdiv(d, bd))](ys, inv, w.reshape(-1).to(ys.dtype).contiguous(), out, d, K=k,
+                                                  BD=bd, num_warps=4)
+    return out

@@ -87,9 +87,10 @@ class CausalLM(nn.Module):
         return self.rope(positions, dtype) if self.rope is not None else None
 
     def forward(self, tokens: torch.Tensor, cache: Cache, last_only: bool = False,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
+                pos: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
         """`pos` (a 0-d device tensor) is the start position for CUDA-graph capture: shapes stay
-        static, attention covers the whole cache under a mask, and the caller advances the cache."""
+        static, attention covers the whole cache under a mask, and the caller advances the cache.
+        `last` (a [1] device tensor): the logits of that position only (a padded prefill graph's last real token)."""
         start = cache.length if pos is None else pos
         t = tokens.shape[0]
         if pos is None and start + t > cache.max_len:
@@ -103,6 +104,8 @@ class CausalLM(nn.Module):
             h = block(h, rope, cache[i], start)
         if pos is None:
             cache.advance(t)
-        if last_only:
+        if last is not None:
+            h = h.index_select(0, last)
+        elif last_only:
             h = h[-1:]
         return self.lm_head(self.model.norm(h))

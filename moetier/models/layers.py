@@ -357,10 +357,10 @@ class DenseExperts(nn.Module):
             # fused Triton decode kernels: no host sync, CUDA-graph capturable
             biases = None if self.gate_up_bias is None else (self.gate_up_bias, self.down_bias)
             return ops.moe_decode(x, ids, w, self.gate_up_proj, self.down_proj, self.act, biases)
+        if x.is_cuda and x.dtype == torch.bfloat16 and self.gate_up_bias is None and hasattr(torch, "_grouped_mm"):
+            return grouped_mm_experts(x, ids, w, self.gate_up_proj, self.down_proj, self.act)[0]   # (no host sync)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return gathered_experts(x, ids, w, self)
-        if x.is_cuda and x.dtype == torch.bfloat16 and self.gate_up_bias is None and hasattr(torch, "_grouped_mm"):
-            return grouped_mm_experts(x, ids, w, self.gate_up_proj, self.down_proj, self.act)[0]
         return grouped_experts(x, ids, w, self.num_experts, self.expert)
 
 
@@ -398,6 +398,9 @@ def grouped_mm_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate
     h = torch._grouped_mm(x[rows], gate_up.transpose(-2, -1), offs=offs)             # [T*k, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(act(gate, up).contiguous(), down.transpose(-2, -1), offs=offs)
+    out = ops.combine_pairs(y, order, w, k, x.dtype)     # CUDA: y * w and add_pairs in one pass
+    if out is not None:
+        return out, counts
     y = y * w.reshape(-1)[order, None].to(y.dtype)
     return add_pairs(x, rows, order, y, k), counts
 

@@ -148,8 +148,9 @@ class QuantExperts(DenseExperts):
 
     def _forward_planes(self, x, ids, w):
         if (x.is_cuda and x.shape[0] > ops.MAX_DECODE_TOKENS and x.dtype == torch.bfloat16 and self._biases() is None
-                and hasattr(torch, "_grouped_mm") and not torch.cuda.is_current_stream_capturing()):
-            return self._forward_dequant_grouped(x, ids, w)
+                and hasattr(torch, "_grouped_mm")
+                and (self._dequant_all(x, ids) or not torch.cuda.is_current_stream_capturing())):
+            return self._forward_dequant_grouped(x, ids, w)   # (captured: the all-experts form only, no sync)
         if ops.kernel_available(x, self.act, self.fmt, self.down_fmt):   # Triton: decode GEMVs or grouped GEMMs
             return ops.moe(x, ids, w, self.planes("gate_up"), self.planes("down"), self.act,
                            self._biases(), fmt=self.fmt, down_fmt=self.down_fmt)
@@ -165,7 +166,7 @@ class QuantExperts(DenseExperts):
         DEQUANT_ALL_ROUTES or more rows to the average expert and all E float copies fit DEQUANT_ALL_BYTES
         (then all E are dequantized: a big chunk uses nearly all of them anyway); else one (the used experts)."""
         e = self.num_experts
-        if ids.numel() >= DEQUANT_ALL_ROUTES * e and self.float_bytes(x.dtype) * e <= DEQUANT_ALL_BYTES:
+        if self._dequant_all(x, ids):
             idx = torch.arange(e, device=x.device)
         else:
             idx, inv = torch.unique(ids, return_inverse=True)
@@ -173,6 +174,11 @@ class QuantExperts(DenseExperts):
         gu = ops.dequantize(self.fmt, self.planes("gate_up"), idx, x.dtype)
         dn = ops.dequantize(self.down_fmt, self.planes("down"), idx, x.dtype)
         return grouped_mm_experts(x, ids, w, gu, dn, self.act)[0]
+
+    def _dequant_all(self, x, ids) -> bool:
+        """_forward_dequant_grouped dequantizes every expert (no host sync)."""
+        e = self.num_experts
+        return ids.numel() >= DEQUANT_ALL_ROUTES * e and self.float_bytes(x.dtype) * e <= DEQUANT_ALL_BYTES
 
     def float_bytes(self, dtype: torch.dtype) -> int:
         """One expert's gate_up and down in `dtype`."""

@@ -10,13 +10,17 @@ sampling, streaming and launches overlap the GPU's step instead of sitting betwe
 """
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections import deque
 
 import torch
 
 from ..errors import UserError
-from .kv_cache import Cache
+from .kv_cache import Cache, KVCache
+
+log = logging.getLogger(__name__)
 
 
 class DecodeGraph:
@@ -131,3 +135,130 @@ class GraphStep:
     def discard(self) -> None:
         while self.queue:
             self._wait()
+
+
+def prefill_graph_max() -> int:
+    """MOETIER_PREFILL_GRAPH_MAX: the longest prompt (tokens) prefilled by a CUDA graph (PrefillGraphs); 0: none."""
+    raw = os.environ.get("MOETIER_PREFILL_GRAPH_MAX", str(PrefillGraphs.MAX_TOKENS))
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UserError(f"MOETIER_PREFILL_GRAPH_MAX={raw!r}: give a token count (0 turns prefill graphs off)")
+    return n
+
+
+class PrefillGraphs:
+    """A fresh prompt's prefill (one chunk from position 0) as a CUDA graph replay, one graph per bucket of lengths.
+
+    Why: an eager prefill launches ~110 kernels a layer from Python; a 512-token prompt on the 48-layer Q4_0
+    30B-A3B shape all on the H200 took 101-142 ms eagerly (the host's enqueue as long as the whole forward) and
+    63 ms as one graph replay (docs/perf-log.md, session 33). The prompt is padded to its bucket (BUCKETS, then
+    multiples of STEP): the padding comes after every real token, so causal attention never lets a real token see
+    it, and each token's MoE is its own. The graph writes K/V into a scratch cache of its own (a session's cache has
+    its own addresses); the real positions are copied into the session's cache after the replay. The logits are
+    those of the last real position (`CausalLM.forward(last=...)`).
+    A bucket's first prompt runs eagerly (its kernels compile there); its second captures the graph. Only caches of
+    plain KVCache layers (no recurrent state, no --kv-dtype / --kv-offload stores) and only on an engine without
+    memory tiers; the caller checks the placement."""
+
+    BUCKETS = (16, 32, 64)
+    STEP = 128
+    MAX_TOKENS = 2048
+
+    def __init__(self, model, dtype, device, max_tokens: int):
+        self.model, self.dtype, self.device = model, dtype, torch.device(device)
+        self.max_tokens = max_tokens
+        self.scratch: Cache | None = None        # made at the first capture: max_tokens positions
+        self.graphs: dict[int, tuple] = {}       # bucket -> (graph, tokens, last, logits)
+        self.seen: set[int] = set()              # buckets run once eagerly
+        self.pool = None
+        self.failed: str | None = None           # why capturing stopped (then every prefill runs eagerly)
+        self.lock = threading.Lock()
+
+    def bucket(self, n: int) -> int:
+        for b in self.BUCKETS:
+            if n <= b:
+                return b
+        return -(-n // self.STEP) * self.STEP
+
+    def applies(self, cache: Cache, n: int) -> bool:
+        return (self.failed is None and cache.length == 0 and 0 < n <= self.max_tokens
+                and all(type(layer) is KVCache for layer in cache.layers))
+
+    @staticmethod
+    def fits(model, dtype) -> bool:
+        """The model's expert layers prefill without a host sync in bf16: GGUF experts as planes, or stacked bf16
+        experts without biases (torch._grouped_mm). Others (e.g. biased bf16 experts, whose only capturable form
+        copies k whole experts a token) stay eager."""
+        from ..models.layers import DenseExperts
+        from ..models.quant_experts import QuantExperts
+        if dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+            return False
+        for m in model.modules():
+            if isinstance(m, QuantExperts):
+                if m.layout != "planes":
+                    return False
+            elif isinstance(m, DenseExperts) and (type(m) is not DenseExperts or m.gate_up_bias is not None):
+                return False
+        return True
+
+    def __call__(self, cache: Cache, tokens: list[int]) -> torch.Tensor | None:
+        """Prefill `tokens` into the empty `cache` by a replay -> logits [V] of the last token, or None (the caller
+        runs the eager forward: the bucket's first prompt, or a cache or length this does not cover)."""
+        n = len(tokens)
+        if not self.applies(cache, n):
+            return None
+        b = self.bucket(n)
+        with self.lock:
+            entry = self.graphs.get(b)
+            if entry is None:
+                if b not in self.seen:
+                    self.seen.add(b)
+                    return None
+                entry = self._capture(b)
+                if entry is None:
+                    return None
+            graph, buf, last, logits = entry
+            host = torch.zeros(b, dtype=torch.long)
+            host[:n] = torch.tensor(tokens, dtype=torch.long)
+            buf.copy_(host)
+            last.fill_(n - 1)
+            graph.replay()
+            dsts = [t[:n] for layer in cache.layers for t in (layer.k, layer.v)]
+            torch._foreach_copy_(dsts, [t[:n] for layer in self.scratch.layers for t in (layer.k, layer.v)])
+            cache.advance(n)
+            return logits[-1]
+
+    def _capture(self, b: int):
+        """The graph of bucket b (None, with self.failed set, where the capture fails: out of memory, an op that
+        syncs with the host)."""
+        from .kv_cache import session_cache
+        try:
+            if self.scratch is None:
+                self.scratch = session_cache(self.model, self.max_tokens + self.STEP, self.dtype, self.device)
+                self.pool = torch.cuda.graph_pool_handle()
+            buf = torch.zeros(b, dtype=torch.long, device=self.device)
+            last = torch.zeros(1, dtype=torch.long, device=self.device)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.inference_mode(), torch.cuda.stream(stream):     # warm-up (rope tables, scratch buffers)
+                self.scratch.truncate(0)
+                self.model(buf, self.scratch, last=last)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            self.scratch.truncate(0)
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model(buf, self.scratch, last=last)
+            self.scratch.truncate(0)
+            torch.cuda.empty_cache()    # the eager warm-up's blocks: the graph's pool holds its own
+        except Exception as e:  # noqa: BLE001 (any capture failure: prefill stays eager, said once)
+            self.failed = f"{type(e).__name__}: {str(e)[:200]}"
+            self.graphs.clear()
+            self.scratch = None
+            torch.cuda.empty_cache()
+            log.warning("prefill CUDA graphs are off for this engine: capture failed (%s)", self.failed)
+            return None
+        self.graphs[b] = (graph, buf, last, logits)
+        return self.graphs[b]

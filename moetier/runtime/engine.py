@@ -298,7 +298,7 @@ class Engine:
             for ev in generate_stream(self.model, session.cache, ids, ids[cached:], sampler, max_tokens, eos,
                                       detok, stops, logprobs, cancel, self.prefill_chunk, cached,
                                       logits_processor, step, every,
-                                      lambda: session.save_snapshot(periodic=True)):
+                                      lambda: session.save_snapshot(periodic=True), self._prefill_graphs()):
                 if first:  # the prompt is prefilled and nothing decoded yet: a turn boundary
                     session.save_snapshot()
                     first = False
@@ -343,6 +343,19 @@ class Engine:
             from .cuda_graph import DecodeGraph, GraphStep
             session.graph = GraphStep(DecodeGraph(self.model, session.cache, tiers=graphed))
         return session.graph
+
+    def _prefill_graphs(self):
+        """runtime.cuda_graph.PrefillGraphs for this engine (made once), or None: CUDA with graphs on, no memory
+        tiers (their prefill stages experts from the host), no --kv-offload, experts that fit (PrefillGraphs.fits),
+        MOETIER_PREFILL_GRAPH_MAX > 0."""
+        pg = getattr(self, "_prefill_g", None)
+        if pg is None:
+            from .cuda_graph import PrefillGraphs, prefill_graph_max
+            n = prefill_graph_max() if self.device.startswith("cuda") else 0
+            ok = (n > 0 and self.config.cuda_graphs and self.tiers is None and not self.config.kv_offload
+                  and PrefillGraphs.fits(self.model, self.dtype))
+            pg = self._prefill_g = PrefillGraphs(self.model, self.dtype, self.device, n) if ok else False
+        return pg or None
 
     def _graph_tiers(self):
         """The tiers' CUDA-graph decode path (memory.doorbell), or None with the reason logged once."""

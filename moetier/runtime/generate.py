@@ -70,10 +70,15 @@ class StopMatcher:
 
 
 def prefill(model, cache: Cache, tokens: list[int], device, chunk: int, every: int = 0,
-            on_split: Callable[[], None] | None = None) -> torch.Tensor:
+            on_split: Callable[[], None] | None = None, graphs=None) -> torch.Tensor:
     """Run tokens through the model in chunks; -> logits of the last position [V]. With `every`,
     chunks also end where cache.length reaches a multiple of it, and `on_split()` runs there
-    (not after the last token: the caller's turn boundary follows)."""
+    (not after the last token: the caller's turn boundary follows). `graphs` (runtime.cuda_graph.PrefillGraphs):
+    a one-chunk prompt into an empty cache may be a graph replay instead."""
+    if graphs is not None and not every and len(tokens) <= chunk:
+        logits = graphs(cache, tokens)
+        if logits is not None:
+            return logits
     logits = None
     start = cache.length
     with torch.inference_mode():
@@ -96,14 +101,16 @@ def generate_stream(model, cache: Cache, prompt: list[int], new_tokens: list[int
                     chunk: int = 2048, cached: int = 0,
                     logits_processor: Callable | None = None,
                     step: Callable[[int], torch.Tensor] | None = None, snapshot_every: int = 0,
-                    on_snapshot: Callable[[], None] | None = None) -> Iterator[TokenEvent | Done]:
+                    on_snapshot: Callable[[], None] | None = None,
+                    prefill_graphs=None) -> Iterator[TokenEvent | Done]:
     """`cache` already holds prompt[:len(prompt) - len(new_tokens)]; run the rest and decode.
     `logits_processor(out, logits) -> logits` (optional) reshapes what the sampler sees;
-    `on_snapshot()` runs each time the prefill reaches a multiple of `snapshot_every` tokens."""
+    `on_snapshot()` runs each time the prefill reaches a multiple of `snapshot_every` tokens;
+    `prefill_graphs`: `prefill`'s graphs."""
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, new_tokens, device, chunk, snapshot_every, on_snapshot)
+    logits = prefill(model, cache, new_tokens, device, chunk, snapshot_every, on_snapshot, prefill_graphs)
     out: list[int] = []
     matcher = StopMatcher(list(stops))
     finish = "length"
