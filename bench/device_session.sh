@@ -27,7 +27,8 @@
 #               PPLEN=512 another length; PPBENCH=1 the bench's 8K figure at both)
 #   prefillhost 48 layers Q4_0 all on the GPU: a short prefill's host enqueue vs its synced time vs a CUDA graph
 #               of it, one layer's MoE by both prefill paths (bench/prefill_host.py; PHLEN lengths, PHFLAGS)
-#   pp512       48 layers Q4_0 all on the GPU: the 512-token prefill with prefill graphs vs eager (PPLENS)
+#   pp512       48 layers Q4_0 all on the GPU: the 512-token prefill with prefill graphs vs eager (PPLENS; PPNOCMP=1
+#               the default configuration alone)
 #   deqtiles    the prefill's expert dequantizer at several tiles (bench/dequant_tiles.py, DQFMT)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
@@ -371,8 +372,9 @@ PY
     # graphs (default) against eager prefill (MOETIER_PREFILL_GRAPH_MAX=0), one process; PPLENS more lengths
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
-    bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16 --compare "eager:MOETIER_PREFILL_GRAPH_MAX=0" \
-      --compare "graph2:"
+    if [ -n "${PPNOCMP:-}" ]; then bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16
+    else bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16 --compare "eager:MOETIER_PREFILL_GRAPH_MAX=0" \
+      --compare "graph2:"; fi
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   deqtiles)
     # the prefill's expert dequantizer at several tiles (bench/dequant_tiles.py; DQFMT formats)

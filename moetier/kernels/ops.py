@@ -196,9 +196,11 @@ def moe_grouped(x, slot_ids, w, gate_up, down, act="swiglu", biases=None, fmt="b
 
 def combine_pairs(ys: torch.Tensor, order: torch.Tensor, w: torch.Tensor, k: int, dtype) -> torch.Tensor | None:
     """A prefill's expert rows ys [T*k, D] (sorted: row i is pair order[i] = t*k + j) -> [T, D] in dtype, each
-    token's k rows times w [T, k] (rounded to ys' dtype) added in float32: one Triton pass on CUDA
-    (triton_moe.combine_pairs); None elsewhere (the caller's torch ops: models.layers.add_pairs)."""
-    if not (ys.is_cuda and backend() == "triton" and ys.stride(-1) == 1 and ys.is_contiguous()):
+    token's k rows times w [T, k] (rounded to ys' dtype) added in float32: one Triton pass on CUDA for 16-bit ys
+    (triton_moe.combine_pairs; float32 rows there would have their product fused into the add); None elsewhere (the
+    caller's torch ops: models.layers.add_pairs)."""
+    if not (ys.is_cuda and backend() == "triton" and ys.dtype in (torch.bfloat16, torch.float16)
+            and ys.is_contiguous()):
         return None
     from .triton_moe import combine_pairs as kernel
     with _on_device(ys):

@@ -16,7 +16,12 @@ from .triton_moe import DENSE, Q4_0, Q5_K, Q8_0, _kidx, _q4_0_load, _q4_k_load, 
 from .triton_tiles import deq_tile
 from .triton_weights import Weights
 
-BN, BK = 16, 256          # rows x elements per step (256: every format's block divides it)
+# rows x elements per step (256 and 1024: every format's block divides them), warps. Timed on the H200 (session 33,
+# bench/dequant_tiles.py, Q4_0, one 30B-A3B layer's 128 experts to bf16): (8, 1024, 4) gate_up 297.6 us / down 146.0
+# (81.6% / 83.2% of the copy rate) against (16, 256, 4) 331.3 / 161.4; (8, 512, 2) 295.4 / 148.7; 7 others slower.
+# The other formats keep (16, 256, 4) until timed.
+BN, BK, WARPS = 16, 256, 4
+TILES = {"Q4_0": (8, 1024, 4)}
 
 
 @triton.jit
@@ -65,10 +70,10 @@ def dequantize(fmt: str, planes: dict[str, torch.Tensor] | torch.Tensor, idx: to
                dtype: torch.dtype, out: torch.Tensor | None = None, tile: tuple | None = None) -> torch.Tensor:
     """Slots `idx` (int64 [n], on the planes' device) of one projection's planes (repack layout,
     [slots, N, K']) -> float weights [n, N, K] in `dtype` (into `out` when given). tile: (rows, elements a step,
-    warps), default (BN, BK, 4) (bench/dequant_tiles.py times others)."""
+    warps), default TILES' or (BN, BK, WARPS) (bench/dequant_tiles.py times others)."""
     w = Weights(planes, fmt)
     n, N, K = idx.shape[0], w.n, w.k
-    bn, bk, warps = tile or (BN, BK, 4)
+    bn, bk, warps = tile or TILES.get(fmt, (BN, BK, WARPS))
     if out is None:
         out = torch.empty(n, N, K, dtype=dtype, device=idx.device)
     if n:
