@@ -136,7 +136,7 @@ class EngineConfig:
     threads: int | None = None
     seed: int | None = None
     progress: bool = True
-    cuda_graphs: bool = True        # decode step as one CUDA graph (off: eager, for debugging)
+    cuda_graphs: bool = True        # decode step (and short fresh prefills) as CUDA graphs (off: eager, for debugging)
     fused_decode: bool = True       # CUDA decode step: fused Triton norm / router / attention (kernels/small_ops.py)
     cpu_compile: str = "auto"       # CPU decode step built by AOTInductor: on (build once, cached) | off |
                                     # auto (use the cached build, else build it in a background process

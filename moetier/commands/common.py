@@ -32,7 +32,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch (default: half the CPUs, at least 1)")
     g.add_argument("--no-cuda-graph", dest="cuda_graphs", action="store_false",
-                   help="decode eagerly instead of replaying one CUDA graph per token (debugging)")
+                   help="decode (and prefill prompts of up to 2048 tokens) eagerly instead of replaying CUDA "
+                        "graphs (debugging)")
     g.add_argument("--no-fused-decode", dest="fused_decode", action="store_false",
                    help="CUDA decode without the fused Triton RMSNorm / router / attention kernels (debugging)")
     g.add_argument("--cpu-compile", default="auto", choices=("auto", "on", "off"),
