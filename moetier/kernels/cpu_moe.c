@@ -605,17 +605,17 @@ static inline __m256i moe_x8_q5_bits(__m256i qh, int shift) {
 static inline __attribute__((always_inline)) void moe_x8_group2(int kind, const uint8_t *w, int64_t gs,
                                                                 const int8_t *qx, const float *dx, const float *sxs,
                                                                 const int32_t *m, int64_t nb, const uint8_t *pf_end,
-                                                                float *out) {
+                                                                int64_t ahead, float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
     const int q8 = kind == X8_Q8_0, q5 = kind == X8_Q5_1, fp4 = kind == X8_MXFP4;
     /* block bytes (8 rows), the quants' offset (after the 8 rows' scales: fp16, MXFP4 one e8m0 byte) */
     const int64_t bb = q8 ? 272 : q5 ? 192 : fp4 ? 136 : 144, qo = q5 ? 64 : fp4 ? 8 : 16;
-    /* every line of both groups PREFETCH_AHEAD ahead (one prefetch per block covered a 144-byte Q4_0 block's
+    /* every line of both groups `ahead` bytes ahead (one prefetch per block covered a 144-byte Q4_0 block's
      * first line only: from RAM 0.70-0.86x the row kernels on the dev box, now 1.12-1.5x), not past pf_end */
-    const uint8_t *pf = w + PREFETCH_AHEAD;
+    const uint8_t *pf = w + ahead;
     for (int64_t b = 0; b < nb; b++, w += bb) {
-        x8_prefetch2(&pf, w + bb + PREFETCH_AHEAD, gs, pf_end);
+        x8_prefetch2(&pf, w + bb + ahead, gs, pf_end);
         int32_t xv[8];
         memcpy(xv, qx + 32 * b, 32);
         __m256i s0 = _mm256_set1_epi32(m[b]), s1 = _mm256_setzero_si256(), t0 = s0, t1 = s1;
@@ -714,10 +714,10 @@ static inline __m256 x8_q4k_chunk(__m256 acc, __m256i lo, __m256i hi, __m256 d, 
  * of a block per sub-block (all of a block's lines at its start read slower from RAM than the row kernel). */
 static inline __attribute__((always_inline)) void moe_x8_iq4xs_group2(const uint8_t *w, int64_t gs, const int8_t *qx,
                                                                       const float *dx, const int32_t *m, int64_t nsb,
-                                                                      const uint8_t *pf_end, float *out) {
+                                                                      const uint8_t *pf_end, int64_t ahead, float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F), m4 = _mm256_set1_epi32(0x0F), m2 = _mm256_set1_epi32(3);
-    const uint8_t *pf = w + PREFETCH_AHEAD;
+    const uint8_t *pf = w + ahead;
     for (int64_t b = 0; b < nsb; b++, w += 1088) {
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
@@ -729,7 +729,7 @@ static inline __attribute__((always_inline)) void moe_x8_iq4xs_group2(const uint
         int32_t xv[64];
         memcpy(xv, qx + 256 * b, 256);
         for (int ib = 0; ib < 8; ib++) {
-            x8_prefetch2(&pf, w + 136 * (ib + 1) + PREFETCH_AHEAD, gs, pf_end);
+            x8_prefetch2(&pf, w + 136 * (ib + 1) + ahead, gs, pf_end);
             __m256i s = _mm256_set1_epi32(m[8 * b + ib]), t = s;
             for (int j = 0; j < 4; j++) {
                 const __m256i u = _mm256_loadu_si256((const __m256i *)(q + 128 * ib + 32 * j));
@@ -767,10 +767,10 @@ static inline __attribute__((always_inline)) void moe_x8_iq4xs_group2(const uint
  * kernel (dev box: gate_up 9.0 -> 12.6 GB/s on 1 thread; docs/perf-log.md, session 14). */
 static inline __attribute__((always_inline)) void moe_x8_q4k_group2(const uint8_t *w, int64_t gs, const int8_t *qx,
                                                                     const float *dx, const float *sx, int64_t nsb,
-                                                                    const uint8_t *pf_end, float *out) {
+                                                                    const uint8_t *pf_end, int64_t ahead, float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F);
-    const uint8_t *pf = w + PREFETCH_AHEAD;
+    const uint8_t *pf = w + ahead;
     for (int64_t b = 0; b < nsb; b++, w += 1152) {
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + gs)));
@@ -785,7 +785,7 @@ static inline __attribute__((always_inline)) void moe_x8_q4k_group2(const uint8_
         int32_t xv[64];
         memcpy(xv, qx + 256 * b, 256);
         for (int c = 0; c < 4; c++) {
-            x8_prefetch2(&pf, w + 288 * (c + 1) + PREFETCH_AHEAD, gs, pf_end);   /* a quarter of the block per chunk */
+            x8_prefetch2(&pf, w + 288 * (c + 1) + ahead, gs, pf_end);   /* a quarter of the block per chunk */
             __m256i s0 = _mm256_setzero_si256(), s1 = s0, t0 = s0, t1 = s0;     /* sub-blocks 2c, 2c + 1 */
             for (int g = 0; g < 8; g++) {
                 const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * (8 * c + g)));
@@ -821,8 +821,9 @@ static void x8_offsets(int kind, const int8_t *qx, int64_t nb, int32_t *m) {
  * bytes; 16 rows per kernel call, an odd last group twice and kept once. m: x8_offsets of x, or NULL (computed here
  * where the kind takes them). Prefetch not past pf_end. The miss server's rows of an interleaved RAM bank, and the
  * compiled CPU step's copies (moe_matvec_x8). */
-static void moe_x8_rows(int kind, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
-                        const float *sx, const int32_t *m, int64_t K, const uint8_t *pf_end, float *out) {
+static void moe_x8_rows_at(int kind, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
+                           const float *sx, const int32_t *m, int64_t K, const uint8_t *pf_end, int64_t ahead,
+                           float *out) {
     const int64_t nb = K / 32, gb = 8 * rs;
     int32_t mine[m || kind == X8_Q4_K ? 1 : nb];    /* Q4_K: no offsets (its mins come off in float) */
     if (!m && kind != X8_Q4_K) {
@@ -835,15 +836,35 @@ static void moe_x8_rows(int kind, const uint8_t *w, int64_t rs, int64_t n, const
         const uint8_t *wg = w + g * gb;
         float *o = pair ? out + 8 * g : two;
         const int64_t gs = pair ? gb : 0;
-        if (kind == X8_Q4_K) moe_x8_q4k_group2(wg, gs, qx, dx, sx, K / 256, pf_end, o);
-        else if (kind == X8_IQ4_XS) moe_x8_iq4xs_group2(wg, gs, qx, dx, m, K / 256, pf_end, o);
-        else if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
-        else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, pf_end, o);
-        else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, pf_end, o);
-        else if (kind == X8_MXFP4) moe_x8_group2(X8_MXFP4, wg, gs, qx, dx, sx, m, nb, pf_end, o);
-        else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, pf_end, o);
+        if (kind == X8_Q4_K) moe_x8_q4k_group2(wg, gs, qx, dx, sx, K / 256, pf_end, ahead, o);
+        else if (kind == X8_IQ4_XS) moe_x8_iq4xs_group2(wg, gs, qx, dx, m, K / 256, pf_end, ahead, o);
+        else if (kind == X8_Q8_0) moe_x8_group2(X8_Q8_0, wg, gs, qx, dx, sx, m, nb, pf_end, ahead, o);
+        else if (kind == X8_IQ4_NL) moe_x8_group2(X8_IQ4_NL, wg, gs, qx, dx, sx, m, nb, pf_end, ahead, o);
+        else if (kind == X8_Q5_1) moe_x8_group2(X8_Q5_1, wg, gs, qx, dx, sx, m, nb, pf_end, ahead, o);
+        else if (kind == X8_MXFP4) moe_x8_group2(X8_MXFP4, wg, gs, qx, dx, sx, m, nb, pf_end, ahead, o);
+        else moe_x8_group2(X8_Q4_0, wg, gs, qx, dx, sx, m, nb, pf_end, ahead, o);
         if (!pair) memcpy(out + 8 * g, two, sizeof(float) * 8);
     }
+}
+
+/* moe_x8_rows_at PREFETCH_AHEAD bytes ahead: the experts and the miss server */
+static void moe_x8_rows(int kind, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
+                        const float *sx, const int32_t *m, int64_t K, const uint8_t *pf_end, float *out) {
+    moe_x8_rows_at(kind, w, rs, n, qx, dx, sx, m, K, pf_end, PREFETCH_AHEAD, out);
+}
+
+#ifndef X8_DENSE_AHEAD          /* MOETIER_X8_DENSE_AHEAD=N at build time (kernels.cpu.build_library): A/B only */
+#define X8_DENSE_AHEAD 0        /* 0: the next pair of groups (2 x 8 rows) */
+#endif
+/* The dense one-token matvec's prefetch distance (moe_matvec_x8). On 1-2 threads a core streams a big matrix alone,
+ * and PREFETCH_AHEAD (inside the pair of groups at hand) left it waiting on RAM. The 2-core Zen 4 dev box, 1 thread,
+ * a 151936 x 2048 Q4_0 lm_head (175 MB), median of 6 processes each: 4 KB ahead 11.6 GB/s, 12 KB 12.4, 16 KB 12.9,
+ * the next pair of groups (18 KB) 13.2; a 2-layer 30B-A3B file's eager decode 45-50 -> 56-61 tok/s (docs/perf-log.md,
+ * session 33). The experts' x8 rows at that distance: no difference there. More threads keep PREFETCH_AHEAD (not
+ * timed). */
+static inline int64_t x8_dense_ahead(int64_t gb, int nthreads) {
+    const int64_t next = X8_DENSE_AHEAD ? X8_DENSE_AHEAD : 2 * gb;
+    return nthreads <= 2 && next > PREFETCH_AHEAD ? next : PREFETCH_AHEAD;
 }
 
 /* y[N] = W x for W rows interleaved by 8 of type `qtype` (an INTERLEAVED id; N a multiple of 8), x rounded to int8
@@ -860,9 +881,11 @@ static int moe_matvec_x8(int qtype, const uint8_t *w, int64_t N, int64_t K, cons
     moe_quantize_q8(x, K, qx, dx, sx);
     x8_offsets(kind, qx, nb, m);                    /* IQ4_NL's codebook + 128: as Q8_0's */
     if (nthreads > 1 + N / 8 * gb / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + N / 8 * gb / MIN_BYTES_PER_THREAD);
+    const int64_t ahead = x8_dense_ahead(gb, nthreads);
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t g = 0; g < N / 8; g += 2)          /* 16 rows a step (moe_x8_rows: an odd last group once) */
-        moe_x8_rows(kind, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, y + 8 * g);
+        moe_x8_rows_at(kind, w + g * gb, gb / 8, N / 8 - g < 2 ? 8 : 16, qx, dx, sx, m, K, w + N / 8 * gb, ahead,
+                       y + 8 * g);
     free(mem);
     return 0;
 }
