@@ -363,8 +363,9 @@ PY
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     for L in ${PHLEN:-512}; do
-      timeout ${PHSECS:-150} python3 bench/prefill_host.py $M --prompt-len $L ${PHFLAGS:-} > "$OUT/prefillhost_$L.json" \
-        2> "$OUT/prefillhost_$L.err"; tail -3 "$OUT/prefillhost_$L.err"; cat "$OUT/prefillhost_$L.json"
+      timeout ${PHSECS:-150} python3 bench/prefill_host.py $M --prompt-len $L ${PHFLAGS:-} \
+        > "$OUT/prefillhost_$L.json" 2> "$OUT/prefillhost_$L.err"
+      tail -3 "$OUT/prefillhost_$L.err"; cat "$OUT/prefillhost_$L.json"
     done
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   pp512)
@@ -373,8 +374,8 @@ PY
     M=$DATA/q30-Q4_0-48.gguf
     [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
     if [ -n "${PPNOCMP:-}" ]; then bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16
-    else bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16 --compare "eager:MOETIER_PREFILL_GRAPH_MAX=0" \
-      --compare "graph2:"; fi
+    else bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16 \
+      --compare "eager:MOETIER_PREFILL_GRAPH_MAX=0" --compare "graph2:"; fi
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   deqtiles)
     # the prefill's expert dequantizer at several tiles (bench/dequant_tiles.py; DQFMT formats)

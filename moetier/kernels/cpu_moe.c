@@ -714,7 +714,8 @@ static inline __m256 x8_q4k_chunk(__m256 acc, __m256i lo, __m256i hi, __m256 d, 
  * of a block per sub-block (all of a block's lines at its start read slower from RAM than the row kernel). */
 static inline __attribute__((always_inline)) void moe_x8_iq4xs_group2(const uint8_t *w, int64_t gs, const int8_t *qx,
                                                                       const float *dx, const int32_t *m, int64_t nsb,
-                                                                      const uint8_t *pf_end, int64_t ahead, float *out) {
+                                                                      const uint8_t *pf_end, int64_t ahead,
+                                                                      float *out) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const __m256i lo = _mm256_set1_epi8(0x0F), m4 = _mm256_set1_epi32(0x0F), m2 = _mm256_set1_epi32(3);
     const uint8_t *pf = w + ahead;

@@ -229,7 +229,7 @@ class PrefillGraphs:
             dsts = [t[:n] for layer in cache.layers for t in (layer.k, layer.v)]
             torch._foreach_copy_(dsts, [t[:n] for layer in self.scratch.layers for t in (layer.k, layer.v)])
             cache.advance(n)
-            return logits[-1]
+            return logits[-1].clone()       # (the next replay of this bucket, from any thread, rewrites the buffer)
 
     def _capture(self, b: int):
         """The graph of bucket b (None, with self.failed set, where the capture fails: out of memory, an op that
