@@ -16,7 +16,7 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_gpu_kernels import make_weights  # noqa: E402
+from bench_gpu_kernels import hbm_copy_GBps, make_weights  # noqa: E402
 from moetier.kernels.triton_dequant import dequantize  # noqa: E402
 
 TILES = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (16, 1024, 4), (8, 512, 2), (64, 256, 8),
@@ -27,10 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fmt", default="Q4_0")
     a = p.parse_args()
-    a_ = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    b_ = torch.empty_like(a_)
-    copy = 2 * a_.numel() * 4 / (do_bench(lambda: b_.copy_(a_)) * 1e-3) / 1e9
-    del a_, b_
+    copy = hbm_copy_GBps()
     out = {"fmt": a.fmt, "hbm_copy_GBps": round(copy, 1), "shapes": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k) in {"gate_up": (1536, 2048), "down": (2048, 768)}.items():

@@ -18,7 +18,7 @@ from collections import deque
 import torch
 
 from ..errors import UserError
-from .kv_cache import Cache, KVCache
+from .kv_cache import Cache, KVCache, session_cache
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +221,7 @@ class PrefillGraphs:
                 if entry is None:
                     return None
             graph, buf, last, logits = entry
-            host = torch.zeros(b, dtype=torch.long)
-            host[:n] = torch.tensor(tokens, dtype=torch.long)
-            buf.copy_(host)
+            buf.copy_(torch.tensor(tokens + [0] * (b - n), dtype=torch.long))    # padded with token 0
             last.fill_(n - 1)
             graph.replay()
             dsts = [t[:n] for layer in cache.layers for t in (layer.k, layer.v)]
@@ -234,7 +232,6 @@ class PrefillGraphs:
     def _capture(self, b: int):
         """The graph of bucket b (None, with self.failed set, where the capture fails: out of memory, an op that
         syncs with the host)."""
-        from .kv_cache import session_cache
         try:
             if self.scratch is None:
                 self.scratch = session_cache(self.model, self.max_tokens + self.STEP, self.dtype, self.device)
