@@ -357,7 +357,8 @@ ALT_TILES_V5 = {"gate_up": [(4, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8), (2, 0,
 PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [None, (4, 0, 2), (2, 0, 2), (8, 0, 2)]}
 # v5q at wider gate_up tiles (--only v5qtiles): from 32 rows each program quantizes its own 32-blocks of h in registers
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
-PAIR_TILES_V5Q = [(32, 0, 4), (32, 0, 8), (32, 0, 2), (64, 0, 8), (16, 0, 4), (8, 0, 4)]
+PAIR_TILES_V5Q = [(32, 0, 16), (16, 0, 8), (64, 0, 16), (16, 0, 16), (32, 0, 8), (32, 0, 4), (16, 0, 4), (8, 0, 4),
+                  (64, 0, 8), (32, 0, 2)]     # session 34: 16 warps (127 registers, no spills: bench/kernel_regs.py)
 # v5q at (gate_up, down) tiles that fill the H200's SMs in about whole waves without spilling (--only v5qwave; from
 # bench/kernel_regs.py, session 27: the shipped Q4_0 gate_up holds one 255-register program an SM, 192 programs in
 # 1.45 waves; Q4_K's and Q6_K's downs spill 512 / 744 bytes a thread)
@@ -664,19 +665,25 @@ def v5_jobs(fmt: str, gu, dn, d: int, i: int, k: int) -> list:
     out = torch.empty(1, d, dtype=torch.bfloat16)
     gp, dp = tm.v2.v3_pieces(d, fmt), tm.v2.v3_pieces(i, fmt)
     base = dict(FMT=gu.code, HAS_BIAS=False, BS=tm.v2.STEP_BLOCK[fmt], PDL=True, EMU=False)
-    gu_args = (xw, xd, xd, ids, *q8._planes(gu), h, 0, h, 1.0, 7.0, hq, hd, hd, ids)
+    gu_args = (xw, xd, xd, ids, *q8._planes(gu), h, 0, h, 1.0, 7.0, hq, hd, hd, ids, xd, 0, xw)
     dn_args = (hq.view(torch.int32), hd, hd, ids, wt, *q8._planes(dn), out, 0, out, d)
 
-    def gate_up(name, tile, qh):
-        return (name, q8._gate_up_kernel, gu_args, dict(base, I=i, D=d, KTOP=k, ACT=0, BN=tile.bn, NB1=gp[0],
-                NB2=gp[1], ROUND=1, QH=qh, num_warps=tile.warps), 0)
+    xb = torch.empty(1, d, dtype=torch.bfloat16)
+    gx_args = gu_args[:-3] + (xb, d, torch.empty(64, d, dtype=torch.int8))
+
+    def gate_up(name, tile, qh, xq=False, **opt):
+        return (name, q8._gate_up_kernel, gx_args if xq else gu_args, dict(base, I=i, D=d, KTOP=k, ACT=0, BN=tile.bn,
+                NB1=gp[0], NB2=gp[1], ROUND=1, QH=qh, XQ=xq, NBP=triton.next_power_of_2(d // 32), tr_ptr=xd,
+                TRACE=False, num_warps=tile.warps, **opt), 0)
 
     def down(name, tile):
         return (name, q8._down_kernel, dn_args, dict(base, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=tile.bn,
-                NB1=dp[0], NB2=dp[1], TRIGGER=True, num_warps=tile.warps), 0)
+                NB1=dp[0], NB2=dp[1], TRIGGER=True, tr_ptr=out, TRACE=False, num_warps=tile.warps), 0)
     t5, tq, td = (tm.v2.Tile(*c[:4]) for c in (q8.GATE_UP5[fmt], q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt]),
                                                q8.DOWN5[fmt]))
-    return [gate_up("v5_gate_up", t5, 0), gate_up("v5q_gate_up", tq, q8.h_quantizer(tq.bn)), down("v5_down", td)]
+    qh = q8.h_quantizer(tq.bn)
+    return [gate_up("v5_gate_up", t5, 0), gate_up("v5q_gate_up", tq, qh), gate_up("v5qx_gate_up", tq, qh, True),
+            gate_up("v5qx128_gate_up", tq, qh, True, maxnreg=128), down("v5_down", td)]
 
 
 def sass_loop(sass: str) -> dict:

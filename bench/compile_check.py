@@ -76,9 +76,9 @@ def main() -> int:
         d, i = 2048, 768
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
         gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
-                  NBP=d // 32)
+                  NBP=d // 32, TRACE=False)
         dn = dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True, NB1=v3_pieces(i, fmt)[0],
-                  NB2=v3_pieces(i, fmt)[1])
+                  NB2=v3_pieces(i, fmt)[1], TRACE=False)
         cases = {
             "gate_up": (q8._gate_up_kernel, dict(gu, BN=4, QH=0, XQ=False)),
             "gate_up+qh": (q8._gate_up_kernel, dict(gu, BN=4, QH=1, XQ=False)),

@@ -47,6 +47,7 @@
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
 #               variants)
+#   timeline    the T=1 decode pair program by program (bench/pair_timeline.py: %globaltimer stamps; KFMT)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
 #   topo        the box: CPUs, cores, NUMA nodes, huge pages, load, the busiest processes
 #   cpumv       no GPU: the CPU int8 matvec alone at a decode layer's one-row shapes, 8 and 16 threads (CMTHREADS)
@@ -519,6 +520,11 @@ PY
     timeout ${PPRSECS:-150} python3 bench/bench_gpu_kernels.py --profile-pair --fmt ${KFMT:-Q4_0,Q8_0,Q4_K,Q6_K} \
       --only ${PPONLY:-v5pdl} > "$OUT/pairprof.json" 2> "$OUT/pairprof.err"
     tail -8 "$OUT/pairprof.err" | cut -c1-900 ;;
+  timeline)
+    # the T=1 decode pair program by program: waves, spans, down's start and end (bench/pair_timeline.py; KFMT)
+    timeout ${TLSECS:-150} python3 bench/pair_timeline.py --fmt ${KFMT:-Q4_0,Q4_K,Q6_K,Q8_0} \
+      --out "$OUT/timeline.json" 2> "$OUT/timeline.err" > /dev/null
+    cut -c1-1500 "$OUT/timeline.err" | tail -${TLLINES:-16} ;;
   graphcheck)
     # where graph replays and eager steps part, and whether replays of one graph agree (bench/graph_check.py)
     for i in $(seq ${GCRUNS:-2}); do

@@ -58,9 +58,11 @@ def ptxas() -> str:
     return found
 
 
-def compiled(fn, const: dict, types: dict, warps: int) -> tuple[str, int]:
-    """(PTX, shared bytes) of fn compiled for sm_90 with these constexprs, argument types and num_warps."""
-    k = triton.compile(source(fn, const, types), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+def compiled(fn, const: dict, types: dict, warps: int, maxnreg: int | None = None) -> tuple[str, int]:
+    """(PTX, shared bytes) of fn compiled for sm_90 with these constexprs, argument types and num_warps (maxnreg: a
+    register cap, as the launch option)."""
+    k = triton.compile(source(fn, const, types), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
     return k.asm["ptx"], int(k.metadata.shared)
 
 
@@ -88,8 +90,9 @@ def occupancy(regs: int, warps: int, shared: int) -> tuple[int, str]:
     return limits[name], name
 
 
-def entry(fmt, kernel, tile, grid, fn, const, tool) -> dict:
-    ptx, shared = compiled(fn, const, plane_types(fmt), tile.warps)
+def entry(fmt, kernel, tile, grid, fn, const, tool, maxnreg=None) -> dict:
+    types = dict(plane_types(fmt), x_ptr="*bf16", xq8_ptr="*i8")
+    ptx, shared = compiled(fn, const, types, tile.warps, maxnreg)
     regs, stack = ptxas_usage(ptx, tool)
     per_sm, limit = occupancy(regs, tile.warps, shared)
     return {"fmt": fmt, "kernel": kernel, "tile": list(tile), "grid": grid, "registers": regs, "stack_bytes": stack,
@@ -103,6 +106,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fmt", default=",".join(q8.FORMATS))
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(MODELS))
+    ap.add_argument("--maxnreg", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="gate_up again at these register caps (e.g. 128: two 8-warp programs an SM)")
     a = ap.parse_args()
     d, i, k = MODELS[a.model]
     tool, out = ptxas(), []
@@ -114,17 +119,21 @@ def main() -> int:
         tiles = {"v5pdl": q8.GATE_UP5[fmt]}
         if fmt in q8.GATE_UP5Q or default == "v5q":      # (v5q without a tile of its own: v5pdl's, as gate_up_v5)
             tiles["v5q"] = q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt])
+        if fmt in q8.GATE_UP5Q or default in ("v5q", "v5qx"):
+            tiles["v5qx"] = tiles["v5q"]
         for variant, t in tiles.items():
-            qh = q8.h_quantizer(t.bn) if variant == "v5q" else 0
+            qh = q8.h_quantizer(t.bn) if variant in ("v5q", "v5qx") else 0
             gu = dict(common, I=i, D=d, KTOP=k, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
-                      BN=t.bn, QH=qh)
-            e = entry(fmt, f"gate_up ({variant}{', default' if variant == default else ''})", t,
-                      k * math.ceil(i / t.bn), q8._gate_up_kernel, gu, tool)
-            out.append(e)
-            print(e, file=sys.stderr)
+                      BN=t.bn, QH=qh, XQ=variant == "v5qx", NBP=triton.next_power_of_2(d // 32), TRACE=False)
+            for cap in (None, *a.maxnreg):
+                e = entry(fmt, f"gate_up ({variant}{', default' if variant == default else ''})", t,
+                          k * math.ceil(i / t.bn), q8._gate_up_kernel, gu, tool, cap)
+                e["maxnreg"] = cap
+                out.append(e)
+                print(e, file=sys.stderr)
         t = q8.DOWN5[fmt]
         dn = dict(common, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=t.bn, TRIGGER=True,
-                  NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1])
+                  NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1], TRACE=False)
         e = entry(fmt, "down", t, math.ceil(d / t.bn), q8._down_kernel, dn, tool)
         out.append(e)
         print(e, file=sys.stderr)

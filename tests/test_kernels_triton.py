@@ -531,9 +531,10 @@ def test_dequantize_kernel_is_bit_exact(fmt):
         else:
             want = dequantize_repacked(fmt, {name: p[idx] for name, p in planes.items()})
             n, k = want.shape[1:]
-        out = torch.full((3, n, k), float("nan"), device=DEV)
-        got = dequantize(fmt, planes, idx, torch.float32, out=out)
-        assert got is out and torch.equal(got, want.to(DEV))
+        for tile in (None, (8, 1024, 4)):         # the format's tile; 4 super-blocks / 32 blocks a step (masked)
+            out = torch.full((3, n, k), float("nan"), device=DEV)
+            got = dequantize(fmt, planes, idx, torch.float32, out=out, tile=tile)
+            assert got is out and torch.equal(got, want.to(DEV)), tile
         if DEV == "cuda":   # bf16 out: the float32 values rounded once
             assert torch.equal(dequantize(fmt, planes, idx, torch.bfloat16), want.to(DEV).bfloat16())
 

@@ -472,7 +472,7 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
                     NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr,
-                    XQ: tl.constexpr, NBP: tl.constexpr):
+                    XQ: tl.constexpr, NBP: tl.constexpr, tr_ptr, TRACE: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
     tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH: h also quantized for down
     (`quantize`'s q, dx, xs, bit-equal), so down needs no quantizer launch. QH 1 (BN divides 32): the last of a
@@ -484,9 +484,14 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
     [programs, D]; xd_ptr, xs_ptr: [programs, D / 32]) while its weight loads are in flight (_x_q8_mine); with PDL it
     first waits for the previous grid (it wrote the ids), and only then lets down be scheduled: down reads the ids
     before its own wait too (triggered at gate_up's start, down read ids the router had not written yet: an illegal
-    address in the H200 engine, session 30)."""
+    address in the H200 engine, session 30). TRACE: `stamps`."""
+    if TRACE:
+        t_start = _stamp()
     if PDL and XQ:
         tl.extra.cuda.gdc_wait()
+    if TRACE:
+        t_go = _stamp()
+        t_loaded = t_go
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.program_id(0)
@@ -504,6 +509,8 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                              s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
                              r >= 0, D // BS, FMT, NB1, NB2)
             _x_q8_mine(x_ptr, stride_x, t, xq8_ptr, xd_ptr, xs_ptr, slot, D, NBP)
+            if TRACE:
+                t_loaded = _stamp_after(b[0])
             acc = _v5_maths(a, b, m_ptr, D // BS, xw_ptr, tl.zeros([1, 1], dtype=tl.int64) + slot * (D // 4),
                             xd_ptr, xs_ptr, tl.zeros([1, 1], dtype=tl.int64) + slot * (D // 32), FMT, NB1, NB2, EMU)
         else:
@@ -538,6 +545,37 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
             hb = tl.load(out_ptr + p.to(tl.int64) * I + b[:, None] * 32 + tl.arange(0, 32)[None, :],
                          cache_modifier=".cg")
             _h_q8_store(hb, p.to(tl.int64), b, b >= 0, hq_ptr, hd_ptr, hs_ptr, I)
+    if TRACE:
+        _stamp_store(tr_ptr, p * tl.num_programs(1) + tl.program_id(1), t_start, t_go, t_loaded)
+
+
+@triton.jit
+def _stamp():
+    """The GPU's nanosecond clock (%globaltimer)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _stamp_after(v):
+    """The clock once every element of int32 tensor v (loaded words) is in: the latest of per-element stamps, each
+    predicated on its element (an operand the instruction does not read would not wait for the load)."""
+    t = tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.u32 p, $1, 0x7f7f7f7f; @p mov.u64 $0, %globaltimer; "
+                                  "@!p mov.u64 $0, 0; }", "=l,r", [v], dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(tl.reshape(t, [t.numel]), axis=0)
+
+
+@triton.jit
+def _stamp_store(tr_ptr, prog, t_start, t_go, t_mid):
+    """A program's stamps (`stamps`): start, after its wait, mid (gate_up: its weights in; down: its wait over), end
+    (now), and its SM."""
+    t_end = _stamp()
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    o = tr_ptr + prog.to(tl.int64) * 5
+    tl.store(o, t_start)
+    tl.store(o + 1, t_go)
+    tl.store(o + 2, t_mid)
+    tl.store(o + 3, t_end)
+    tl.store(o + 4, sm.to(tl.int64))
 
 
 @triton.jit
@@ -556,10 +594,13 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
                  b_ptr, sb_s, out_ptr, stride_o,
                  D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KP: tl.constexpr, FMT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
-                 NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, TRIGGER: tl.constexpr):
+                 NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, TRIGGER: tl.constexpr,
+                 tr_ptr, TRACE: tl.constexpr):
     """grid (T, D/BN): out[t, n] = sum_j w[t, j] * (down_j row n . h[t, j] (+ bias)), h as int8 words; tile
     [I, k, BN] (v3's), no atomics. TRIGGER: a dependent launch may be scheduled from the start (it waits for this
-    grid's writes before reading them)."""
+    grid's writes before reading them). TRACE: `stamps`."""
+    if TRACE:
+        t_start = _stamp()
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
@@ -572,14 +613,27 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
     s = tl.maximum(s, 0)[:, None]
     r = tl.minimum(n, D - 1).to(tl.int64)[None, :]
     pj = (t * KTOP + tl.minimum(j, KTOP - 1)).to(tl.int64)[:, None]    # pair of h (lanes past k: a real one)
-    acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                  s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n, mask,
-                  I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32), FMT, NB1, NB2, PDL, EMU)
+    if TRACE:                                        # _v5_dot with a stamp after the wait
+        a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                         s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
+                         mask, I // BS, FMT, NB1, NB2)
+        t_loaded = _stamp_after(b[0])
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        t_go = _stamp()
+        acc = _v5_maths(a, b, m_ptr, I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32), FMT, NB1, NB2,
+                        EMU)
+    else:
+        acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                      s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n, mask,
+                      I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32), FMT, NB1, NB2, PDL, EMU)
     if HAS_BIAS:
         acc += tl.load(b_ptr + s * sb_s + r, mask=mask, other=0.0).to(tl.float32)
     wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)
     y = tl.sum(tl.where(mask, acc, 0.0) * wj[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
+    if TRACE:
+        _stamp_store(tr_ptr, t * tl.num_programs(1) + tl.program_id(1), t_start, t_go, t_loaded)
 
 
 # Tiles (Tile.bn rows, warps). Timed on the H200 (session 8, bench --variants, graph replays, per call with
@@ -680,11 +734,25 @@ def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx
         *((x, x.stride(0), xw) if x is not None else (xd, 0, xw)),
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
         NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, XQ=x is not None,
-        NBP=triton.next_power_of_2(d // 32), num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+        NBP=triton.next_power_of_2(d // 32), num_warps=tile.warps, **_trace_args("gate_up", xd),
+        **({"launch_pdl": True} if pdl else {}))
 
 
 _counters: dict = {}
 _kept: list = []
+_stamps: dict = {}
+
+
+def stamps(gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
+    """Diagnosis (bench/pair_timeline.py): the next gate_up / down launches write each program's %globaltimer stamps
+    into int64 [programs, 5] (`_stamp_store`); None: no stamps (the kernels' own
+    code, TRACE off). Launches captured in a CUDA graph keep the buffer they were captured with."""
+    _stamps.update(gate_up=gate_up, down=down)
+
+
+def _trace_args(kernel: str, like: torch.Tensor) -> dict:
+    t = _stamps.get(kernel)
+    return {"tr_ptr": like if t is None else t, "TRACE": t is not None}
 
 
 def arrival_counters(device, n: int, purpose: str) -> torch.Tensor:
@@ -719,7 +787,7 @@ def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool):
         hq[0].view(torch.int32), *hq[1:], ids, wt, *_planes(w), b, sb, out, out.stride(0),
         D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), FMT=w.code, HAS_BIAS=bias is not None,
         BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), TRIGGER=pdl and PDL_CHAIN,
-        num_warps=tile.warps, **({"launch_pdl": True} if pdl else {}))
+        num_warps=tile.warps, **_trace_args("down", out), **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -2,7 +2,8 @@
 grouped GEMMs. The torch dequantizer (`dequantize_repacked`) takes several float32 passes over
 every weight; at 8K-token prefill chunks it was most of the time of a 30B-A3B layer (~12 ms for
 the 128 experts of one Q4_0 layer on the H200, docs/perf-log.md). This kernel reads each block
-once and writes the weight once in the output dtype, with the tile loaders of the grouped kernels.
+once and writes the weight once in the output dtype, with the tile loaders of the grouped kernels (Q8_0, Q4_0,
+Q4_K), whole bytes of each super-block / block (Q6_K, Q5_K, MXFP4: `_*_halves`), or element gathers (IQ3_XXS).
 
     dequantize(fmt, planes, idx, dtype) -> [len(idx), N, K]     (planes [slots, N, K'] of one projection)
 """
@@ -12,16 +13,96 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_moe import DENSE, Q4_0, Q5_K, Q8_0, _kidx, _q4_0_load, _q4_k_load, _q8_load
-from .triton_tiles import deq_tile
+from .triton_moe import DENSE, MXFP4, Q4_0, Q5_K, Q6_K, Q8_0, _kidx, _q4_0_load, _q4_k_load, _q8_load
+from .triton_tiles import deq_tile, e8m0_half
 from .triton_weights import Weights
 
-# rows x elements per step (256 and 1024: every format's block divides them), warps. Timed on the H200 (session 33,
-# bench/dequant_tiles.py, Q4_0, one 30B-A3B layer's 128 experts to bf16): (8, 1024, 4) gate_up 297.6 us / down 146.0
-# (81.6% / 83.2% of the copy rate) against (16, 256, 4) 331.3 / 161.4; (8, 512, 2) 295.4 / 148.7; 7 others slower.
-# The other formats keep (16, 256, 4) until timed.
+# rows x elements per step (256 and 1024: every format's block divides them), warps. Timed on the H200
+# (bench/dequant_tiles.py, one 30B-A3B layer's 128 experts to bf16, gate_up [1536, 2048] / down [2048, 768]):
+# session 33, Q4_0: (8, 1024, 4) 297.6 / 146.0 us (81.6% / 83.2% of the copy rate) against (16, 256, 4) 331.3 / 161.4.
+# Session 34: Q8_0 (8, 512, 2) 350.1 / 167.0 against 360.5 / 177.4; Q6_K, Q5_K, MXFP4 on whole bytes (the *_halves
+# loaders; were per-element gathers): Q6_K (8, 1024, 4) 349.4 / 188.7 (were 1,140.7 / 278.8), Q5_K (16, 256, 4)
+# 343.5 / 166.7 (1,298.0 / 406.1), MXFP4 (8, 1024, 4) 292.7 / 142.5 (643.3 / 207.1); Q4_K's best within 2%.
 BN, BK, WARPS = 16, 256, 4
-TILES = {"Q4_0": (8, 1024, 4)}
+TILES = {"Q4_0": (8, 1024, 4), "Q8_0": (8, 512, 2), "Q6_K": (8, 1024, 4), "MXFP4": (8, 1024, 4)}
+
+
+@triton.jit
+def _rows_ld(ptr, rows, off, m):
+    """ptr[rows + off]: rows [BN], off [C, L] -> [BN, C, L] (m the same shape)."""
+    return tl.load(ptr + rows[:, None, None] + off[None, :, :], mask=m, other=0)
+
+
+@triton.jit
+def _q6_k_halves(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, k0, K, BK: tl.constexpr):
+    """Q6_K values of elements k0 .. k0+BK (whole 256-super-blocks) as two [BN, C, 16] float32 halves and their
+    element offsets (lo; hi = lo + 64): chunk c = 8 (sb - k0/256) + 2 j + t, j = 2 h + p, reads ql bytes 128 sb + 16
+    (2j + t) + l (16 contiguous), whose low nibbles are elements 256 sb + 128 h + 32 p + 16 t + l (quarter p of half h,
+    one 16-scale) and high ones + 64 (quarter 2 + p); qh byte 64 sb + 32 h + 16 t + l holds their 2 high bits at 2p
+    and 4 + 2p."""
+    c = tl.arange(0, BK // 32)[:, None]
+    l = tl.arange(0, 16)[None, :]
+    sb = k0 // 256 + c // 8
+    j, t = c % 8 // 2, c % 2
+    h, p = j // 2, j % 2
+    mc = mask[:, None, None] & (sb < K // 256)[None, :, :]
+    m = mc & (l >= 0)[None, :, :]
+    b = _rows_ld(q_ptr, rq, sb * 128 + (c % 8) * 16 + l, m).to(tl.int32)
+    hb = _rows_ld(h_ptr, rh, sb * 64 + h * 32 + t * 16 + l, m).to(tl.int32)
+    d = _rows_ld(d_ptr, rd, sb, mc).to(tl.float32)
+    s16 = sb * 16 + h * 8 + p * 2 + t                                   # the 16-scale of the low nibbles
+    sc_lo = _rows_ld(sc_ptr, rsc, s16, mc).to(tl.float32)
+    sc_hi = _rows_ld(sc_ptr, rsc, s16 + 4, mc).to(tl.float32)
+    q_lo = (b & 15) | (((hb >> (2 * p)) & 3) << 4)
+    q_hi = (b >> 4) | (((hb >> (4 + 2 * p)) & 3) << 4)
+    e = sb * 256 + h * 128 + p * 32 + t * 16 + l
+    return d * sc_lo * (q_lo - 32).to(tl.float32), d * sc_hi * (q_hi - 32).to(tl.float32), e, m
+
+
+@triton.jit
+def _q5_k_halves(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, k0, K,
+                 BK: tl.constexpr):
+    """Q5_K values of elements k0 .. k0+BK (whole super-blocks) as two [BN, C, 32] halves and their offsets (lo; hi =
+    lo + 32): chunk c = 4 (sb - k0/256) + j reads qs bytes 128 sb + 32 j + l, low nibbles elements 256 sb + 64 j + l
+    (32-block 2j), high ones + 32 (2j + 1); the 5th bits are bits 2j, 2j + 1 of qh byte 32 sb + l."""
+    c = tl.arange(0, BK // 64)[:, None]
+    l = tl.arange(0, 32)[None, :]
+    sb = k0 // 256 + c // 4
+    j = c % 4
+    mc = mask[:, None, None] & (sb < K // 256)[None, :, :]
+    m = mc & (l >= 0)[None, :, :]
+    b = _rows_ld(q_ptr, rq, sb * 128 + j * 32 + l, m).to(tl.int32)
+    hb = _rows_ld(h_ptr, rh, sb * 32 + l, m).to(tl.int32)
+    d = _rows_ld(d_ptr, rd, sb, mc).to(tl.float32)
+    dm = _rows_ld(m_ptr, rm, sb, mc).to(tl.float32)
+    sc_lo = _rows_ld(sc_ptr, rsc, sb * 8 + 2 * j, mc).to(tl.float32)
+    sc_hi = _rows_ld(sc_ptr, rsc, sb * 8 + 2 * j + 1, mc).to(tl.float32)
+    mn_lo = _rows_ld(mn_ptr, rmn, sb * 8 + 2 * j, mc).to(tl.float32)
+    mn_hi = _rows_ld(mn_ptr, rmn, sb * 8 + 2 * j + 1, mc).to(tl.float32)
+    q_lo = ((b & 15) | (((hb >> (2 * j)) & 1) << 4)).to(tl.float32)
+    q_hi = ((b >> 4) | (((hb >> (2 * j + 1)) & 1) << 4)).to(tl.float32)
+    return d * sc_lo * q_lo - dm * mn_lo, d * sc_hi * q_hi - dm * mn_hi, sb * 256 + j * 64 + l, m
+
+
+@triton.jit
+def _mxfp4_halves(q_ptr, d_ptr, rq, rd, mask, k0, K, BK: tl.constexpr):
+    """MXFP4 values of elements k0 .. k0+BK as two [BN, G, 16] halves and their offsets (lo; hi = lo + 16): block g's
+    16 bytes, low nibbles elements 32 g + l, high ones + 16; the e8m0 byte of the block halved (e8m0_half) times the
+    doubled E2M1 value."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[:, None]
+    l = tl.arange(0, 16)[None, :]
+    mg = mask[:, None, None] & (g < K // 32)[None, :, :]
+    m = mg & (l >= 0)[None, :, :]
+    b = _rows_ld(q_ptr, rq, g * 16 + l, m).to(tl.int32)
+    sc = e8m0_half(_rows_ld(d_ptr, rd, g, mg).to(tl.int32))
+    return sc * (_e2m1(b & 15) * 32768.0), sc * (_e2m1(b >> 4) * 32768.0), g * 32 + l, m
+
+
+@triton.jit
+def _e2m1(n):
+    """An E2M1 code (0..15) -> its doubled value * 2^-15 (fp16 bits, as triton_tiles.deq_tile)."""
+    hb = ((n & 7) << 9) | ((n & 8) << 12)
+    return hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -38,7 +119,21 @@ def _dequant_kernel(idx_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sq_s, sq_n, sd
     base = out_ptr + i.to(tl.int64) * N * K + n64 * K           # [BN] row starts
     ty = out_ptr.dtype.element_ty
     for k0 in range(0, K, BK):
-        if FMT >= Q5_K:
+        if FMT == Q6_K or FMT == Q5_K or FMT == MXFP4:               # two halves of contiguous bytes
+            if FMT == Q6_K:
+                lo, hi, e, m = _q6_k_halves(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, k0, K, BK)
+                off = 64
+            elif FMT == Q5_K:
+                lo, hi, e, m = _q5_k_halves(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh,
+                                            mask, k0, K, BK)
+                off = 32
+            else:
+                lo, hi, e, m = _mxfp4_halves(q_ptr, d_ptr, rq, rd, mask, k0, K, BK)
+                off = 16
+            ptrs = base[:, None, None] + e[None, :, :]
+            tl.store(ptrs, lo.to(ty), mask=m)
+            tl.store(ptrs + off, hi.to(ty), mask=m)
+        elif FMT >= Q5_K:
             w = deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, rmn, rh, mask, k0, K,
                          FMT, BK)
             e = k0 + tl.arange(0, BK)
