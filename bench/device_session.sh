@@ -29,6 +29,7 @@
 #               of it, one layer's MoE by both prefill paths (bench/prefill_host.py; PHLEN lengths, PHFLAGS)
 #   pp512       48 layers Q4_0 all on the GPU: the 512-token prefill with prefill graphs vs eager (PPLENS; PPNOCMP=1
 #               the default configuration alone)
+#   chatturns   48 layers Q4_0 all on the GPU: a chat's next turns' TTFT, continuation prefill graphs vs eager
 #   deqtiles    the prefill's expert dequantizer at several tiles (bench/dequant_tiles.py, DQFMT)
 #   g8skew      48 layers Q4_0 with --skew 0.5 at --gpu-mem 8GiB: LRU vs LFU
 #   uniform12   12 layers, --skew 0 (uniform routing) vs 0.5, --gpu-mem 3GiB
@@ -377,6 +378,14 @@ PY
     if [ -n "${PPNOCMP:-}" ]; then bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16
     else bench pp512 ${PPSECS:-200} $M --prompt-len ${PPLENS:-512} --gen 16 \
       --compare "eager:MOETIER_PREFILL_GRAPH_MAX=0" --compare "graph2:"; fi
+    [ -n "${KEEP48:-}" ] || rm -f $M ;;
+  chatturns)
+    # 48 layers Q4_0 all on the GPU: a chat's next turns' TTFT, continuation prefill graphs vs eager, one engine
+    # (bench/chat_turns.py; CTLENS first-prompt lengths, CTNEW new tokens a turn)
+    M=$DATA/q30-Q4_0-48.gguf
+    [ -f $M ] || synth qwen3-30b-a3b Q4_0 48 ${SKEW48:-0} $M 120
+    timeout ${CTSECS:-240} python3 bench/chat_turns.py $M --prompt-len ${CTLENS:-1500,6000} --new ${CTNEW:-40} \
+      > "$OUT/chatturns.json" 2> "$OUT/chatturns.err"; grep -v Warning "$OUT/chatturns.err" | tail -8
     [ -n "${KEEP48:-}" ] || rm -f $M ;;
   deqtiles)
     # the prefill's expert dequantizer at several tiles (bench/dequant_tiles.py; DQFMT formats)

@@ -139,18 +139,29 @@ class GraphStep:
 
 def prefill_graph_max() -> int:
     """MOETIER_PREFILL_GRAPH_MAX: the longest prompt (tokens) prefilled by a CUDA graph (PrefillGraphs); 0: none."""
-    raw = os.environ.get("MOETIER_PREFILL_GRAPH_MAX", str(PrefillGraphs.MAX_TOKENS))
+    return _env_tokens("MOETIER_PREFILL_GRAPH_MAX", PrefillGraphs.MAX_TOKENS, "0 turns prefill graphs off")
+
+
+def prefill_graph_context() -> int:
+    """MOETIER_PREFILL_GRAPH_CONTEXT: the longest context (cached + new tokens) whose continuation prefill is a CUDA
+    graph (PrefillGraphs); 0: fresh prompts only."""
+    return _env_tokens("MOETIER_PREFILL_GRAPH_CONTEXT", PrefillGraphs.MAX_CONTEXT,
+                       "0 keeps prefill graphs to fresh prompts")
+
+
+def _env_tokens(name: str, default: int, zero: str) -> int:
+    raw = os.environ.get(name, str(default))
     try:
         n = int(raw)
     except ValueError:
         n = -1
     if n < 0:
-        raise UserError(f"MOETIER_PREFILL_GRAPH_MAX={raw!r}: give a token count (0 turns prefill graphs off)")
+        raise UserError(f"{name}={raw!r}: give a token count ({zero})")
     return n
 
 
 class PrefillGraphs:
-    """A fresh prompt's prefill (one chunk from position 0) as a CUDA graph replay, one graph per bucket of lengths.
+    """A prompt's prefill (one chunk) as a CUDA graph replay, one graph per bucket of lengths.
 
     Why: an eager prefill launches ~110 kernels a layer from Python; a 512-token prompt on the 48-layer Q4_0
     30B-A3B shape all on the H200 took 101-142 ms eagerly (the host's enqueue as long as the whole forward) and
@@ -159,20 +170,27 @@ class PrefillGraphs:
     it, and each token's MoE is its own. The graph writes K/V into a scratch cache of its own (a session's cache has
     its own addresses); the real positions are copied into the session's cache after the replay. The logits are
     those of the last real position (`CausalLM.forward(last=...)`).
-    A bucket's first prompt runs eagerly (its kernels compile there); its second captures the graph. Only caches of
-    plain KVCache layers (no recurrent state, no --kv-dtype / --kv-offload stores) and only on an engine without
-    memory tiers; the caller checks the placement."""
+    A fresh prompt (an empty cache) runs the forward over the scratch's first positions. A continuation (a chat's
+    next turn: `start` positions cached, start + bucket <= `context`) runs the forward's `pos` mode over the
+    scratch's first `keys(start + bucket)` positions (KEYS: powers of two from 1024, capped at `context`; attention
+    covers them under the causal mask), after the session's cached K/V are copied into the scratch.
+    A token bucket's first prompt runs eagerly (its kernels compile there); later ones capture the graph of their
+    (bucket, keys) and then replay it. Only caches of plain KVCache layers (no recurrent state, no --kv-dtype /
+    --kv-offload stores) and only on an engine without memory tiers; the caller checks the placement."""
 
     BUCKETS = (16, 32, 64)
     STEP = 128
     MAX_TOKENS = 2048
+    MAX_CONTEXT = 8192
+    KEYS_MIN = 1024
 
-    def __init__(self, model, dtype, device, max_tokens: int):
+    def __init__(self, model, dtype, device, max_tokens: int, context: int = 0):
         self.model, self.dtype, self.device = model, dtype, torch.device(device)
         self.max_tokens = max_tokens
-        self.scratch: Cache | None = None        # made at the first capture: max_tokens positions
-        self.graphs: dict[int, tuple] = {}       # bucket -> (graph, tokens, last, logits)
-        self.seen: set[int] = set()              # buckets run once eagerly
+        self.context = context                   # 0: fresh prompts only
+        self.scratch: Cache | None = None        # made at the first capture: max(max_tokens + STEP, context)
+        self.graphs: dict[tuple[int, int], tuple] = {}   # (bucket, keys; 0 fresh) -> (graph, tokens, last, pos, logits)
+        self.seen: set[int] = set()              # token buckets run once eagerly
         self.pool = None
         self.failed: str | None = None           # why capturing stopped (then every prefill runs eagerly)
         self.lock = threading.Lock()
@@ -183,8 +201,14 @@ class PrefillGraphs:
                 return b
         return -(-n // self.STEP) * self.STEP
 
+    def keys(self, end: int) -> int:
+        """The key-length bucket of a continuation that ends at position `end` (<= context)."""
+        return min(max(self.KEYS_MIN, 1 << (end - 1).bit_length()), self.context)
+
     def applies(self, cache: Cache, n: int) -> bool:
-        return (self.failed is None and cache.length == 0 and 0 < n <= self.max_tokens
+        start = cache.length
+        return (self.failed is None and 0 < n <= self.max_tokens
+                and (start == 0 or start + self.bucket(n) <= self.context)
                 and all(type(layer) is KVCache for layer in cache.layers))
 
     @staticmethod
@@ -205,49 +229,65 @@ class PrefillGraphs:
         return True
 
     def __call__(self, cache: Cache, tokens: list[int]) -> torch.Tensor | None:
-        """Prefill `tokens` into the empty `cache` by a replay -> logits [V] of the last token, or None (the caller
-        runs the eager forward: the bucket's first prompt, or a cache or length this does not cover)."""
-        n = len(tokens)
+        """Prefill `tokens` into `cache` by a replay -> logits [V] of the last token, or None (the caller runs the
+        eager forward: the bucket's first prompt, or a cache or length this does not cover)."""
+        n, start = len(tokens), cache.length
         if not self.applies(cache, n):
             return None
         b = self.bucket(n)
+        key = (b, self.keys(start + b) if start else 0)
         with self.lock:
-            entry = self.graphs.get(b)
+            entry = self.graphs.get(key)
             if entry is None:
                 if b not in self.seen:
                     self.seen.add(b)
                     return None
-                entry = self._capture(b)
+                entry = self._capture(*key)
                 if entry is None:
                     return None
-            graph, buf, last, logits = entry
+            graph, buf, last, pos, logits = entry
             buf.copy_(torch.tensor(tokens + [0] * (b - n), dtype=torch.long))    # padded with token 0
             last.fill_(n - 1)
+            layers = [(mine, layer) for mine, layer in zip(self.scratch.layers, cache.layers)]
+            if start:
+                pos.fill_(start)
+                torch._foreach_copy_([t[:start] for mine, _ in layers for t in (mine.k, mine.v)],
+                                     [t[:start] for _, layer in layers for t in (layer.k, layer.v)])
             graph.replay()
-            dsts = [t[:n] for layer in cache.layers for t in (layer.k, layer.v)]
-            torch._foreach_copy_(dsts, [t[:n] for layer in self.scratch.layers for t in (layer.k, layer.v)])
+            end = start + n
+            torch._foreach_copy_([t[start:end] for _, layer in layers for t in (layer.k, layer.v)],
+                                 [t[start:end] for mine, _ in layers for t in (mine.k, mine.v)])
             cache.advance(n)
             return logits[-1].clone()       # (the next replay of this bucket, from any thread, rewrites the buffer)
 
-    def _capture(self, b: int):
-        """The graph of bucket b (None, with self.failed set, where the capture fails: out of memory, an op that
-        syncs with the host)."""
+    def _capture(self, b: int, keys: int):
+        """The graph of token bucket b over `keys` positions of the scratch (0: a fresh prompt's), or None with
+        self.failed set where the capture fails (out of memory, an op that syncs with the host)."""
         try:
             if self.scratch is None:
-                self.scratch = session_cache(self.model, self.max_tokens + self.STEP, self.dtype, self.device)
+                self.scratch = session_cache(self.model, max(self.max_tokens + self.STEP, self.context), self.dtype,
+                                             self.device)
                 self.pool = torch.cuda.graph_pool_handle()
             buf = torch.zeros(b, dtype=torch.long, device=self.device)
             last = torch.zeros(1, dtype=torch.long, device=self.device)
+            pos = torch.zeros((), dtype=torch.long, device=self.device)
+            if keys:        # a continuation: pos mode over the first `keys` positions
+                views = Cache([KVCache.of(layer.k[:keys], layer.v[:keys]) for layer in self.scratch.layers], keys)
+
+                def forward():
+                    return self.model(buf, views, pos=pos, last=last)
+            else:
+                def forward():
+                    self.scratch.truncate(0)
+                    return self.model(buf, self.scratch, last=last)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.inference_mode(), torch.cuda.stream(stream):     # warm-up (rope tables, scratch buffers)
-                self.scratch.truncate(0)
-                self.model(buf, self.scratch, last=last)
+                forward()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            self.scratch.truncate(0)
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model(buf, self.scratch, last=last)
+                logits = forward()
             self.scratch.truncate(0)
             torch.cuda.empty_cache()    # the eager warm-up's blocks: the graph's pool holds its own
         except Exception as e:  # noqa: BLE001 (any capture failure: prefill stays eager, said once)
@@ -257,5 +297,5 @@ class PrefillGraphs:
             torch.cuda.empty_cache()
             log.warning("prefill CUDA graphs are off for this engine: capture failed (%s)", self.failed)
             return None
-        self.graphs[b] = (graph, buf, last, logits)
-        return self.graphs[b]
+        self.graphs[b, keys] = (graph, buf, last, pos, logits)
+        return self.graphs[b, keys]

@@ -347,14 +347,15 @@ class Engine:
     def _prefill_graphs(self):
         """runtime.cuda_graph.PrefillGraphs for this engine (made once), or None: CUDA with graphs on, no memory
         tiers (their prefill stages experts from the host), no --kv-offload, experts that fit (PrefillGraphs.fits),
-        MOETIER_PREFILL_GRAPH_MAX > 0."""
+        MOETIER_PREFILL_GRAPH_MAX > 0; continuations up to MOETIER_PREFILL_GRAPH_CONTEXT (capped at the context)."""
         pg = getattr(self, "_prefill_g", None)
         if pg is None:
-            from .cuda_graph import PrefillGraphs, prefill_graph_max
+            from .cuda_graph import PrefillGraphs, prefill_graph_context, prefill_graph_max
             n = prefill_graph_max() if self.device.startswith("cuda") else 0
             ok = (n > 0 and self.config.cuda_graphs and self.tiers is None and not self.config.kv_offload
                   and PrefillGraphs.fits(self.model, self.dtype))
-            pg = self._prefill_g = PrefillGraphs(self.model, self.dtype, self.device, n) if ok else False
+            pg = self._prefill_g = PrefillGraphs(self.model, self.dtype, self.device, n,
+                                                 min(prefill_graph_context(), self.max_context)) if ok else False
         return pg or None
 
     def _graph_tiers(self):

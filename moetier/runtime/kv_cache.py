@@ -22,6 +22,14 @@ class KVCache:
         self.k = torch.zeros((max_len, *k_shape), dtype=dtype, device=device)
         self.v = torch.zeros((max_len, *v_shape), dtype=dtype, device=device)
 
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """A KVCache over existing buffers (e.g. the first L positions of a longer cache: a view with static
+        shapes for a CUDA graph)."""
+        kv = cls.__new__(cls)
+        kv.k, kv.v = k, v
+        return kv
+
     def update(self, start, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write T new positions at `start`; return views of all positions [0, start + T).
         With `start` a device tensor (CUDA-graph decode) the write is an index_copy and the whole
