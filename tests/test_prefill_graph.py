@@ -132,12 +132,13 @@ def test_graph_prefill_gives_the_eager_tokens(tmp_path, fmt, monkeypatch):
             assert lp.keys() == runs[0][1].keys()
             assert max(abs(lp[t] - runs[0][1][t]) for t in lp) < 0.05, (lp, runs[0][1])
     assert not any(b == 384 for b, _ in pg.graphs)     # a prompt past MOETIER_PREFILL_GRAPH_MAX stays eager
-    # a chat's next turns extend a session's cache: the turn's bucket (32) runs eagerly, then captures its graph over
-    # the context's 320 positions, then replays it; the tokens and first log-probs of an engine without graphs
+    # a chat's next turns extend a session's cache: the first turn of bucket 32 over the context's 320 positions runs
+    # eagerly, the second captures the graph, the third replays it; the tokens and first log-probs of an engine
+    # without graphs
     monkeypatch.setenv("MOETIER_PREFILL_GRAPH_MAX", "0")
     ref = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype="bfloat16", max_context=320))
     assert ref._prefill_graphs() is None
-    extras = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (20, 25, 30)]
+    extras = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (20, 25, 30, 18)]
     got, want = (turns(e, prompt, extras) for e in (eng, ref))
     assert (32, 320) in pg.graphs and pg.failed is None
     for (toks, lp, cached), (toks0, lp0, cached0) in zip(got, want):
