@@ -146,10 +146,16 @@ def test_graphed_tiered_decode_gives_the_eager_tokens(tiny, tmp_path, dtype):
             done = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
                                 ignore_eos=True)
             assert (eng.tiers.graphed is not None) == graphs, name
-            if graphs:      # the PCIe share (default on) serves some misses unless it is off or none miss
+            if graphs:      # the PCIe share serves some misses unless it is 0 or none miss
                 graph = eng.memory_stats()["graph"]
                 pcie = graph["pcie_per_step"]
-                assert (pcie > 0) == (name not in ("all_resident", "few_slots_cpu_only")), (name, pcie)
+                assert (pcie > 0) == (graph["pcie_share"] > 0), (name, pcie, graph["pcie_off_why"])
+                # the default share follows the box's measured PCIe / RAM rates (plan.pcie_share_default) and is 0
+                # where it would read no expert of an average layer (plan.prefetch_share): on some H200 boxes the
+                # few-slots cases had none (session 34); the cases with a share of their own, or none, always agree
+                expect = {"all_resident": False, "few_slots_cpu_only": False, "n_cpu_moe": True,
+                          "few_slots_all_pcie": True}.get(name)
+                assert expect is None or (pcie > 0) == expect, (name, pcie)
                 assert graph["miss_prefetch"] == (kw.get("prefetch") != "off" and name != "all_resident"), name
             torch.cuda.synchronize()
             eng.tiers.cache.check()
