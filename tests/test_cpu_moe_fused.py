@@ -350,6 +350,45 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
 
 
 @needs_c
+@pytest.mark.parametrize("half", ["BF16", "F16"])
+def test_eager_decode_of_a_16_bit_checkpoint_reads_16_bit_copies(tmp_path, monkeypatch, half):
+    """A checkpoint whose weights are 16-bit floats (the default model's bf16, run in float32 on the CPU): the one-token
+    linears and experts multiply on BF16 / F16 copies of them (half the float32 bytes; products and sums in float32), so the
+    logits are the float forward's up to the order of the sums, and the greedy tokens the same."""
+    from helpers import tiny_checkpoint
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    dt = torch.bfloat16 if half == "BF16" else torch.float16
+    cfg = Qwen3MoeConfig(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256)
+    def round16(m):
+        for p in m.parameters():
+            p.copy_(p.to(dt).float())
+    tiny_checkpoint(tmp_path, Qwen3MoeForCausalLM, cfg, scale=4.0, init=round16)
+    conf = EngineConfig(device="cpu", dtype="float32", threads=1, progress=False, max_context=128, cpu_compile="off")
+    ours, ref = Engine.load(tmp_path, conf), Engine.load(tmp_path, conf)
+    calls = []
+    inner = cpu.qlinear_op
+    monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
+    prompt, n = [5, 17, 33, 2, 90, 41, 7], 10
+    done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
+    tid = get_format(half).type_id
+    assert ours.model.lm_head._quant_copies == {"weight": tid} and calls and set(calls) == {tid}
+    experts = [m for m in ours.model.modules() if type(m).__name__ == "DenseExperts"]
+    assert experts and all(m._half[0] == tid for m in experts)
+    layers = len(ours.model.model.layers)       # per decode token: q/k/v, o, 2 x 2 expert calls a layer, lm_head
+    assert len(calls) >= (n - 1) * (6 * layers + 1)
+    c1, c2 = ours.new_session().cache, ref.new_session().cache
+    with torch.inference_mode():
+        ours.model(torch.tensor(prompt), c1)
+        ref.model(torch.tensor(prompt), c2)      # ref never decoded through the engine: its float weights
+        for tok in done.token_ids:
+            a, b = ours.model(torch.tensor([tok]), c1)[-1], ref.model(torch.tensor([tok]), c2)[-1]
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+            assert a.argmax() == b.argmax()
+
+
+@needs_c
 @pytest.mark.parametrize("t", [1, 3, 17])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_qgemm_is_the_row_kernels_product_for_many_rows(qtype, t):

@@ -11,7 +11,7 @@ from moetier.kernels.reference import expert_matvec
 from moetier.quant.pack import quantize
 from moetier.quant.repack import repack
 
-FAST = sorted(cpu.FAST_TYPES)
+FAST = sorted(cpu.FAST_TYPES) + sorted(cpu.HALF_TYPES)     # HALF_TYPES: 16-bit float rows, float32 products
 
 
 def case(qtype: str, n: int, k: int, seed: int = 0):

@@ -46,6 +46,9 @@ from .reference import expert_matvec
 log = logging.getLogger(__name__)
 
 FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL"}
+# 16-bit float rows the C matvec reads too (float32 products): the dense copies of weights that are exactly 16-bit
+# floats (runtime.cpu_compile.QUANT_COPY_TYPES); not kept from GGUF files (weights.loader._keep_blocks reads FAST_TYPES)
+HALF_TYPES = {"BF16", "F16"}
 DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS"}     # moetier_dequant (dequantize_rows)
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -215,6 +218,8 @@ def _raise_on(rc: int, fmt, k: int) -> None:
 
 def _kernel(fmt, lib) -> str:
     """Which implementation runs `fmt`: "c", "numba" or "torch"."""
+    if fmt.name in HALF_TYPES:
+        return "c" if lib is not None or backend() == "c" else "torch"
     if fmt.name not in FAST_TYPES:
         return "torch"
     if lib is not None:

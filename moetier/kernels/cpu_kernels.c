@@ -270,6 +270,47 @@ static void dequant_iq4_xs(const uint8_t *blk, float *o) {
 #include "cpu_kquants.c"
 #include "cpu_iquants.c"
 
+/* ---- 16-bit float rows (GGML F16 / BF16): dense weights whose float32 values are exactly 16-bit floats (a bf16
+ * checkpoint run in float32) multiply on their 16-bit copy, half the bytes (runtime.cpu_compile._quantized_copies) ---- */
+enum { F32 = 0, F16 = 1, BF16 = 30 };
+static int half_type(int qtype) { return qtype == F16 || qtype == BF16; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(VW) && VW == 16
+static inline vf vbf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vf16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+#elif defined(VW)
+static inline vf vbf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vf16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#endif
+
+static float row_half(int bf, const uint16_t *w, const float *x, int64_t K) {
+    float s = 0.f;
+    int64_t j = 0;
+#ifdef VW
+    vf a0 = vzero(), a1 = vzero();
+    for (; j + 2 * VW <= K; j += 2 * VW) {
+        PREFETCH(w + j);
+        vf w0 = bf ? vbf16(w + j) : vf16(w + j), w1 = bf ? vbf16(w + j + VW) : vf16(w + j + VW);
+        a0 = vfma(w0, vload(x + j), a0);
+        a1 = vfma(w1, vload(x + j + VW), a1);
+    }
+    s = vsum(vadd(a0, a1));
+#endif
+    for (; j < K; j++) s += (bf ? bf16_to_f32(w[j]) : fp16_to_f32((const uint8_t *)(w + j))) * x[j];
+    return s;
+}
+
 /* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N). Type ids: GGML's ---- */
 enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23,
        MXFP4 = 39 };
@@ -304,6 +345,7 @@ static int64_t block_bytes(int qtype) {
 /* Bytes of a row of K values of `qtype` (a GGML id, or 0x100 | id: the rows interleaved by 8 take as many); -1 for a
  * type the kernels do not read or K not a whole number of its blocks. The torch op's shape check (cpu_ops.cpp). */
 int64_t moetier_row_bytes(int qtype, int64_t K) {
+    if (half_type(qtype)) return 2 * K;
     const int base = qtype >= 0x100 ? qtype & 0xFF : qtype;
     if (!moetier_supported(base) || K % block_elems(base)) return -1;
     return K / block_elems(base) * block_bytes(base);
@@ -335,6 +377,14 @@ static float row_dot(int qtype, const uint8_t *w, const float *x, const float *x
  * Returns 0, -1 if the type or K is unsupported, -2 if out of memory. */
 int moetier_matvec_batch(int qtype, const uint8_t *const *ws, int64_t row_stride, int64_t M,
                          int64_t N, int64_t K, const float *x, float *y, int nthreads) {
+    if (half_type(qtype)) {               /* 16-bit float rows: float32 products, no block sums */
+        const int64_t bytes = M * N * K * 2;
+        if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
+        #pragma omp parallel for schedule(dynamic, 32) num_threads(nthreads)
+        for (int64_t i = 0; i < M * N; i++)
+            y[i] = row_half(qtype == BF16, (const uint16_t *)(ws[i / N] + (i % N) * row_stride), x + i / N * K, K);
+        return 0;
+    }
     if (!moetier_supported(qtype) || K % block_elems(qtype)) return -1;
     const int64_t nb = K / 32;
     float stack_xs[1024], *xs = M * nb <= 1024 ? stack_xs : malloc(sizeof(float) * M * nb);

@@ -27,7 +27,6 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { F32 = 0, F16 = 1, BF16 = 30 };
 enum { ACT_SWIGLU = 0, ACT_CLAMPED = 1 };
 #define BELL_STRIDE 16   /* int64 per layer: bells and done flags on their own 128-byte lines */
 #define MAX_K 64
@@ -126,42 +125,6 @@ static float row_f32(const float *w, const float *x, int64_t K) {
     int64_t j = 0;
 #endif
     for (; j < K; j++) s += w[j] * x[j];
-    return s;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-#if defined(VW) && VW == 16
-static inline vf vbf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline vf vf16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-#elif defined(VW)
-static inline vf vbf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline vf vf16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-#endif
-
-static float row_half(int bf, const uint16_t *w, const float *x, int64_t K) {
-    float s = 0.f;
-    int64_t j = 0;
-#ifdef VW
-    vf a0 = vzero(), a1 = vzero();
-    for (; j + 2 * VW <= K; j += 2 * VW) {
-        PREFETCH(w + j);
-        vf w0 = bf ? vbf16(w + j) : vf16(w + j), w1 = bf ? vbf16(w + j + VW) : vf16(w + j + VW);
-        a0 = vfma(w0, vload(x + j), a0);
-        a1 = vfma(w1, vload(x + j + VW), a1);
-    }
-    s = vsum(vadd(a0, a1));
-#endif
-    for (; j < K; j++) s += (bf ? bf16_to_f32(w[j]) : fp16_to_f32((const uint8_t *)(w + j))) * x[j];
     return s;
 }
 

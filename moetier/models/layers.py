@@ -347,10 +347,23 @@ class DenseExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on rows x [n, D] -> [n, D]."""
+        half = self.__dict__.get("_half")       # 16-bit copies for the eager CPU token (cpu_compile._half_expert_copies)
+        if half is not None and x.shape[0] == 1 and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return self._expert_half(e, x, *half)
         h = F.linear(x, self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
         gate, up = h.chunk(2, dim=-1)
         return F.linear(self.act(gate, up), self.down_proj[e],
                         None if self.down_bias is None else self.down_bias[e])
+
+    def _expert_half(self, e: int, x: torch.Tensor, tid: int, gate_up: torch.Tensor, down: torch.Tensor):
+        """`expert` for one float32 row on the 16-bit copies (uint8 [E, N, 2K]): the C matvec, float32 products."""
+        from ..kernels import cpu
+        h = cpu.qlinear_op(x.contiguous(), gate_up[e], tid, False)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[e]
+        gate, up = h.chunk(2, dim=-1)
+        y = cpu.qlinear_op(self.act(gate, up).contiguous(), down[e], tid, False)
+        return y if self.down_bias is None else y + self.down_bias[e]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.shape[0] <= ops.MAX_DECODE_TOKENS and ops.kernel_available(x, self.act):

@@ -132,7 +132,9 @@ def fused_gather_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex
     return (y * w.reshape(-1, 1).to(y.dtype)).view(t, k, -1).sum(1)
 
 
-QUANT_COPY_TYPES = ("Q4_0", "Q8_0")   # tried in this order (fewest bytes first)
+# tried in this order (fewest bytes first); BF16 / F16: the float32 values of a 16-bit checkpoint (the default model's
+# bf16 safetensors run in float32 on the CPU), half the bytes of float32, products in float32 (kernels.cpu.HALF_TYPES)
+QUANT_COPY_TYPES = ("Q4_0", "Q8_0", "BF16", "F16")
 # The compiled step's Q4_0 / Q8_0 products (packed experts, quantized copies) dot activations rounded to
 # int8 per 32 values, as llama.cpp does: ~1.5x faster kernels; measured KL vs F32 in docs/perf-log.md.
 Q8_ACTIVATIONS = True
@@ -326,6 +328,31 @@ def eager_blocks(model: torch.nn.Module) -> None:
     _quantized_copies(model)
     _eager_quant_linears(model)
     _fused_quant_experts(model)        # packed experts: one C call on their x8 copies, int8 activations
+    _half_expert_copies(model)         # stacked float experts of a 16-bit checkpoint: 16-bit copies
+
+
+def _half_expert_copies(model: torch.nn.Module) -> None:
+    """Stacked float32 experts (DenseExperts) on the CPU whose values are exactly bf16 (or fp16), as a 16-bit
+    checkpoint's are once loaded in float32, get `_half` = (GGML type id, gate_up, down as uint8 [E, N, 2K]): the eager
+    one-token call multiplies on them with the C matvec (DenseExperts.expert), half the bytes, float32 products. Made
+    only where MemAvailable holds twice the copies (they add half the experts' float32 bytes)."""
+    if cpu_kernels.backend() != "c":
+        return
+    todo = []
+    for m in model.modules():
+        ws = (getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None))
+        if type(m) is not DenseExperts or "_half" in m.__dict__ \
+                or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in ws):
+            continue
+        for dt, name in ((torch.bfloat16, "BF16"), (torch.float16, "F16")):
+            if all(torch.equal(part.to(dt).float(), part) for w in ws for part in (w[0], w)):   # one expert first
+                todo.append((m, dt, get_format(name).type_id))
+                break
+    need = sum(2 * (m.gate_up_proj.numel() + m.down_proj.numel()) for m, _, _ in todo)
+    if not todo or ram_info()[0] < 2 * need:
+        return
+    for m, dt, tid in todo:
+        m._half = (tid, *(w.detach().to(dt).view(torch.uint8) for w in (m.gate_up_proj, m.down_proj)))
 
 
 # Eager prefill of packed experts (QuantExperts.forward_grouped) with int8 activations when both of a layer's formats
