@@ -1,10 +1,11 @@
 """Where a T=1 decode expert pair's time goes, program by program (H200 diagnosis for #4's 60%).
 
 Each gate_up and down program of the shipped v5 kernels stamps the GPU's nanosecond clock (%globaltimer) at its
-start, after its PDL wait, once its weights are in, and at its end, with its SM (`triton_decode_q8.stamps`). The 16 pairs of
-bench_gpu_kernels' rotation (Qwen3-30B-A3B, distinct slots so HBM serves them) are captured in one CUDA graph and
-replayed; the last replay's stamps give, per pair: the waves of gate_up, each program's span, when down's programs
-start and end, the gap to the next pair, and the pair's span; also the pair's graph time with and without stamps.
+start, after its PDL wait, once its weights are in, and at its end, with its SM (`triton_decode_q8.stamps`). The 16
+pairs of bench_gpu_kernels' rotation (Qwen3-30B-A3B, distinct slots so HBM serves them) are captured in one CUDA graph
+and replayed; the last replay's stamps give, per pair: the waves of gate_up, each program's span, when down's
+programs start and end, the gap to the next pair, and the pair's span; also the pair's graph time with and without
+stamps.
 
     python bench/pair_timeline.py [--fmt Q4_0,Q4_K] [--variant v5qx] [--out t.json]
 """

@@ -353,8 +353,8 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
 @pytest.mark.parametrize("half", ["BF16", "F16"])
 def test_eager_decode_of_a_16_bit_checkpoint_reads_16_bit_copies(tmp_path, monkeypatch, half):
     """A checkpoint whose weights are 16-bit floats (the default model's bf16, run in float32 on the CPU): the one-token
-    linears and experts multiply on BF16 / F16 copies of them (half the float32 bytes; products and sums in float32), so the
-    logits are the float forward's up to the order of the sums, and the greedy tokens the same."""
+    linears and experts multiply on BF16 / F16 copies of them (half the float32 bytes; products and sums in float32), so
+    the logits are the float forward's up to the order of the sums, and the greedy tokens the same."""
     from helpers import tiny_checkpoint
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     dt = torch.bfloat16 if half == "BF16" else torch.float16

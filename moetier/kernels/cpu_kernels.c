@@ -271,7 +271,7 @@ static void dequant_iq4_xs(const uint8_t *blk, float *o) {
 #include "cpu_iquants.c"
 
 /* ---- 16-bit float rows (GGML F16 / BF16): dense weights whose float32 values are exactly 16-bit floats (a bf16
- * checkpoint run in float32) multiply on their 16-bit copy, half the bytes (runtime.cpu_compile._quantized_copies) ---- */
+ * checkpoint run in float32) multiply on their 16-bit copy, half the bytes (cpu_compile._quantized_copies) ---- */
 enum { F32 = 0, F16 = 1, BF16 = 30 };
 static int half_type(int qtype) { return qtype == F16 || qtype == BF16; }
 

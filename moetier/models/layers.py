@@ -347,7 +347,7 @@ class DenseExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """One expert on rows x [n, D] -> [n, D]."""
-        half = self.__dict__.get("_half")       # 16-bit copies for the eager CPU token (cpu_compile._half_expert_copies)
+        half = self.__dict__.get("_half")     # 16-bit copies for an eager CPU token (cpu_compile._half_expert_copies)
         if half is not None and x.shape[0] == 1 and x.dtype == torch.float32 and not torch.compiler.is_compiling():
             return self._expert_half(e, x, *half)
         h = F.linear(x, self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e])

@@ -172,11 +172,12 @@ class PrefillGraphs:
     those of the last real position (`CausalLM.forward(last=...)`).
     A fresh prompt (an empty cache) runs the forward over the scratch's first positions. A continuation (a chat's
     next turn: `start` positions cached, start + bucket <= `context`) runs the forward's `pos` mode over the
-    scratch's first `keys(start + bucket)` positions (KEYS: powers of two from 1024, capped at `context`; attention
+    scratch's first `keys(start + bucket)` positions (powers of two from KEYS_MIN, capped at `context`; attention
     covers them under the causal mask), after the session's cached K/V are copied into the scratch.
     The first prompt of a (bucket, keys) runs eagerly (its kernels compile there; a shape met once does not pay a
-    capture: ~1.3 s for the 48-layer 30B-A3B shape), the second captures its graph, later ones replay it. Only caches of plain KVCache layers (no recurrent state, no --kv-dtype /
-    --kv-offload stores) and only on an engine without memory tiers; the caller checks the placement."""
+    capture: ~1.3 s for the 48-layer 30B-A3B shape), the second captures its graph, later ones replay it. Only
+    caches of plain KVCache layers (no recurrent state, no --kv-dtype / --kv-offload stores) and only on an engine
+    without memory tiers; the caller checks the placement."""
 
     BUCKETS = (16, 32, 64)
     STEP = 128
@@ -230,7 +231,7 @@ class PrefillGraphs:
 
     def __call__(self, cache: Cache, tokens: list[int]) -> torch.Tensor | None:
         """Prefill `tokens` into `cache` by a replay -> logits [V] of the last token, or None (the caller runs the
-        eager forward: the bucket's first prompt, or a cache or length this does not cover)."""
+        eager forward: a (bucket, keys)'s first prompt, or a cache or length this does not cover)."""
         n, start = len(tokens), cache.length
         if not self.applies(cache, n):
             return None
@@ -248,7 +249,7 @@ class PrefillGraphs:
             graph, buf, last, pos, logits = entry
             buf.copy_(torch.tensor(tokens + [0] * (b - n), dtype=torch.long))    # padded with token 0
             last.fill_(n - 1)
-            layers = [(mine, layer) for mine, layer in zip(self.scratch.layers, cache.layers)]
+            layers = list(zip(self.scratch.layers, cache.layers))
             if start:
                 pos.fill_(start)
                 torch._foreach_copy_([t[:start] for mine, _ in layers for t in (mine.k, mine.v)],
