@@ -353,8 +353,8 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
 @pytest.mark.parametrize("half", ["BF16", "F16"])
 def test_eager_decode_of_a_16_bit_checkpoint_reads_16_bit_copies(tmp_path, monkeypatch, half):
     """A checkpoint whose weights are 16-bit floats (the default model's bf16, run in float32 on the CPU): the one-token
-    linears and experts multiply on BF16 / F16 copies of them (half the float32 bytes; products and sums in float32), so
-    the logits are the float forward's up to the order of the sums, and the greedy tokens the same."""
+    linears and experts (a layer's k in one C call) multiply on BF16 / F16 copies of them (half the float32 bytes;
+    products and sums in float32), so the logits are the float forward's up to the order of the sums, and the greedy tokens the same."""
     from helpers import tiny_checkpoint
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     dt = torch.bfloat16 if half == "BF16" else torch.float16
@@ -367,17 +367,18 @@ def test_eager_decode_of_a_16_bit_checkpoint_reads_16_bit_copies(tmp_path, monke
     tiny_checkpoint(tmp_path, Qwen3MoeForCausalLM, cfg, scale=4.0, init=round16)
     conf = EngineConfig(device="cpu", dtype="float32", threads=1, progress=False, max_context=128, cpu_compile="off")
     ours, ref = Engine.load(tmp_path, conf), Engine.load(tmp_path, conf)
-    calls = []
-    inner = cpu.qlinear_op
+    calls, moe = [], []
+    inner, inner_moe = cpu.qlinear_op, cpu.moe_tokens
     monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
+    monkeypatch.setattr(cpu, "moe_tokens", lambda *a, **k: moe.append(a[0]) or inner_moe(*a, **k))
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 10
     done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
     tid = get_format(half).type_id
     assert ours.model.lm_head._quant_copies == {"weight": tid} and calls and set(calls) == {tid}
     experts = [m for m in ours.model.modules() if type(m).__name__ == "DenseExperts"]
     assert experts and all(m._half[0] == tid for m in experts)
-    layers = len(ours.model.model.layers)       # per decode token: q/k/v, o, 2 x 2 expert calls a layer, lm_head
-    assert len(calls) >= (n - 1) * (6 * layers + 1)
+    layers = len(ours.model.model.layers)       # per decode token: q/k/v and o a layer, the lm_head; one MoE call
+    assert len(calls) >= (n - 1) * (2 * layers + 1) and len(moe) >= (n - 1) * layers and set(moe) == {(tid, tid)}
     c1, c2 = ours.new_session().cache, ref.new_session().cache
     with torch.inference_mode():
         ours.model(torch.tensor(prompt), c1)

@@ -438,6 +438,7 @@ static void moe_vec_fill(moe_vec *v, int qtype, const float *x, int64_t K, float
 }
 
 static inline float moe_row(int qtype, const uint8_t *w, const moe_vec *v, int64_t K) {
+    if (half_type(qtype)) return row_half(qtype == BF16, (const uint16_t *)w, v->x, K);
 #ifdef MOE_Q8
     if (v->q8) return moe_row_q8(qtype, w, v->qx, v->dx, v->sx, K);
 #endif
@@ -483,7 +484,10 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
         return -1;
 #endif
     }
-    if (!moetier_supported(gq) || !moetier_supported(dq) || D % block_elems(gq) || I % block_elems(dq)) return -1;
+    /* 16-bit float rows (F16 / BF16 experts of a 16-bit checkpoint: DenseExperts._half): D, I multiples of 32 (the
+     * x sums' blocks) */
+    if (!(moetier_supported(gq) || half_type(gq)) || !(moetier_supported(dq) || half_type(dq))
+        || D % (half_type(gq) ? 32 : block_elems(gq)) || I % (half_type(dq) ? 32 : block_elems(dq))) return -1;
     for (int64_t i = 0; i < T * k; i++)
         if (ids[i] < 0 || ids[i] >= E) return -1;
     /* scratch: h [k, 2I] floats, x sums [D/32], h sums [k, I/32], int8 copies and their scales / sums */
@@ -493,8 +497,8 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
     float *h = (float *)mem, *xs = h + k * 2 * I, *hs = xs + D / 32, *dx = hs + k * (I / 32), *dh = dx + D / 32;
     float *sx = dh + k * (I / 32), *sh = sx + D / 32;
     int8_t *qx = (int8_t *)(sh + k * (I / 32)), *qh = qx + D;
-    const int64_t gbytes = 2 * k * I * (D / block_elems(gq)) * block_bytes(gq);
-    const int64_t dbytes = k * D * (I / block_elems(dq)) * block_bytes(dq);
+    const int64_t gbytes = 2 * k * I * (half_type(gq) ? 2 * D : D / block_elems(gq) * block_bytes(gq));
+    const int64_t dbytes = k * D * (half_type(dq) ? 2 * I : I / block_elems(dq) * block_bytes(dq));
     if (nthreads > 1 + (gbytes + dbytes) / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + (gbytes + dbytes) / MIN_BYTES_PER_THREAD);
     for (int64_t t = 0; t < T; t++) {
         const int64_t *e = ids + t * k;

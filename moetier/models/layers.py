@@ -366,6 +366,14 @@ class DenseExperts(nn.Module):
         return y if self.down_bias is None else y + self.down_bias[e]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        half = self.__dict__.get("_half")
+        if half is not None and x.shape[0] == 1 and x.dtype == torch.float32 and self.act is swiglu \
+                and self.gate_up_bias is None and not torch.compiler.is_compiling():
+            # an eager CPU token of a 16-bit checkpoint: the layer's k experts in one C call on the 16-bit copies
+            from ..kernels import cpu
+            tid, gate_up, down = half
+            i = gate_up.shape[1] // 2
+            return cpu.moe_tokens((tid, tid), gate_up[:, :i], gate_up[:, i:], down, x, ids, w).to(x.dtype)
         if x.is_cuda and x.shape[0] <= ops.MAX_DECODE_TOKENS and ops.kernel_available(x, self.act):
             # fused Triton decode kernels: no host sync, CUDA-graph capturable
             biases = None if self.gate_up_bias is None else (self.gate_up_bias, self.down_bias)
