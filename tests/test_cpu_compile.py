@@ -64,6 +64,7 @@ def _compare(path, prompt, n):
             ref = eng.model(torch.tensor([tok]), eager)
             assert max_rel_err(step(fast, tok), ref) < 1e-5
     assert fast.length == eager.length
+    return eng
 
 
 @pytest.mark.slow
@@ -75,7 +76,10 @@ def test_compiled_decode_matches_eager_tiny(tiny_model_dir):
 
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_default():
-    _compare(None, [(i * 7919) % 8000 + 100 for i in range(120)], 24)
+    eng = _compare(None, [(i * 7919) % 8000 + 100 for i in range(120)], 24)
+    # a bf16 checkpoint: both steps multiply on its BF16 copies (linears, and the experts in one moetier::moe_tokens)
+    experts = [m for m in eng.model.modules() if type(m).__name__ == "DenseExperts"]
+    assert experts and all(m._half[0] == 30 for m in experts) and eng.model.lm_head._quant_copies == {"weight": 30}
 
 
 # ---- background builds under --cpu-compile auto (the real build is mocked: it takes 15-25 s) ----

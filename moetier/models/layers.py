@@ -365,13 +365,17 @@ class DenseExperts(nn.Module):
         y = cpu.qlinear_op(self.act(gate, up).contiguous(), down[e], tid, False)
         return y if self.down_bias is None else y + self.down_bias[e]
 
+    def half_call(self, x: torch.Tensor) -> bool:
+        """Whether the layer's k experts for x run in one C call on their 16-bit copies (`_half`, made by
+        runtime.cpu_compile for a 16-bit checkpoint on the CPU): one float32 row, SwiGLU, no biases."""
+        return ("_half" in self.__dict__ and x.shape[0] == 1 and x.dtype == torch.float32 and self.act is swiglu
+                and self.gate_up_bias is None)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        half = self.__dict__.get("_half")
-        if half is not None and x.shape[0] == 1 and x.dtype == torch.float32 and self.act is swiglu \
-                and self.gate_up_bias is None and not torch.compiler.is_compiling():
+        if self.half_call(x) and not torch.compiler.is_compiling():
             # an eager CPU token of a 16-bit checkpoint: the layer's k experts in one C call on the 16-bit copies
             from ..kernels import cpu
-            tid, gate_up, down = half
+            tid, gate_up, down = self._half
             i = gate_up.shape[1] // 2
             return cpu.moe_tokens((tid, tid), gate_up[:, :i], gate_up[:, i:], down, x, ids, w).to(x.dtype)
         if x.is_cuda and x.shape[0] <= ops.MAX_DECODE_TOKENS and ops.kernel_available(x, self.act):

@@ -86,6 +86,11 @@ def _graph_friendly_experts(model: torch.nn.Module) -> None:
 
             def forward(self, x, ids, w, eager=eager):
                 if torch.compiler.is_compiling():
+                    if self.half_call(x):       # 16-bit copies: the layer in one moetier::moe_tokens
+                        tid, gate_up, down = self._half[0], self.gate_up_half, self.down_half   # (buffers: named)
+                        i = gate_up.shape[1] // 2
+                        return torch.ops.moetier.moe_tokens(x, ids, w.float(), gate_up[:, :i], gate_up[:, i:], down,
+                                                            tid, tid, False).to(x.dtype)
                     return fused_gather_experts(x, ids, w, self)
                 return eager(x, ids, w)
             m.forward = types.MethodType(forward, m)
@@ -211,6 +216,7 @@ def _quantized_copies(model: torch.nn.Module) -> None:
             m.register_buffer(f"{a}_q", blocks, persistent=False)
             m._quant_copies[a] = tid
     _x8_experts(model)
+    _half_expert_copies(model)          # stacked float experts of a 16-bit checkpoint: 16-bit copies
 
 
 # Packed experts (QuantExperts, the file's rows) get a copy interleaved by 8 rows for the one-token C call
@@ -328,14 +334,14 @@ def eager_blocks(model: torch.nn.Module) -> None:
     _quantized_copies(model)
     _eager_quant_linears(model)
     _fused_quant_experts(model)        # packed experts: one C call on their x8 copies, int8 activations
-    _half_expert_copies(model)         # stacked float experts of a 16-bit checkpoint: 16-bit copies
 
 
 def _half_expert_copies(model: torch.nn.Module) -> None:
     """Stacked float32 experts (DenseExperts) on the CPU whose values are exactly bf16 (or fp16), as a 16-bit
-    checkpoint's are once loaded in float32, get `_half` = (GGML type id, gate_up, down as uint8 [E, N, 2K]): the eager
-    one-token call multiplies on them with the C matvec (DenseExperts.expert), half the bytes, float32 products. Made
-    only where MemAvailable holds twice the copies (they add half the experts' float32 bytes)."""
+    checkpoint's are once loaded in float32, get buffers `gate_up_half`, `down_half` (uint8 [E, N, 2K]) and `_half` =
+    (GGML type id, those two): one CPU token multiplies on them in C (DenseExperts.forward / expert; the compiled step's
+    moetier::moe_tokens, _graph_friendly_experts), half the bytes, float32 products. Made only where MemAvailable
+    holds twice the copies (they add half the experts' float32 bytes)."""
     if cpu_kernels.backend() != "c":
         return
     todo = []
@@ -352,7 +358,9 @@ def _half_expert_copies(model: torch.nn.Module) -> None:
     if not todo or ram_info()[0] < 2 * need:
         return
     for m, dt, tid in todo:
-        m._half = (tid, *(w.detach().to(dt).view(torch.uint8) for w in (m.gate_up_proj, m.down_proj)))
+        for name, w in (("gate_up_half", m.gate_up_proj), ("down_half", m.down_proj)):
+            m.register_buffer(name, w.detach().to(dt).view(torch.uint8), persistent=False)
+        m._half = (tid, m.gate_up_half, m.down_half)
 
 
 # Eager prefill of packed experts (QuantExperts.forward_grouped) with int8 activations when both of a layer's formats
@@ -442,6 +450,7 @@ def package_key(model: torch.nn.Module) -> str:
     # the quantized copies' type ids are constants of the built code (Q4_0 / Q8_0 copies interleaved or not: same shapes)
     h.update(repr([sorted(getattr(m, "_quant_copies", {}).items()) for m in model.modules()]).encode())
     h.update(repr([getattr(m, "_x8_types", None) for m in model.modules()]).encode())
+    h.update(repr([getattr(m, "_half", (None,))[0] for m in model.modules()]).encode())      # 16-bit experts' type
     h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{torch.get_num_threads()}".encode())
     sources = {inspect.getsourcefile(type(m)) for m in model.modules() if type(m).__module__.startswith("moetier.")}
     sources |= {inspect.getsourcefile(KVCache), __file__, cpu_kernels.__file__}   # the latter: moetier::moe_tokens
