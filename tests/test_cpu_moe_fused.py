@@ -315,6 +315,31 @@ def test_quantized_copies_skip_views_and_drop():
 
 
 @needs_c
+def test_half_expert_copies_of_biased_experts_and_drop():
+    """Stacked experts whose values are exactly bf16 get 16-bit copies; with biases (gpt-oss's kind) one row runs
+    each expert on them (DenseExperts._expert_half) and gives the float expert's values up to the order of the sums;
+    float values that are not 16-bit get none; dropping removes them."""
+    from moetier.models.layers import DenseExperts
+    g = torch.Generator().manual_seed(9)
+    ex, other = DenseExperts(4, 64, 32, bias=True), DenseExperts(4, 64, 32)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).bfloat16().float() * 0.25)
+        for p in other.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    model = torch.nn.ModuleList([ex, other])
+    x = torch.randn(1, 64, generator=g)
+    want = [ex.expert(e, x) for e in range(4)]
+    cpu_compile._half_expert_copies(model)
+    assert ex._half[0] == get_format("BF16").type_id and "_half" not in other.__dict__
+    assert not ex.half_call(x)                   # biased: expert by expert
+    for e in range(4):
+        torch.testing.assert_close(ex.expert(e, x), want[e], rtol=1e-5, atol=1e-5)
+    cpu_compile._drop_quantized_copies(model)
+    assert "_half" not in ex.__dict__ and not list(model.named_buffers())
+
+
+@needs_c
 def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     """Without the compiled step (--cpu-compile off) a GGUF file's one-token linears (stacked q/k/v, o, lm_head)
     multiply on its blocks too, and its experts on their copies interleaved by 8 (cpu_compile.eager_blocks): the

@@ -263,6 +263,8 @@ def _drop_quantized_copies(model: torch.nn.Module) -> None:
             for name in ("gate", "up", "down"):
                 delattr(m, f"{name}_x8")
             m._x8_types = None
+        if "_half" in m.__dict__:
+            del m._half, m.gate_up_half, m.down_half
     model._quant_copies_done = False
 
 
