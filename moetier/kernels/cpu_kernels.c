@@ -324,10 +324,12 @@ int moetier_supported(int qtype) {
 }
 
 static int64_t block_elems(int qtype) {
-    return qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_1 || qtype == IQ4_NL || qtype == MXFP4 ? 32 : 256;
+    return qtype == Q8_0 || qtype == Q4_0 || qtype == Q5_1 || qtype == IQ4_NL || qtype == MXFP4 || half_type(qtype)
+        ? 32 : 256;
 }
 static int64_t block_bytes(int qtype) {
     switch (qtype) {
+    case F16: case BF16: return 64;         /* 32 16-bit values: the unit moe_tokens' x sums need */
     case Q8_0: return 34;
     case Q4_0: return 18;
     case Q5_1: return 24;

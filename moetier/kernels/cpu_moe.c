@@ -484,10 +484,9 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
         return -1;
 #endif
     }
-    /* 16-bit float rows (F16 / BF16 experts of a 16-bit checkpoint: DenseExperts._half): D, I multiples of 32 (the
-     * x sums' blocks) */
+    /* also 16-bit float rows (F16 / BF16 experts of a 16-bit checkpoint: DenseExperts._half) */
     if (!(moetier_supported(gq) || half_type(gq)) || !(moetier_supported(dq) || half_type(dq))
-        || D % (half_type(gq) ? 32 : block_elems(gq)) || I % (half_type(dq) ? 32 : block_elems(dq))) return -1;
+        || D % block_elems(gq) || I % block_elems(dq)) return -1;
     for (int64_t i = 0; i < T * k; i++)
         if (ids[i] < 0 || ids[i] >= E) return -1;
     /* scratch: h [k, 2I] floats, x sums [D/32], h sums [k, I/32], int8 copies and their scales / sums */
@@ -497,8 +496,8 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
     float *h = (float *)mem, *xs = h + k * 2 * I, *hs = xs + D / 32, *dx = hs + k * (I / 32), *dh = dx + D / 32;
     float *sx = dh + k * (I / 32), *sh = sx + D / 32;
     int8_t *qx = (int8_t *)(sh + k * (I / 32)), *qh = qx + D;
-    const int64_t gbytes = 2 * k * I * (half_type(gq) ? 2 * D : D / block_elems(gq) * block_bytes(gq));
-    const int64_t dbytes = k * D * (half_type(dq) ? 2 * I : I / block_elems(dq) * block_bytes(dq));
+    const int64_t gbytes = 2 * k * I * (D / block_elems(gq)) * block_bytes(gq);
+    const int64_t dbytes = k * D * (I / block_elems(dq)) * block_bytes(dq);
     if (nthreads > 1 + (gbytes + dbytes) / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + (gbytes + dbytes) / MIN_BYTES_PER_THREAD);
     for (int64_t t = 0; t < T; t++) {
         const int64_t *e = ids + t * k;

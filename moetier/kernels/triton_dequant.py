@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .triton_moe import DENSE, MXFP4, Q4_0, Q5_K, Q6_K, Q8_0, _kidx, _q4_0_load, _q4_k_load, _q8_load
-from .triton_tiles import deq_tile, e8m0_half
+from .triton_tiles import deq_tile, e2m1_scaled, e8m0_half
 from .triton_weights import Weights
 
 # rows x elements per step (256 and 1024: every format's block divides them), warps. Timed on the H200
@@ -95,14 +95,7 @@ def _mxfp4_halves(q_ptr, d_ptr, rq, rd, mask, k0, K, BK: tl.constexpr):
     m = mg & (l >= 0)[None, :, :]
     b = _rows_ld(q_ptr, rq, g * 16 + l, m).to(tl.int32)
     sc = e8m0_half(_rows_ld(d_ptr, rd, g, mg).to(tl.int32))
-    return sc * (_e2m1(b & 15) * 32768.0), sc * (_e2m1(b >> 4) * 32768.0), g * 32 + l, m
-
-
-@triton.jit
-def _e2m1(n):
-    """An E2M1 code (0..15) -> its doubled value * 2^-15 (fp16 bits, as triton_tiles.deq_tile)."""
-    hb = ((n & 7) << 9) | ((n & 8) << 12)
-    return hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return sc * (e2m1_scaled(b & 15) * 32768.0), sc * (e2m1_scaled(b >> 4) * 32768.0), g * 32 + l, m
 
 
 @triton.jit

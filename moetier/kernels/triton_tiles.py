@@ -19,6 +19,14 @@ def e8m0_half(e):
 
 
 @triton.jit
+def e2m1_scaled(n):
+    """An E2M1 code (int32 0..15) -> its doubled value * 2^-15 as float32 (built as fp16 bits: times 32768.0 gives the
+    doubled value exactly)."""
+    hb = ((n & 7) << 9) | ((n & 8) << 12)
+    return hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _ld(ptr, rows, idx, m):
     return tl.load(ptr + rows[:, None] + idx, mask=m, other=0)
 
@@ -51,8 +59,7 @@ def deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rs
     elif FMT == MXFP4:         # byte 16 (e // 32) + e % 16, high nibble for e % 32 >= 16
         b = _ld(q_ptr, rq, e // 32 * 16 + e % 16, m).to(tl.int32)
         n = (b >> (4 * (e % 32 // 16))) & 15
-        hb = ((n & 7) << 9) | ((n & 8) << 12)                       # doubled E2M1 * 2^-15 as fp16
-        v = hb.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        v = e2m1_scaled(n)
         x = _ld(d_ptr, rd, e // 32, m).to(tl.int32)
         return e8m0_half(x) * (v * 32768.0)
     else:                      # IQ3_XXS: grid byte e // 4, value e % 4, sign bit e % 32 of sg[e // 32]

@@ -371,13 +371,18 @@ class DenseExperts(nn.Module):
         return ("_half" in self.__dict__ and x.shape[0] == 1 and x.dtype == torch.float32 and self.act is swiglu
                 and self.gate_up_bias is None)
 
+    def half_planes(self) -> tuple:
+        """(type id, gate, up, down) of the 16-bit copies, as the buffers the module names (a traced step takes them
+        as its constants): gate and up are the halves of gate_up's rows."""
+        i = self.gate_up_half.shape[1] // 2
+        return self._half[0], self.gate_up_half[:, :i], self.gate_up_half[:, i:], self.down_half
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.half_call(x) and not torch.compiler.is_compiling():
             # an eager CPU token of a 16-bit checkpoint: the layer's k experts in one C call on the 16-bit copies
             from ..kernels import cpu
-            tid, gate_up, down = self._half
-            i = gate_up.shape[1] // 2
-            return cpu.moe_tokens((tid, tid), gate_up[:, :i], gate_up[:, i:], down, x, ids, w).to(x.dtype)
+            tid, gate, up, down = self.half_planes()
+            return cpu.moe_tokens((tid, tid), gate, up, down, x, ids, w).to(x.dtype)
         if x.is_cuda and x.shape[0] <= ops.MAX_DECODE_TOKENS and ops.kernel_available(x, self.act):
             # fused Triton decode kernels: no host sync, CUDA-graph capturable
             biases = None if self.gate_up_bias is None else (self.gate_up_bias, self.down_bias)

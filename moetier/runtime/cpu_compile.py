@@ -87,10 +87,9 @@ def _graph_friendly_experts(model: torch.nn.Module) -> None:
             def forward(self, x, ids, w, eager=eager):
                 if torch.compiler.is_compiling():
                     if self.half_call(x):       # 16-bit copies: the layer in one moetier::moe_tokens
-                        tid, gate_up, down = self._half[0], self.gate_up_half, self.down_half   # (buffers: named)
-                        i = gate_up.shape[1] // 2
-                        return torch.ops.moetier.moe_tokens(x, ids, w.float(), gate_up[:, :i], gate_up[:, i:], down,
-                                                            tid, tid, False).to(x.dtype)
+                        tid, gate, up, down = self.half_planes()
+                        return torch.ops.moetier.moe_tokens(x, ids, w.float(), gate, up, down, tid, tid,
+                                                            False).to(x.dtype)
                     return fused_gather_experts(x, ids, w, self)
                 return eager(x, ids, w)
             m.forward = types.MethodType(forward, m)
