@@ -359,13 +359,42 @@ PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [No
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
 PAIR_TILES_V5Q = [(32, 0, 16), (16, 0, 8), (64, 0, 16), (16, 0, 16), (32, 0, 8), (32, 0, 4), (16, 0, 4), (8, 0, 4),
                   (64, 0, 8), (32, 0, 2)]     # session 34: 16 warps (127 registers, no spills: bench/kernel_regs.py)
+# The default variant's shipped gate_up (v5qx for Q4_0) with other down tiles (--only v5qxdown): down's programs load
+# their weights before their PDL wait only where they are resident beside gate_up's; fewer or lighter programs may all
+# be (session 35). The env V5QX_PAIRS="GU/DN GU/DN ..." (each a tile "rows.0.warps" or "-" for the shipped one)
+# replaces the list with those pairs.
+PAIR_TILES_V5QX_DOWN = [(None, t) for t in ((2, 0, 2), (4, 0, 2), (8, 0, 2), (8, 0, 4), (16, 0, 4), (16, 0, 8),
+                                            (4, 0, 8), (8, 0, 8), (2, 0, 1), (4, 0, 1))]
+
+
+def v5qx_pairs() -> list:
+    """PAIR_TILES_V5QX_DOWN, or the (gate_up, down) tiles of the env V5QX_PAIRS."""
+    spec = os.environ.get("V5QX_PAIRS", "").split()
+    tile = lambda t: None if t == "-" else tuple(int(v) for v in t.split("."))      # noqa: E731
+    return [tuple(tile(t) for t in p.split("/")) for p in spec] or PAIR_TILES_V5QX_DOWN
+
+
 # v5q at (gate_up, down) tiles that fill the H200's SMs in about whole waves without spilling (--only v5qwave; from
 # bench/kernel_regs.py, session 27: the shipped Q4_0 gate_up holds one 255-register program an SM, 192 programs in
-# 1.45 waves; Q4_K's and Q6_K's downs spill 512 / 744 bytes a thread)
+# 1.45 waves; Q4_K's and Q6_K's downs spill 512 / 744 bytes a thread. Those counts came from compiles without the
+# launch's pointer alignment: the JIT gave the Q4_0 gate_up 128 registers, two programs an SM: session 35)
 PAIR_TILES_WAVE = {"Q4_0": [((8, 0, 2), None)],
                    "Q4_K": [(None, (4, 0, 4)), (None, (8, 0, 8)), ((4, 0, 4), (4, 0, 4))],
                    "Q6_K": [(None, (8, 0, 4)), (None, (4, 0, 4)), (None, (8, 0, 8))]}
 VARIANT_FMTS = "Q4_K,Q8_0,Q4_0,Q6_K,Q5_K,MXFP4,IQ3_XXS,dense"      # most used first (time budget)
+
+
+def compiled_kernels() -> list[dict]:
+    """Registers and spills of each decode kernel as this process's launches compiled them (the JIT's own
+    specialization: pointer alignment and integer divisibility, which bench/kernel_regs.py can only assume)."""
+    rows = []
+    for name, fn in (("gate_up", tm.v5._gate_up_kernel), ("down", tm.v5._down_kernel)):
+        for cache in fn.device_caches.values():
+            for k in cache[0].values():
+                k._init_handles()          # n_regs / n_spills are filled when the module is loaded
+                rows.append({"kernel": name, "regs": k.n_regs, "spills": k.n_spills, "warps": k.metadata.num_warps,
+                             "shared": k.metadata.shared})
+    return rows
 
 
 def time_kernel(c: Case, gen, kind: str, variant: str, cfg) -> dict:
@@ -466,6 +495,12 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qxtiles: v5qx at the same tiles (fewer programs, fewer
         for gt in PAIR_TILES_V5Q if "v5qxtiles" in wanted and v5(c.fmt) else ():    # copies of x: session 30)
             pair(c, "v5qx", (gt, None), "v5qxtiles")
+    for c in cases.values():                      # --only v5qxdown: v5qx's gate_up with other down tiles
+        for tiles in v5qx_pairs() if "v5qxdown" in wanted and v5(c.fmt) else ():     # (the format's default v5
+            pair(c, tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl"), tiles, "v5qxdown")          # variant: v5qx for Q4_0)
+    if wanted & {"v5qx", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"}:
+        out.append({"compiled": compiled_kernels()})
+        log(f"  compiled: {out[-1]['compiled']}")
     for c in cases.values():
         for v in ("v2pdl", "v3pdl"):
             if has(c.fmt, v) and (v != "v3pdl" or v3(c.fmt)):
