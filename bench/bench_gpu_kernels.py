@@ -497,7 +497,12 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
             pair(c, "v5qx", (gt, None), "v5qxtiles")
     for c in cases.values():                      # --only v5qxdown: v5qx's gate_up with other down tiles
         for tiles in v5qx_pairs() if "v5qxdown" in wanted and v5(c.fmt) else ():     # (the format's default v5
-            pair(c, tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl"), tiles, "v5qxdown")          # variant: v5qx for Q4_0)
+            for split in ("0", "1", "0", "1") if os.environ.get("V5QX_SPLIT_AB") else (None,):   # variant: v5qx
+                if split is not None:                                                           # for Q4_0)
+                    os.environ["MOETIER_V5_SPLIT"] = split
+                    log(f"  MOETIER_V5_SPLIT={split}")
+                pair(c, tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl"), tiles, "v5qxdown")
+            os.environ.pop("MOETIER_V5_SPLIT", None)
     if wanted & {"v5qx", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"}:
         out.append({"compiled": compiled_kernels()})
         log(f"  compiled: {out[-1]['compiled']}")

@@ -75,8 +75,8 @@ def main() -> int:
     for fmt in q8.FORMATS:
         d, i = 2048, 768
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
-        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
-                  NBP=d // 32, TRACE=False)
+        nb1, nb2 = q8.gate_up_pieces(d, fmt)
+        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=nb1, NB2=nb2, ROUND=1, NBP=d // 32, TRACE=False)
         dn = dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True, NB1=v3_pieces(i, fmt)[0],
                   NB2=v3_pieces(i, fmt)[1], TRACE=False)
         cases = {

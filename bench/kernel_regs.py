@@ -129,8 +129,9 @@ def main() -> int:
             tiles["v5qx"] = tiles["v5q"]
         for variant, t in tiles.items():
             qh = q8.h_quantizer(t.bn) if variant in ("v5q", "v5qx") else 0
-            gu = dict(common, I=i, D=d, KTOP=k, ACT=0, NB1=v3_pieces(d, fmt)[0], NB2=v3_pieces(d, fmt)[1], ROUND=1,
-                      BN=t.bn, QH=qh, XQ=variant == "v5qx", NBP=triton.next_power_of_2(d // 32), TRACE=False)
+            nb1, nb2 = q8.gate_up_pieces(d, fmt)
+            gu = dict(common, I=i, D=d, KTOP=k, ACT=0, NB1=nb1, NB2=nb2, ROUND=1, BN=t.bn, QH=qh,
+                      XQ=variant == "v5qx", NBP=triton.next_power_of_2(d // 32), TRACE=False)
             for cap in (None, *a.maxnreg):
                 e = entry(fmt, f"gate_up ({variant}{', default' if variant == default else ''})", t,
                           k * math.ceil(i / t.bn), q8._gate_up_kernel, gu, tool, cap)
