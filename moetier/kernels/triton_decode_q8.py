@@ -715,7 +715,10 @@ def gate_up_pieces(d: int, fmt: str) -> tuple[int, int]:
     in two equal pieces (env MOETIER_V5_SPLIT=0: not; read at each launch, for A/B in one process). Two [W NB / 2,
     rows, 2] tiles put all of a program's warps along the rows (one [W NB, rows, 2] tile has two along the words at
     Q4_0's (32, 0, 8)): _v5_maths adds the pieces' block values before one reduction within each warp, no
-    cross-warp sum through shared memory (Q4_0 (32, 0, 8): 1,696 -> 1,360 SASS instructions a thread)."""
+    cross-warp sum through shared memory (Q4_0 (32, 0, 8): 1,696 -> 1,360 SASS instructions a thread; the pair
+    9.83-9.93 -> 9.14-9.31 us on the H200). Q4_K and Q6_K read so (their K pieces' block sums added likewise: 960 ->
+    728 and 1,288 -> 1,176 instructions) were slower there (12.66-12.69 -> 12.86-12.91 us, 14.12-14.25 -> 15.0-15.13),
+    and their scales come per 4 / 2 steps, so a piece must hold whole ones: not split (session 35)."""
     nb1, nb2 = v3_pieces(d, fmt)
     if nb2 == 0 and nb1 >= 2 and fmt in SPLIT_FORMATS and os.environ.get("MOETIER_V5_SPLIT", "1") != "0":
         return nb1 // 2, nb1 // 2
