@@ -358,7 +358,7 @@ PAIR_TILES_V5 = {"gate_up": [None, (2, 0, 1), (4, 0, 1), (8, 0, 2)], "down": [No
 # v5q at wider gate_up tiles (--only v5qtiles): from 32 rows each program quantizes its own 32-blocks of h in registers
 # (no counters, no quantizer launch for down); 8 and 16 rows: the counters' last program
 PAIR_TILES_V5Q = [(32, 0, 16), (16, 0, 8), (64, 0, 16), (16, 0, 16), (32, 0, 8), (32, 0, 4), (16, 0, 4), (8, 0, 4),
-                  (64, 0, 8), (32, 0, 2)]     # session 34: 16 warps (127 registers, no spills: bench/kernel_regs.py)
+                  (64, 0, 8), (32, 0, 2)]     # session 34: 16 warps (bench/kernel_regs.py: 127 registers, no spills)
 # The default variant's shipped gate_up (v5qx for Q4_0) with other down tiles (--only v5qxdown): down's programs load
 # their weights before their PDL wait only where they are resident beside gate_up's; fewer or lighter programs may all
 # be (session 35). The env V5QX_PAIRS="GU/DN GU/DN ..." (each a tile "rows.0.warps" or "-" for the shipped one)
@@ -495,10 +495,12 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qxtiles: v5qx at the same tiles (fewer programs, fewer
         for gt in PAIR_TILES_V5Q if "v5qxtiles" in wanted and v5(c.fmt) else ():    # copies of x: session 30)
             pair(c, "v5qx", (gt, None), "v5qxtiles")
-    for c in cases.values():                      # --only v5qxdown: v5qx's gate_up with other down tiles
-        for tiles in v5qx_pairs() if "v5qxdown" in wanted and v5(c.fmt) else ():     # (the format's default v5
-            for split in ("0", "1", "0", "1") if os.environ.get("V5QX_SPLIT_AB") else (None,):   # variant: v5qx
-                if split is not None:                                                           # for Q4_0)
+    # --only v5qxdown: the format's default pair (v5qx for Q4_0) at v5qx_pairs' tiles; env V5QX_SPLIT_AB: each one
+    # with gate_up's row in one piece and in two (MOETIER_V5_SPLIT 0 / 1 / 0 / 1, read at each launch)
+    for c in cases.values():
+        for tiles in v5qx_pairs() if "v5qxdown" in wanted and v5(c.fmt) else ():
+            for split in ("0", "1", "0", "1") if os.environ.get("V5QX_SPLIT_AB") else (None,):
+                if split is not None:
                     os.environ["MOETIER_V5_SPLIT"] = split
                     log(f"  MOETIER_V5_SPLIT={split}")
                 pair(c, tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl"), tiles, "v5qxdown")

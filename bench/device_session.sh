@@ -44,7 +44,8 @@
 #   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
-#   v5qxdown    v5qx with other down tiles, and the registers the JIT gave each compiled kernel (TFMT, TLBUDGET)
+#   v5qxdown    v5qx with other down tiles (V5QX_PAIRS: (gate_up, down) pairs; V5QX_SPLIT_AB=1: each with gate_up's
+#               row in one and in two pieces), and the registers the JIT gave each compiled kernel (TFMT, TLBUDGET)
 #   v5qwave     v5q at the shipped tiles, then at PAIR_TILES_WAVE (whole waves, no spills: bench/kernel_regs.py)
 #   v5tiles     the v5pdl pair at the tile combinations of PAIR_TILES_V5 (TFMT formats, TLBUDGET seconds)
 #   pairprof    the T=1 decode pair: each kernel's device time, the gaps, one launch's read ceiling (KFMT; PPONLY
@@ -514,7 +515,7 @@ PY
     # each kernel (bench/kernel_regs.py compiles without the launch's pointer alignment: session 35)
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only ${V5QXONLY:-v5qx,v5qxdown} \
       --fmt ${TFMT:-Q4_0} --budget ${TLBUDGET:-250} --out "$OUT/v5qxdown.json" 2> "$OUT/v5qxdown.err" > /dev/null
-    grep -E "gate_up \+ down|compiled" "$OUT/v5qxdown.err" | cut -c1-400 ;;
+    grep -E "gate_up \+ down|compiled|MOETIER_V5_SPLIT" "$OUT/v5qxdown.err" | cut -c1-400 ;;
   gluon)
     # the Gluon gate_up experiment (TMA ring, ~one persistent program an SM): error against v5pdl's gate_up, times
     timeout ${TLSECS:-200} python3 bench/gluon_gate_up.py --ns ${GNS:-3,4,6} --nprog ${GNPROG:-132,264} \

@@ -436,7 +436,8 @@ def _v5_maths(a, b, m_ptr, NBK: tl.constexpr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, 
         if NB2 > 0:
             acc += _q6_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2,
                             EMU)
-    elif NB2 == NB1 and (FMT == Q4_0 or FMT == Q8_0 or FMT == MXFP4):      # gate_up_pieces' equal halves
+    elif NB2 == NB1 and (FMT == Q4_0 or FMT == Q8_0 or FMT == MXFP4):
+        # equal pieces (gate_up_pieces' halves, or v3_pieces' 2^n + 2^n): block values added before one reduction
         pa = _v5_math(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, EMU,
                       False)
         pb = _v5_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], NB1, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB2,
