@@ -439,7 +439,7 @@ def _bias(b, like: torch.Tensor):
 # 10.62, all on the GPU 686.6 tok/s vs 670.8 / 670.7 in one process (Q4_K 14.04 vs 12.65 and Q6_K 14.72 vs 14.23: v5q)
 DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
-VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx")
+VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx", "v5qxf")
 
 
 def variant_of(fmt: str, variant: str | None) -> str:
@@ -451,7 +451,9 @@ def variant_of(fmt: str, variant: str | None) -> str:
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
     Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer
-    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0).
+    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0),
+    "v5qxf" (v5qx whose down waits for h's blocks by counters gate_up's programs add to, a piece of blocks at a time,
+    instead of its PDL wait for the whole grid; gate_up tiles of 32 rows, else v5qx; not yet timed on a GPU).
     (v4, the whole layer in one persistent launch for T=1 Q4_0 / Q8_0, was slower and was removed (session 31: history
     `triton_decode_v4.py`); v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and
     raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of programs that each own 32 rows of
@@ -473,7 +475,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    v = "v5pdl" if v in ("v5q", "v5qx") else v
+    v = "v5pdl" if v in ("v5q", "v5qx", "v5qxf") else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
         return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v5", "v5pdl"):
@@ -495,7 +497,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    v = "v5pdl" if v in ("v5q", "v5qx") else v
+    v = "v5pdl" if v in ("v5q", "v5qx", "v5qxf") else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
     if v in ("v3", "v3pdl", "v5", "v5pdl"):
@@ -521,12 +523,14 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     ids, w = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
     v = variant_of(gate_up.fmt, variant)                 # v2, v3: h in float32 (values rounded to x's dtype)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
-    if v in ("v5q", "v5qx") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
+    if v in ("v5q", "v5qx", "v5qxf") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
+        gu_rows = (cfg_gate_up or v5.GATE_UP5Q.get(gate_up.fmt, v5.GATE_UP5[gate_up.fmt]))[0]
+        flags = v5.down_flags(x.device, t) if v == "v5qxf" and gu_rows == 32 else None
         _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True,
-                               x_here=v == "v5qx")
+                               x_here=v in ("v5qx", "v5qxf"), flags=flags)
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
-                          pre=pre)
+                          pre=pre, flags=flags)
     decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
     return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, variant)
 
