@@ -506,7 +506,7 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
                     log(f"  MOETIER_V5_SPLIT={split}")
                 pair(c, tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl"), tiles, "v5qxdown")
             os.environ.pop("MOETIER_V5_SPLIT", None)
-    if wanted & {"v5qx", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"}:
+    if wanted & {"v5qx", "v5qxf", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"} and DEV == "cuda":
         out.append({"compiled": compiled_kernels()})
         log(f"  compiled: {out[-1]['compiled']}")
     for c in cases.values():

@@ -73,6 +73,13 @@ def _emulate() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+INTERPRET = tl.constexpr(_emulate())     # as the kernels were built at import (triton.jit reads the same variable)
+# MOETIER_Q8_RECIP=1 (read at import, kernels and twin alike; A/B only until a GPU has timed it): int8 activations as
+# q = rint(x * (1 / d)), llama.cpp's and the C miss server's way, one reciprocal a block and a product an element,
+# instead of an IEEE division an element (Q4_0's v5qx gate_up: 1,360 -> 1,272 SASS instructions a thread)
+Q8_RECIP = tl.constexpr(os.environ.get("MOETIER_Q8_RECIP") == "1")
+
+
 @triton.jit
 def _dp4a(a, b, c, EMU: tl.constexpr):
     """c + sum_j a_j * b_j over the 4 signed bytes of int32 a, b (PTX dp4a.s32.s32; shifts under EMU)."""
@@ -156,12 +163,33 @@ def _q8_row(x_ptr, q_ptr, d_ptr, s_ptr, K: tl.constexpr, NBP: tl.constexpr):
 @triton.jit
 def _q8_blocks(x):
     """x float32 [NB, 32] -> (q float32 [NB, 32] integral, dx [NB], xs [NB]): dx = max|x| / 127, q = round-half-even(x /
-    dx) (0 where the block is all zero), xs = dx * sum(q). The one definition: `quantize` and gate_up's fused h."""
+    dx) (0 where the block is all zero), xs = dx * sum(q). The one definition: `quantize`, gate_up's fused x and h,
+    the attention's and the norms' int8 outputs. Q8_RECIP: q = round-half-even(x * (1 / dx)), 1 / dx and the product
+    each rounded once."""
     amax = tl.max(tl.abs(x), axis=1)
-    dx = amax / 127.0
-    y = tl.math.div_rn(x, tl.where(amax > 0, dx, 1.0)[:, None])
-    q = (y + MAGIC_F) - MAGIC_F                                   # round half to even (|y| <= 127)
+    if Q8_RECIP:
+        dx = tl.math.div_rn(amax, 127.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(1.0, tl.where(amax > 0, dx, 1.0)), 0.0)
+        q = _rint_product(x, inv[:, None])
+    else:
+        dx = amax / 127.0
+        y = tl.math.div_rn(x, tl.where(amax > 0, dx, 1.0)[:, None])
+        q = (y + MAGIC_F) - MAGIC_F                               # round half to even (|y| <= 127)
     return q, dx, dx * tl.sum(q, axis=1)
+
+
+@triton.jit
+def _rint_product(x, y):
+    """round-half-even(x * y) of the product rounded to float32 first (mul.rn: no fma joins it to the rounding's add),
+    as float32."""
+    if INTERPRET:
+        p = x * y
+        r = (p + MAGIC_F) - MAGIC_F
+    else:
+        r = tl.inline_asm_elementwise("{ .reg .f32 p; mul.rn.f32 p, $1, $2; cvt.rni.f32.f32 $0, p; }", "=r,r,r",
+                                      [x.to(tl.int32, bitcast=True), y.to(tl.int32, bitcast=True)], dtype=tl.int32,
+                                      is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    return r
 
 
 def quantize(x: torch.Tensor, wait: bool = False, trigger: bool | int = False
@@ -182,8 +210,9 @@ def quantize_native(x: torch.Tensor) -> torch.Tensor:
     """The twin of `quantize`, dequantized: x [R, K] -> float32 q * dx (what the kernels multiply by)."""
     xb = x.float().reshape(*x.shape[:-1], -1, 32)
     dx = xb.abs().amax(-1, keepdim=True) / 127.0
-    q = torch.where(dx > 0, torch.round(xb / torch.where(dx > 0, dx, 1.0)), 0.0)
-    return (q * dx).reshape(x.shape)
+    safe = torch.where(dx > 0, dx, 1.0)
+    q = torch.round(xb * (1.0 / safe) if Q8_RECIP.value else xb / safe)
+    return (torch.where(dx > 0, q, 0.0) * dx).reshape(x.shape)
 
 
 # ------------------------------------------------------------------ one step of whole rows
