@@ -276,7 +276,7 @@ def test_decode_v5q_equals_v5pdl(fmt, gpt_oss):
             got = run_kernel("decode", x, ids, w, gu, dn, fmt, act, biases, variant=v, **cfg)
             assert torch.equal(got, want), (v, cfg, (got - want).abs().max().item())
             if v == "v5qxf":
-                assert not tm.v5.down_flags(x.device, 1).any()
+                assert not tm.v5.arrival_counters(x.device, 4, "down_flags").any()
 
 
 @triton.jit

@@ -767,7 +767,7 @@ def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=Non
     copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last
     program of each 32-block where the tile's rows divide 32, in registers where 32 divides them. x_here (variant
     v5qx): no quantizer launch, each gate_up program quantizes x itself (the same int8 copy)."""
-    tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
+    tile = gate_up_tile(w.fmt, cfg, quantize_h)
     qh = h_quantizer(tile.bn) if quantize_h else 0
     xq = None if x_here else quantize_x(x, pdl)
     hx = h_int8(h) if qh else (h, h, h)
@@ -870,9 +870,17 @@ def arrival_counters(device, n: int, purpose: str) -> torch.Tensor:
     return c
 
 
-def down_flags(device, tokens: int) -> torch.Tensor:
+def gate_up_tile(fmt: str, cfg=None, quantize_h: bool = False) -> Tile:
+    """gate_up's tile: cfg, else v5q / v5qx's (quantize_h) or v5pdl's for the format."""
+    return Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(fmt, GATE_UP5[fmt]))[:4])
+
+
+def down_flags(device, tokens: int, fmt: str, cfg=None) -> torch.Tensor | None:
     """v5qxf's counters: int32 [tokens, 4] (pieces a, b of h's blocks published; down's arrivals), zeroed once and
-    by down's last program of each token after that."""
+    by down's last program of each token after that; None where gate_up's tile (cfg, else v5qx's) is not of 32 rows
+    (one h block a program, which the counting assumes): the pair then runs as v5qx."""
+    if gate_up_tile(fmt, cfg, True).bn != 32:
+        return None
     return arrival_counters(device, 4 * tokens, "down_flags")
 
 

@@ -525,8 +525,7 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
     if v in ("v5q", "v5qx", "v5qxf") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
-        gu_rows = (cfg_gate_up or v5.GATE_UP5Q.get(gate_up.fmt, v5.GATE_UP5[gate_up.fmt]))[0]
-        flags = v5.down_flags(x.device, t) if v == "v5qxf" and gu_rows == 32 else None
+        flags = v5.down_flags(x.device, t, gate_up.fmt, cfg_gate_up) if v == "v5qxf" else None
         _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True,
                                x_here=v in ("v5qx", "v5qxf"), flags=flags)
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
