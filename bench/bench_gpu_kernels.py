@@ -245,9 +245,8 @@ def rel_err(a, b) -> float:
 def pair_calls(c, gen, variant: str, cfg_gu=None, cfg_dn=None):
     """ROT closures of the T=1 decode pair (moe_decode's own launches for v5q / v5qx, else decode_calls' gate_up then
     down, at tiles cfg_gu / cfg_dn: None the shipped ones) and the mean distinct slots per call."""
-    if variant in ("v5q", "v5qx", "v5qxf"):   # v5q: x quantizer, gate_up (+ h quantizer), down; v5qx: v5q without
-                                               # the x quantizer (gate_up's programs quantize x); v5qxf: down waits
-                                               # for h's blocks by counters
+    if variant in ("v5q", "v5qx"):       # v5q: x quantizer, gate_up (+ h quantizer), down; v5qx: v5q without the x
+                                          # quantizer (gate_up's programs quantize x)
         rs = routings(1, c.k, c.slots, gen)
         x = torch.randn(1, c.d, generator=gen).to(DEV, XDT)
         out = torch.empty_like(x)
@@ -479,8 +478,8 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     def v5(fmt):                                  # formats with dp4a kernels (others run v3)
         return fmt in tm.v5.FORMATS
     for c in cases.values():                      # v5 first after the baselines: the candidate (session 8)
-        for v in ("v5", "v5pdl", "v5q", "v5qx", "v5qxf") if v5(c.fmt) else ():  # v5q: h quantized inside gate_up
-            # (session 10); v5qx: and x (session 30); v5qxf: down waits for h's blocks by counters (session 35)
+        for v in ("v5", "v5pdl", "v5q", "v5qx") if v5(c.fmt) else ():   # v5q: h quantized inside gate_up (session
+                                                                        # 10); v5qx: and x (session 30)
             pair(c, v)
     for c in cases.values():                      # --only v5tiles: the v5pdl pair at combinations of tiles
         for gt in PAIR_TILES_V5["gate_up"] if "v5tiles" in wanted and v5(c.fmt) else ():
@@ -506,7 +505,7 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
                     log(f"  MOETIER_V5_SPLIT={split}")
                 pair(c, tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl"), tiles, "v5qxdown")
             os.environ.pop("MOETIER_V5_SPLIT", None)
-    if wanted & {"v5qx", "v5qxf", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"} and DEV == "cuda":
+    if wanted & {"v5qx", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"} and DEV == "cuda":
         out.append({"compiled": compiled_kernels()})
         log(f"  compiled: {out[-1]['compiled']}")
     for c in cases.values():
@@ -717,12 +716,11 @@ def v5_jobs(fmt: str, gu, dn, d: int, i: int, k: int) -> list:
     def gate_up(name, tile, qh, xq=False, **opt):
         return (name, q8._gate_up_kernel, gx_args if xq else gu_args, dict(base, I=i, D=d, KTOP=k, ACT=0, BN=tile.bn,
                 NB1=gp[0], NB2=gp[1], ROUND=1, QH=qh, XQ=xq, NBP=triton.next_power_of_2(d // 32), tr_ptr=xd,
-                TRACE=False, fl_ptr=xd, FLAGS=False, NA=dp[0], num_warps=tile.warps, **opt), 0)
+                TRACE=False, num_warps=tile.warps, **opt), 0)
 
     def down(name, tile):
         return (name, q8._down_kernel, dn_args, dict(base, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=tile.bn,
-                NB1=dp[0], NB2=dp[1], TRIGGER=True, tr_ptr=out, TRACE=False, fl_ptr=out, FLAGS=False,
-                num_warps=tile.warps), 0)
+                NB1=dp[0], NB2=dp[1], TRIGGER=True, tr_ptr=out, TRACE=False, num_warps=tile.warps), 0)
     t5, tq, td = (tm.v2.Tile(*c[:4]) for c in (q8.GATE_UP5[fmt], q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt]),
                                                q8.DOWN5[fmt]))
     qh = q8.h_quantizer(tq.bn)

@@ -26,7 +26,7 @@ from moetier.kernels.triton_decode import STEP_BLOCK, v3_pieces  # noqa: E402
 from moetier.kernels.triton_weights import FMT_CODES  # noqa: E402
 
 XQ_FORMATS = ("Q4_0", "Q4_K")       # v5qx's gate_up builds
-INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr", "fl_ptr"}
+INT_PTRS = {"xw_ptr", "hw_ptr", "q_ptr", "h_ptr", "ids_ptr"}
 FLOAT_PTRS = {"xd_ptr", "xs_ptr", "hd_ptr", "hs_ptr", "out_ptr", "b_ptr", "w_ptr"}
 
 
@@ -76,18 +76,15 @@ def main() -> int:
         d, i = 2048, 768
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
         nb1, nb2 = q8.gate_up_pieces(d, fmt)
-        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=nb1, NB2=nb2, ROUND=1, NBP=d // 32, TRACE=False, FLAGS=False,
-                  NA=v3_pieces(i, fmt)[0])
+        gu = dict(common, I=i, D=d, KTOP=8, ACT=0, NB1=nb1, NB2=nb2, ROUND=1, NBP=d // 32, TRACE=False)
         dn = dict(common, D=d, I=i, KTOP=8, KP=8, BN=4, TRIGGER=True, NB1=v3_pieces(i, fmt)[0],
-                  NB2=v3_pieces(i, fmt)[1], TRACE=False, FLAGS=False)
+                  NB2=v3_pieces(i, fmt)[1], TRACE=False)
         cases = {
             "gate_up": (q8._gate_up_kernel, dict(gu, BN=4, QH=0, XQ=False)),
             "gate_up+qh": (q8._gate_up_kernel, dict(gu, BN=4, QH=1, XQ=False)),
             "gate_up+qh2": (q8._gate_up_kernel, dict(gu, BN=32, QH=2, XQ=False)),
             # v5qx (x's copy made by gate_up: the same code in every format; CI time: two formats)
             **({"gate_up+qh2+xq": (q8._gate_up_kernel, dict(gu, BN=32, QH=2, XQ=True)),
-                "gate_up+qh2+xq+flags": (q8._gate_up_kernel, dict(gu, BN=32, QH=2, XQ=True, FLAGS=True)),
-                "down+flags": (q8._down_kernel, dict(dn, FLAGS=True)),
                 "gate_up+qh+xq": (q8._gate_up_kernel, dict(gu, BN=16, QH=1, XQ=True))} if fmt in XQ_FORMATS else {}),
             "down": (q8._down_kernel, dn),
             "gemv": (triton_qlinear._gemv_kernel, dict(common, K=d, BN=4, NB1=v3_pieces(d, fmt)[0],

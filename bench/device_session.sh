@@ -44,7 +44,6 @@
 #   v5new       the v5 kernels of MXFP4 / Q5_K / IQ3_XXS (and Q4_K): GPU tests, then their pairs against v2
 #   v5ab        the decode pairs of this tree against a snapshot in .run (carried), new / old / new
 #   v5qtiles    v5q (h quantized by gate_up) at wider gate_up tiles beside v5pdl (TFMT, TLBUDGET)
-#   next35      session 35's untimed candidates: v5qxf and MOETIER_Q8_RECIP=1, their GPU tests, then Q4_0 pairs
 #   v5qxdown    v5qx with other down tiles (V5QX_PAIRS: (gate_up, down) pairs; V5QX_SPLIT_AB=1: each with gate_up's
 #               row in one and in two pieces), and the registers the JIT gave each compiled kernel (TFMT, TLBUDGET)
 #   v5qwave     v5q at the shipped tiles, then at PAIR_TILES_WAVE (whole waves, no spills: bench/kernel_regs.py)
@@ -517,27 +516,6 @@ PY
     timeout ${TLSECS:-280} python3 bench/bench_gpu_kernels.py --variants --only ${V5QXONLY:-v5qx,v5qxdown} \
       --fmt ${TFMT:-Q4_0} --budget ${TLBUDGET:-250} --out "$OUT/v5qxdown.json" 2> "$OUT/v5qxdown.err" > /dev/null
     grep -E "gate_up \+ down|compiled|MOETIER_V5_SPLIT" "$OUT/v5qxdown.err" | cut -c1-400 ;;
-  next35)
-    # session 35's two candidates, untimed there: v5qxf (down waits for h's blocks by counters, not its PDL wait)
-    # and MOETIER_Q8_RECIP=1 (int8 activations by a reciprocal, not a division an element). Their GPU tests first (a
-    # counter that never fills would hang: the timeouts), then the Q4_0 pair: v5qx / v5qxf in one process, and v5qx
-    # with MOETIER_Q8_RECIP 0 / 1 / 0 / 1, a process each (read at import)
-    for r in 0 1; do
-      MOETIER_Q8_RECIP=$r timeout ${TSECS:-150} python3 -m pytest -q -o addopts="" tests/test_kernels_triton.py \
-        tests/test_quant_experts.py tests/test_small_ops.py -k "v5 or cuda_module or q8 or fused" -p no:cacheprovider \
-        -rf --tb=short 2>&1 | tail -30 > "$OUT/next35_tests_recip$r.txt"
-      echo "recip $r: $(grep -E 'passed|failed' "$OUT/next35_tests_recip$r.txt" | tail -1)"
-    done
-    for n in 1 2; do
-      timeout 120 python3 bench/bench_gpu_kernels.py --variants --only v5qx,v5qxf --fmt ${TFMT:-Q4_0} --budget 100 \
-        --out "$OUT/next35_flags$n.json" 2> "$OUT/next35_flags$n.err" > /dev/null
-      grep -E "v5qxf? gate_up \+ down" "$OUT/next35_flags$n.err" | cut -c1-220
-    done
-    for r in 0 1 0 1; do
-      MOETIER_Q8_RECIP=$r timeout 100 python3 bench/bench_gpu_kernels.py --variants --only v5qx --fmt ${TFMT:-Q4_0} \
-        --budget 80 --out "$OUT/next35_recip$r.json" 2> "$OUT/next35_recip.err" > /dev/null
-      echo "recip $r: $(grep -oE "gate_up \+ down, [^:]*: \{'us': [0-9.]+" "$OUT/next35_recip.err")"
-    done ;;
   gluon)
     # the Gluon gate_up experiment (TMA ring, ~one persistent program an SM): error against v5pdl's gate_up, times
     timeout ${TLSECS:-200} python3 bench/gluon_gate_up.py --ns ${GNS:-3,4,6} --nprog ${GNPROG:-132,264} \

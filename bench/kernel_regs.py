@@ -131,8 +131,7 @@ def main() -> int:
             qh = q8.h_quantizer(t.bn) if variant in ("v5q", "v5qx") else 0
             nb1, nb2 = q8.gate_up_pieces(d, fmt)
             gu = dict(common, I=i, D=d, KTOP=k, ACT=0, NB1=nb1, NB2=nb2, ROUND=1, BN=t.bn, QH=qh,
-                      XQ=variant == "v5qx", NBP=triton.next_power_of_2(d // 32), TRACE=False, FLAGS=False,
-                      NA=v3_pieces(i, fmt)[0])
+                      XQ=variant == "v5qx", NBP=triton.next_power_of_2(d // 32), TRACE=False)
             for cap in (None, *a.maxnreg):
                 e = entry(fmt, f"gate_up ({variant}{', default' if variant == default else ''})", t,
                           k * math.ceil(i / t.bn), q8._gate_up_kernel, gu, tool, cap)
@@ -141,7 +140,7 @@ def main() -> int:
                 print(e, file=sys.stderr)
         t = q8.DOWN5[fmt]
         dn = dict(common, D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), BN=t.bn, TRIGGER=True,
-                  NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1], TRACE=False, FLAGS=False)
+                  NB1=v3_pieces(i, fmt)[0], NB2=v3_pieces(i, fmt)[1], TRACE=False)
         e = entry(fmt, "down", t, math.ceil(d / t.bn), q8._down_kernel, dn, tool)
         out.append(e)
         print(e, file=sys.stderr)

@@ -510,8 +510,7 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
                     I: tl.constexpr, D: tl.constexpr, KTOP: tl.constexpr, FMT: tl.constexpr, ACT: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
                     NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, ROUND: tl.constexpr, QH: tl.constexpr,
-                    XQ: tl.constexpr, NBP: tl.constexpr, tr_ptr, TRACE: tl.constexpr, fl_ptr,
-                    FLAGS: tl.constexpr, NA: tl.constexpr):
+                    XQ: tl.constexpr, NBP: tl.constexpr, tr_ptr, TRACE: tl.constexpr):
     """grid (T*k pairs, I/BN): h[pair, n] = act(gate row n . x[t], up row n . x[t]) (+ bias), x as int8 words;
     tile [K, BN, 2] (gate rows, up rows), every weight load issued first (v3's). QH: h also quantized for down
     (`quantize`'s q, dx, xs, bit-equal), so down needs no quantizer launch. QH 1 (BN divides 32): the last of a
@@ -575,10 +574,6 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
     if QH == 2:
         b = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
         _h_q8_store(tl.reshape(h, [BN // 32, 32]), p.to(tl.int64), b, b < I // 32, hq_ptr, hd_ptr, hs_ptr, I)
-        if FLAGS:       # (v5qxf, BN 32: one block a program) publish it: down's piece a (blocks < NA) or b
-            tl.debug_barrier()                     # every thread's stores of the block before the release
-            tl.atomic_add(fl_ptr + (p // KTOP).to(tl.int64) * 4 + (tl.program_id(1) >= NA).to(tl.int64), 1,
-                          sem="release", scope="gpu")
     if QH == 1:
         tl.debug_barrier()                   # every thread's h stores happen before the release below
         cb = cnt_ptr + p.to(tl.int64) * (I // 32) + (tl.program_id(1) * BN) // 32
@@ -638,14 +633,10 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
                  D: tl.constexpr, I: tl.constexpr, KTOP: tl.constexpr, KP: tl.constexpr, FMT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr, NB1: tl.constexpr,
                  NB2: tl.constexpr, PDL: tl.constexpr, EMU: tl.constexpr, TRIGGER: tl.constexpr,
-                 tr_ptr, TRACE: tl.constexpr, fl_ptr, FLAGS: tl.constexpr):
+                 tr_ptr, TRACE: tl.constexpr):
     """grid (T, D/BN): out[t, n] = sum_j w[t, j] * (down_j row n . h[t, j] (+ bias)), h as int8 words; tile
     [I, k, BN] (v3's), no atomics. TRIGGER: a dependent launch may be scheduled from the start (it waits for this
-    grid's writes before reading them). TRACE: `stamps`. FLAGS (variant v5qxf, h's int8 copy written by gate_up's
-    programs of 32 rows): no PDL wait; each piece of h's blocks (NB1, then NB2) is read once gate_up's programs of
-    its blocks have all counted themselves in fl_ptr [T, 4] (release there, acquire here), so the first piece's dots
-    run while gate_up's last programs do; the token's last program (counter 2) zeroes its counters for the next
-    launch (which cannot pass its own PDL wait before this grid has ended)."""
+    grid's writes before reading them). TRACE: `stamps`."""
     if TRACE:
         t_start = _stamp()
     if TRIGGER:
@@ -660,17 +651,7 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
     s = tl.maximum(s, 0)[:, None]
     r = tl.minimum(n, D - 1).to(tl.int64)[None, :]
     pj = (t * KTOP + tl.minimum(j, KTOP - 1)).to(tl.int64)[:, None]    # pair of h (lanes past k: a real one)
-    if FLAGS:
-        a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                         s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                         mask, I // BS, FMT, NB1, NB2)
-        fl = fl_ptr + t.to(tl.int64) * 4
-        acc = _flag_piece(a, fl, KTOP * NB1, 0, m_ptr, I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32),
-                          FMT, NB1, EMU)
-        if NB2 > 0:
-            acc += _flag_piece(b, fl + 1, KTOP * (I // BS - NB1), NB1, m_ptr, I // BS, hw_ptr, pj * (I // 4), hd_ptr,
-                               hs_ptr, pj * (I // 32), FMT, NB2, EMU)
-    elif TRACE:                                      # _v5_dot with a stamp after the wait
+    if TRACE:                                        # _v5_dot with a stamp after the wait
         a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
                          s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
                          mask, I // BS, FMT, NB1, NB2)
@@ -689,30 +670,8 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
     wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)
     y = tl.sum(tl.where(mask, acc, 0.0) * wj[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=nm)
-    if FLAGS:                                        # the token's last program: every program is past its waits
-        if tl.atomic_add(fl + 2, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-            tl.atomic_xchg(fl, 0)
-            tl.atomic_xchg(fl + 1, 0)
-            tl.atomic_xchg(fl + 2, 0)
     if TRACE:
         _stamp_store(tr_ptr, t * tl.num_programs(1) + tl.program_id(1), t_start, t_go, t_loaded)
-
-
-@triton.jit
-def _flag_piece(w, fl, need, g0, m_ptr, NBK: tl.constexpr, hw_ptr, hwo, hd_ptr, hs_ptr, hdo, FMT: tl.constexpr,
-                NB: tl.constexpr, EMU: tl.constexpr):
-    """Down's dots of one piece of its loaded weights w (_v5_load's tuple, blocks g0 .. g0 + NB) once counter fl holds
-    `need` arrivals (gate_up's programs of these blocks, all k pairs): spin on it (acquire), then a barrier, so every
-    thread's h loads come after it."""
-    while tl.atomic_add(fl, 0, sem="acquire", scope="gpu") < need:
-        pass
-    tl.debug_barrier()
-    if FMT == Q6_K:                                  # (as _v5_maths)
-        res = _q6_math(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], g0, NBK, hw_ptr, hwo, hd_ptr, hdo, NB, EMU)
-    else:
-        res = _v5_step(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], g0, NBK, m_ptr, hw_ptr, hwo, hd_ptr, hs_ptr,
-                       hdo, FMT, NB, EMU)
-    return res
 
 
 # Tiles (Tile.bn rows, warps). Timed on the H200 (session 8, bench --variants, graph replays, per call with
@@ -761,18 +720,18 @@ def _iq3_grid_words(device) -> torch.Tensor:
 
 
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
-               quantize_h: bool = False, x_here: bool = False, flags=None):
+               quantize_h: bool = False, x_here: bool = False):
     """As triton_decode.gate_up (h float32 [T*k, I], values rounded to x's dtype), x quantized to int8 per
     32-block first (one more launch). FORMATS (supports). quantize_h (the tile's rows divide 32): -> (h, its int8
     copy (q, dx, xs) as `quantize` makes it) from the same launch (variant v5q), for down_v5's `pre`: by the last
     program of each 32-block where the tile's rows divide 32, in registers where 32 divides them. x_here (variant
     v5qx): no quantizer launch, each gate_up program quantizes x itself (the same int8 copy)."""
-    tile = gate_up_tile(w.fmt, cfg, quantize_h)
+    tile = Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(w.fmt, GATE_UP5[w.fmt]))[:4])
     qh = h_quantizer(tile.bn) if quantize_h else 0
     xq = None if x_here else quantize_x(x, pdl)
     hx = h_int8(h) if qh else (h, h, h)
     launch_gate_up(xq, ids, w, act, alpha, limit, bias, h, hx, tile, qh, pdl, ROUND.get(x.dtype, 0),
-                   x if x_here else None, flags)
+                   x if x_here else None)
     if quantize_h:
         return h, (hx if qh else None)
     return h
@@ -816,7 +775,7 @@ def h_int8(h) -> tuple:
 
 
 def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx, tile, qh: int, pdl: bool,
-                   rnd: int, x=None, flags=None):
+                   rnd: int, x=None):
     """One _gate_up_kernel launch: h of every pair from x's int8 copy xq, h's int8 copy into hx where qh, rounded as
     x's dtype (rnd: ROUND). x given (XQ, xq None): each program makes its own copy of x in a scratch made here."""
     t, d = xq[0].shape if x is None else x.shape
@@ -835,7 +794,6 @@ def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
         NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, XQ=x is not None,
         NBP=triton.next_power_of_2(d // 32), num_warps=tile.warps, **_trace_args("gate_up", xd),
-        fl_ptr=xd if flags is None else flags, FLAGS=flags is not None, NA=v3_pieces(i, w.fmt)[0],
         **({"launch_pdl": True} if pdl else {}))
 
 
@@ -870,29 +828,15 @@ def arrival_counters(device, n: int, purpose: str) -> torch.Tensor:
     return c
 
 
-def gate_up_tile(fmt: str, cfg=None, quantize_h: bool = False) -> Tile:
-    """gate_up's tile: cfg, else v5q / v5qx's (quantize_h) or v5pdl's for the format."""
-    return Tile(*(cfg or (GATE_UP5Q if quantize_h else GATE_UP5).get(fmt, GATE_UP5[fmt]))[:4])
-
-
-def down_flags(device, tokens: int, fmt: str, cfg=None) -> torch.Tensor | None:
-    """v5qxf's counters: int32 [tokens, 4] (pieces a, b of h's blocks published; down's arrivals), zeroed once and
-    by down's last program of each token after that; None where gate_up's tile (cfg, else v5qx's) is not of 32 rows
-    (one h block a program, which the counting assumes): the pair then runs as v5qx."""
-    if gate_up_tile(fmt, cfg, True).bn != 32:
-        return None
-    return arrival_counters(device, 4 * tokens, "down_flags")
-
-
-def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False, pre: tuple | None = None, flags=None):
+def down_v5(hx, ids, wt, w, bias, out, cfg=None, pdl: bool = False, pre: tuple | None = None):
     """As triton_decode.down, h quantized to int8 per 32-block first (one more launch) (supports); pre: h's int8
     copy made already (gate_up_v5's quantize_h): no quantizer launch."""
     tile = Tile(*(cfg or DOWN5[w.fmt])[:4])
     hq = pre if pre is not None else quantize(hx, wait=pdl, trigger=pdl)
-    return launch_down(hq, ids, wt, w, bias, out, tile, pdl, flags)
+    return launch_down(hq, ids, wt, w, bias, out, tile, pdl)
 
 
-def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool, flags=None):
+def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool):
     """One _down_kernel launch from h's int8 copy hq (q, dx, xs)."""
     t, d = out.shape
     k, i = ids.numel() // t, w.k
@@ -902,8 +846,7 @@ def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool, flags=None):
         hq[0].view(torch.int32), *hq[1:], ids, wt, *_planes(w), b, sb, out, out.stride(0),
         D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), FMT=w.code, HAS_BIAS=bias is not None,
         BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), TRIGGER=pdl and PDL_CHAIN,
-        num_warps=tile.warps, **_trace_args("down", out), fl_ptr=out if flags is None else flags,
-        FLAGS=flags is not None, **({"launch_pdl": True} if pdl else {}))
+        num_warps=tile.warps, **_trace_args("down", out), **({"launch_pdl": True} if pdl else {}))
     return out
 
 

@@ -439,7 +439,7 @@ def _bias(b, like: torch.Tensor):
 # 10.62, all on the GPU 686.6 tok/s vs 670.8 / 670.7 in one process (Q4_K 14.04 vs 12.65 and Q6_K 14.72 vs 14.23: v5q)
 DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
-VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx", "v5qxf")
+VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx")
 
 
 def variant_of(fmt: str, variant: str | None) -> str:
@@ -451,13 +451,13 @@ def variant_of(fmt: str, variant: str | None) -> str:
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
     Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer
-    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0),
-    "v5qxf" (v5qx whose down waits for h's blocks by counters gate_up's programs add to, a piece of blocks at a time,
-    instead of its PDL wait for the whole grid; gate_up tiles of 32 rows, else v5qx; not yet timed on a GPU).
+    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0).
     (v4, the whole layer in one persistent launch for T=1 Q4_0 / Q8_0, was slower and was removed (session 31: history
     `triton_decode_v4.py`); v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and
-    raced on the H200: docs/perf-log.md, session 15; v7, the pair in one launch of programs that each own 32 rows of
-    h and add their share of down by float32 atomics, was slower too: session 16;
+    raced on the H200: docs/perf-log.md, session 15; v5qxf, v5qx whose down waited for h's blocks by counters that
+    gate_up's programs released, a piece at a time, instead of its PDL wait, took 11.8-11.9 against 9.45 us (also with
+    one thread polling by loads) and was removed: session 36; v7, the pair in one launch of programs that each own 32
+    rows of h and add their share of down by float32 atomics, was slower too: session 16;
     gate_up's programs asking L2 for down's bytes gained nothing: session 18; v5half, v5q in two halves of h's rows
     whose gate_up / down chains overlap, was slower than v5q in every format and was removed: docs/perf-log.md; so was
     v5qp, gate_up in about one persistent program an SM with the next item's loads in flight: session 29.)"""
@@ -475,7 +475,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
                    variant=None):
     """h [T*k, I] = act(gate_up[ids] @ x) (+ bias); ids flat [T*k]. One launch."""
     v = variant_of(gate_up.fmt, variant)
-    v = "v5pdl" if v in ("v5q", "v5qx", "v5qxf") else v
+    v = "v5pdl" if v in ("v5q", "v5qx") else v
     if v in ("v5", "v5pdl") and v5.supports(gate_up, x.shape[1]):
         return v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, bias, h, cfg, pdl=v == "v5pdl" and pdl_supported(x))
     if v in ("v3", "v3pdl", "v5", "v5pdl"):
@@ -497,7 +497,7 @@ def decode_gate_up(x, ids, gate_up: Weights, act: int, alpha: float, limit: floa
 def decode_down(h, ids, w, down: Weights, bias, out, cfg=None, variant=None):
     """out [T, D] = sum_j w[t, j] * (down[ids[t, j]] @ h[t*k + j] (+ bias)); ids, w flat. One launch."""
     v = variant_of(down.fmt, variant)
-    v = "v5pdl" if v in ("v5q", "v5qx", "v5qxf") else v
+    v = "v5pdl" if v in ("v5q", "v5qx") else v
     if v in ("v5", "v5pdl") and v5.supports(down, down.k):
         return v5.down_v5(h, ids, w, down, bias, out, cfg, pdl=v == "v5pdl" and pdl_supported(out))
     if v in ("v3", "v3pdl", "v5", "v5pdl"):
@@ -523,13 +523,12 @@ def moe_decode(x, ids, w, gate_up: Weights, down: Weights, act: int, alpha: floa
     ids, w = ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
     v = variant_of(gate_up.fmt, variant)                 # v2, v3: h in float32 (values rounded to x's dtype)
     h = torch.empty(t * k, down.k, dtype=x.dtype if v == "v1" else torch.float32, device=x.device)
-    if v in ("v5q", "v5qx", "v5qxf") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
+    if v in ("v5q", "v5qx") and v5.supports(gate_up, x.shape[1]) and v5.supports(down, down.k):
         pdl = pdl_supported(x)
-        flags = v5.down_flags(x.device, t, gate_up.fmt, cfg_gate_up) if v == "v5qxf" else None
         _, pre = v5.gate_up_v5(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, pdl=pdl, quantize_h=True,
-                               x_here=v in ("v5qx", "v5qxf"), flags=flags)
+                               x_here=v == "v5qx")
         return v5.down_v5(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, pdl=pdl,
-                          pre=pre, flags=flags)
+                          pre=pre)
     decode_gate_up(x, ids, gate_up, act, alpha, limit, biases[0], h, cfg_gate_up, variant)
     return decode_down(h, ids, w, down, biases[1], torch.empty_like(x) if out is None else out, cfg_down, variant)
 
