@@ -495,15 +495,18 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
     for c in cases.values():                      # --only v5qxtiles: v5qx at the same tiles (fewer programs, fewer
         for gt in PAIR_TILES_V5Q if "v5qxtiles" in wanted and v5(c.fmt) else ():    # copies of x: session 30)
             pair(c, "v5qx", (gt, None), "v5qxtiles")
-    # --only v5qxdown: the format's default pair (v5qx for Q4_0) at v5qx_pairs' tiles; env V5QX_SPLIT_AB: each one
-    # with gate_up's row in one piece and in two (MOETIER_V5_SPLIT 0 / 1 / 0 / 1, read at each launch)
+    # --only v5qxdown: the format's default pair (v5qx for Q4_0; env V5QX_VARIANTS: these, e.g. "v5q,v5qx") at
+    # v5qx_pairs' tiles; env V5QX_SPLIT_AB: each one with gate_up's row in one piece and in two (MOETIER_V5_SPLIT 0 /
+    # V5QX_SPLIT_AB / 0 / V5QX_SPLIT_AB, read at each launch: "1" the shipped split formats, or a list, e.g. "Q4_K")
     for c in cases.values():
         for tiles in v5qx_pairs() if "v5qxdown" in wanted and v5(c.fmt) else ():
-            for split in ("0", "1", "0", "1") if os.environ.get("V5QX_SPLIT_AB") else (None,):
+            on = os.environ.get("V5QX_SPLIT_AB")
+            for split in ("0", on, "0", on) if on else (None,):
                 if split is not None:
                     os.environ["MOETIER_V5_SPLIT"] = split
                     log(f"  MOETIER_V5_SPLIT={split}")
-                pair(c, tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl"), tiles, "v5qxdown")
+                for v in os.environ.get("V5QX_VARIANTS", tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl")).split(","):
+                    pair(c, v, tiles, "v5qxdown")
             os.environ.pop("MOETIER_V5_SPLIT", None)
     if wanted & {"v5qx", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"} and DEV == "cuda":
         out.append({"compiled": compiled_kernels()})

@@ -73,13 +73,6 @@ def _emulate() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-INTERPRET = tl.constexpr(_emulate())     # as the kernels were built at import (triton.jit reads the same variable)
-# MOETIER_Q8_RECIP=1 (read at import, kernels and twin alike; A/B only until a GPU has timed it): int8 activations as
-# q = rint(x * (1 / d)), llama.cpp's and the C miss server's way, one reciprocal a block and a product an element,
-# instead of an IEEE division an element (Q4_0's v5qx gate_up: 1,360 -> 1,272 SASS instructions a thread)
-Q8_RECIP = tl.constexpr(os.environ.get("MOETIER_Q8_RECIP") == "1")
-
-
 @triton.jit
 def _dp4a(a, b, c, EMU: tl.constexpr):
     """c + sum_j a_j * b_j over the 4 signed bytes of int32 a, b (PTX dp4a.s32.s32; shifts under EMU)."""
@@ -164,32 +157,13 @@ def _q8_row(x_ptr, q_ptr, d_ptr, s_ptr, K: tl.constexpr, NBP: tl.constexpr):
 def _q8_blocks(x):
     """x float32 [NB, 32] -> (q float32 [NB, 32] integral, dx [NB], xs [NB]): dx = max|x| / 127, q = round-half-even(x /
     dx) (0 where the block is all zero), xs = dx * sum(q). The one definition: `quantize`, gate_up's fused x and h,
-    the attention's and the norms' int8 outputs. Q8_RECIP: q = round-half-even(x * (1 / dx)), 1 / dx and the product
-    each rounded once."""
+    the attention's and the norms' int8 outputs. (q = rint(x * (1 / dx)), llama.cpp's, was -6% of Q4_0's gate_up
+    instructions and timed the same on the H200: session 36.)"""
     amax = tl.max(tl.abs(x), axis=1)
-    if Q8_RECIP:
-        dx = tl.math.div_rn(amax, 127.0)
-        inv = tl.where(amax > 0, tl.math.div_rn(1.0, tl.where(amax > 0, dx, 1.0)), 0.0)
-        q = _rint_product(x, inv[:, None])
-    else:
-        dx = amax / 127.0
-        y = tl.math.div_rn(x, tl.where(amax > 0, dx, 1.0)[:, None])
-        q = (y + MAGIC_F) - MAGIC_F                               # round half to even (|y| <= 127)
+    dx = amax / 127.0
+    y = tl.math.div_rn(x, tl.where(amax > 0, dx, 1.0)[:, None])
+    q = (y + MAGIC_F) - MAGIC_F                                   # round half to even (|y| <= 127)
     return q, dx, dx * tl.sum(q, axis=1)
-
-
-@triton.jit
-def _rint_product(x, y):
-    """round-half-even(x * y) of the product rounded to float32 first (mul.rn: no fma joins it to the rounding's add),
-    as float32."""
-    if INTERPRET:
-        p = x * y
-        r = (p + MAGIC_F) - MAGIC_F
-    else:
-        r = tl.inline_asm_elementwise("{ .reg .f32 p; mul.rn.f32 p, $1, $2; cvt.rni.f32.f32 $0, p; }", "=r,r,r",
-                                      [x.to(tl.int32, bitcast=True), y.to(tl.int32, bitcast=True)], dtype=tl.int32,
-                                      is_pure=True, pack=1).to(tl.float32, bitcast=True)
-    return r
 
 
 def quantize(x: torch.Tensor, wait: bool = False, trigger: bool | int = False
@@ -210,9 +184,8 @@ def quantize_native(x: torch.Tensor) -> torch.Tensor:
     """The twin of `quantize`, dequantized: x [R, K] -> float32 q * dx (what the kernels multiply by)."""
     xb = x.float().reshape(*x.shape[:-1], -1, 32)
     dx = xb.abs().amax(-1, keepdim=True) / 127.0
-    safe = torch.where(dx > 0, dx, 1.0)
-    q = torch.round(xb * (1.0 / safe) if Q8_RECIP.value else xb / safe)
-    return (torch.where(dx > 0, q, 0.0) * dx).reshape(x.shape)
+    q = torch.where(dx > 0, torch.round(xb / torch.where(dx > 0, dx, 1.0)), 0.0)
+    return (q * dx).reshape(x.shape)
 
 
 # ------------------------------------------------------------------ one step of whole rows
@@ -226,7 +199,7 @@ def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_
     (x word 8 (e // 4) + e % 4), high ones + 16 (x word + 4); Q4_K: _k_math's."""
     if FMT == Q4_K:
         res = _k_math(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK,
-                      xw_ptr, xwo, xd_ptr, xs_ptr, xdo, NB, EMU)
+                      xw_ptr, xwo, xd_ptr, xs_ptr, xdo, NB, EMU, SUM)
     else:                   # integer sums per 32-block first: one scale step a block, not one a word
         W: tl.constexpr = 4 if FMT == Q4_0 or FMT == MXFP4 else 8
         e = g0 * W + tl.arange(0, NB * W)
@@ -282,7 +255,7 @@ def _first(a, b):
 
 @triton.jit
 def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
-            NB: tl.constexpr, EMU: tl.constexpr):
+            NB: tl.constexpr, EMU: tl.constexpr, SUM: tl.constexpr = True):
     """Q4_K / Q5_K row dot products [A, B] (as _v5_math's) of the values q_lo, q_hi [NB*8, A, B] (4 non-negative
     int8 each: a word's low / high nibbles, Q5_K with their 5th bits) of 64-chunk c = e // 8: q_lo elements
     64c + 4 (e % 8)..+3 (x word 16c + e % 8, 32-block 2c), q_hi + 32 (x word + 8, block 2c + 1). The two
@@ -308,7 +281,9 @@ def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo,
     mn_lo = _per_block(mn_lo, H, 4, False, EMU).to(tl.float32)
     mn_hi = _per_block(mn_hi, H, 4, False, EMU).to(tl.float32)
     r = d * (sc_lo * (v_lo * dx_lo) + sc_hi * (v_hi * dx_hi)) - dm * (0.5 * (mn_lo * xs_lo + mn_hi * xs_hi))
-    return tl.sum(r, axis=0)
+    if SUM:
+        r = tl.sum(r, axis=0)
+    return r
 
 
 @triton.jit
@@ -465,7 +440,7 @@ def _v5_maths(a, b, m_ptr, NBK: tl.constexpr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, 
         if NB2 > 0:
             acc += _q6_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2,
                             EMU)
-    elif NB2 == NB1 and (FMT == Q4_0 or FMT == Q8_0 or FMT == MXFP4):
+    elif NB2 == NB1 and (FMT == Q4_0 or FMT == Q8_0 or FMT == MXFP4 or FMT == Q4_K):
         # equal pieces (gate_up_pieces' halves, or v3_pieces' 2^n + 2^n): block values added before one reduction
         pa = _v5_math(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, EMU,
                       False)
@@ -737,20 +712,27 @@ def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=Non
     return h
 
 
-SPLIT_FORMATS = ("Q4_0",)
+SPLIT_FORMATS = ("Q4_0", "Q4_K")
+SPLIT_WHOLE = {"Q4_0": 1, "Q4_K": 4}      # a piece's steps: whole scale groups (Q4_K's d / dmin come per 4 steps)
+
+
+def split_formats() -> tuple:
+    """The formats gate_up reads in two pieces: env MOETIER_V5_SPLIT (read at each launch, for A/B in one process):
+    "0" none, a comma list those of SPLIT_WHOLE (e.g. "Q4_0,Q4_K"), else SPLIT_FORMATS."""
+    env = os.environ.get("MOETIER_V5_SPLIT", "1")
+    return () if env == "0" else SPLIT_FORMATS if env == "1" else tuple(f for f in env.split(",") if f in SPLIT_WHOLE)
 
 
 def gate_up_pieces(d: int, fmt: str) -> tuple[int, int]:
-    """gate_up's step blocks of a row: v3_pieces', except that a power-of-two count of SPLIT_FORMATS blocks is split
-    in two equal pieces (env MOETIER_V5_SPLIT=0: not; read at each launch, for A/B in one process). Two [W NB / 2,
-    rows, 2] tiles put all of a program's warps along the rows (one [W NB, rows, 2] tile has two along the words at
-    Q4_0's (32, 0, 8)): _v5_maths adds the pieces' block values before one reduction within each warp, no
-    cross-warp sum through shared memory (Q4_0 (32, 0, 8): 1,696 -> 1,360 SASS instructions a thread; the pair
-    9.83-9.93 -> 9.14-9.31 us on the H200). Q4_K and Q6_K read so (their K pieces' block sums added likewise: 960 ->
-    728 and 1,288 -> 1,176 instructions) were slower there (12.66-12.69 -> 12.86-12.91 us, 14.12-14.25 -> 15.0-15.13),
-    and their scales come per 4 / 2 steps, so a piece must hold whole ones: not split (session 35)."""
+    """gate_up's step blocks of a row: v3_pieces', except that a power-of-two count of split_formats() blocks is split
+    in two equal pieces of whole scale groups (SPLIT_WHOLE). Two [W NB / 2, rows, 2] tiles put all of a program's
+    warps along the rows (one [W NB, rows, 2] tile has two along the words at Q4_0's (32, 0, 8)): _v5_maths adds the
+    pieces' block values before one reduction within each warp, no cross-warp sum through shared memory (Q4_0 (32, 0,
+    8): 1,696 -> 1,360 SASS instructions a thread; the pair 9.83-9.93 -> 9.14-9.31 us on the H200). Q4_K: v5q's
+    pair was slower so (12.66-12.69 -> 12.86-12.91 us, session 35), v5qx's faster (13.79-13.89 -> 12.43-12.54, session
+    36: its default); Q6_K's v5q too (14.12-14.25 -> 15.0-15.13): not split."""
     nb1, nb2 = v3_pieces(d, fmt)
-    if nb2 == 0 and nb1 >= 2 and fmt in SPLIT_FORMATS and os.environ.get("MOETIER_V5_SPLIT", "1") != "0":
+    if nb2 == 0 and fmt in split_formats() and nb1 >= 2 and (nb1 // 2) % SPLIT_WHOLE[fmt] == 0:
         return nb1 // 2, nb1 // 2
     return nb1, nb2
 

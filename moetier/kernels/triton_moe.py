@@ -436,8 +436,10 @@ def _bias(b, like: torch.Tensor):
 # Q4_0: v5 335.0 tok/s vs v3 296.5; session 9 Q6_K v5pdl 15.56 us vs v2 47.2 (v5 21.1), Q4_K v5pdl 13.35 us vs
 # v2 28.8, v3 29.4 (v5 17.3); session 16 (their first GPU run, tests passed there) MXFP4 v5pdl 12.29 us vs v2 29.05,
 # Q5_K 15.09 vs 36.61, IQ3_XXS 25.88 vs 62.53; session 30 Q4_0 v5qx (no x quantizer launch) pair 10.27 us vs v5q
-# 10.62, all on the GPU 686.6 tok/s vs 670.8 / 670.7 in one process (Q4_K 14.04 vs 12.65 and Q6_K 14.72 vs 14.23: v5q)
-DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
+# 10.62, all on the GPU 686.6 tok/s vs 670.8 / 670.7 in one process (Q4_K 14.04 vs 12.65 and Q6_K 14.72 vs 14.23: v5q);
+# session 36 Q4_K v5qx with gate_up's row in two pieces (triton_decode_q8.SPLIT_FORMATS) 12.43 / 12.54 vs v5q 12.75 /
+# 12.67 (interleaved in one process; v5qx in one piece 13.79 / 13.89)
+DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5qx", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
 VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx")
 
@@ -450,8 +452,8 @@ def variant_of(fmt: str, variant: str | None) -> str:
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
-    Q4_K / Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer
-    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0).
+    Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer launch:
+    each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0 and Q4_K).
     (v4, the whole layer in one persistent launch for T=1 Q4_0 / Q8_0, was slower and was removed (session 31: history
     `triton_decode_v4.py`); v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and
     raced on the H200: docs/perf-log.md, session 15; v5qxf, v5qx whose down waited for h's blocks by counters that
