@@ -3,7 +3,7 @@ them for sm_90 here and ptxas (bundled with Triton) reports what each thread use
 on one SM at a time, how many waves the T=1 grid takes on an H200 (132 SMs), and what is left on an SM for the next
 launch's programs (down's programs load their weights while gate_up runs only where they fit beside it).
 
-    python bench/kernel_regs.py [--fmt Q4_0,Q4_K] [--model qwen3-30b-a3b] [--sass] > regs.json
+    python bench/kernel_regs.py [--fmt Q4_0,Q4_K] [--model qwen3-30b-a3b] [--sass] [--tiles 32.0.8] > regs.json
 
 JSON: one entry per (format, kernel, tile): registers, local stack bytes (spills), shared bytes, programs per SM
 and what limits them, grid, waves.
@@ -125,6 +125,8 @@ def main() -> int:
     ap.add_argument("--maxnreg", type=lambda v: [int(x) for x in v.split(",")], default=[],
                     help="gate_up again at these register caps (e.g. 128: two 8-warp programs an SM)")
     ap.add_argument("--sass", action="store_true", help="count each kernel's SASS instructions (static, by opcode)")
+    ap.add_argument("--tiles", type=lambda v: [tuple(int(x) for x in t.split(".")) for t in v.split(",")], default=[],
+                    help="gate_up (v5q and v5qx) at these tiles too, each rows.0.warps (e.g. 32.0.8,16.0.4)")
     a = ap.parse_args()
     d, i, k = MODELS[a.model]
     tool, out = ptxas(), []
@@ -133,12 +135,11 @@ def main() -> int:
             sys.exit(f"kernel_regs: {fmt!r} has no v5 kernels (they serve {', '.join(q8.FORMATS)})")
         common = dict(FMT=FMT_CODES[fmt], HAS_BIAS=False, BS=STEP_BLOCK[fmt], PDL=True, EMU=False)
         default = triton_moe.DEFAULT_VARIANT.get(fmt, "v5pdl")
-        tiles = {"v5pdl": q8.GATE_UP5[fmt]}
-        if fmt in q8.GATE_UP5Q or default == "v5q":      # (v5q without a tile of its own: v5pdl's, as gate_up_v5)
-            tiles["v5q"] = q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt])
-        if fmt in q8.GATE_UP5Q or default in ("v5q", "v5qx"):
-            tiles["v5qx"] = tiles["v5q"]
-        for variant, t in tiles.items():
+        tiles = [("v5pdl", q8.GATE_UP5[fmt])]
+        if fmt in q8.GATE_UP5Q or default in ("v5q", "v5qx"):   # (without a tile of their own: v5pdl's, as gate_up_v5)
+            tiles += [(v, q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt])) for v in ("v5q", "v5qx")]
+        tiles += [(v, q8.Tile(*t)) for t in a.tiles for v in ("v5q", "v5qx")]
+        for variant, t in tiles:
             qh = q8.h_quantizer(t.bn) if variant in ("v5q", "v5qx") else 0
             nb1, nb2 = q8.gate_up_pieces(d, fmt)
             gu = dict(common, I=i, D=d, KTOP=k, ACT=0, NB1=nb1, NB2=nb2, ROUND=1, BN=t.bn, QH=qh,
