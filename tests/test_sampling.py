@@ -110,3 +110,66 @@ def test_argmax_matches_torch(seed):
     nan[[70, 9000 % 8192]] = float("nan")
     for v in (x, ties, nan, x.bfloat16(), x.view(2, -1)[:, 5], x[::3]):
         assert argmax(v) == int(torch.argmax(v))
+
+
+def nucleus(x, p):
+    """The top-p set computed directly (float64, every token ranked)."""
+    probs = torch.softmax(x.double(), -1).tolist()
+    want, mass = set(), 0.0
+    for i in sorted(range(len(x)), key=lambda i: -probs[i]):
+        want.add(i)
+        mass += probs[i]
+        if mass >= p:
+            break
+    return want
+
+
+@pytest.mark.parametrize("first", [1024, 8])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("p", [0.3, 0.9, 0.999])
+def test_top_p_on_a_large_vocabulary_looks_at_the_largest_first(monkeypatch, seed, p, first):
+    """candidates' top-p takes the NUCLEUS_FIRST largest logits (then 8x as many, ...) before sorting them all: the
+    same set as ranking every token, where the nucleus fits in the first try and where it does not (first = 8)."""
+    from moetier.runtime import sampling
+    monkeypatch.setattr(sampling, "NUCLEUS_FIRST", first)
+    x = logits(seed, v=5000) * (2.0 if p < 0.5 else 1.0)
+    vals, ids = sampling.candidates(x, top_p=p)
+    assert set(ids.tolist()) == nucleus(x, p)
+    assert torch.equal(vals, x[ids])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_candidates_compose_top_k_top_p_min_p_as_the_filters_do(seed):
+    """top-k (ties at the k-th kept), then top-p over the survivors, then min-p: against the sets computed directly."""
+    from moetier.runtime.sampling import candidates
+    x = logits(seed, v=3000)
+    x[[10, 20]] = x.max() + 1.0                                       # a tie at the top
+    vals, ids = candidates(x, top_k=50, top_p=0.8, min_p=0.02)
+    top = sorted(range(len(x)), key=lambda i: -x[i].item())[:50]
+    sub = x[top]
+    keep = [top[i] for i in nucleus(sub, 0.8)]
+    probs = torch.softmax(x[keep].double(), -1)
+    want = {t for t, q in zip(keep, probs.tolist()) if q >= 0.02 * probs.max().item()}
+    assert set(ids.tolist()) == want and torch.equal(vals, x[ids])
+    assert candidates(x)[1] is None and torch.equal(candidates(x)[0], x)   # no filter: all of them, unchanged
+
+
+def test_draw_follows_the_probabilities_and_never_draws_a_zero():
+    """The inverse-CDF draw: frequencies of 20,000 draws against the probabilities (some of them 0), top-k sampling's
+    frequencies against the softmax of the k largest logits."""
+    from moetier.runtime.sampling import draw
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(logits(4, v=40), -1)
+    probs[[0, 7, 39]] = 0.0
+    probs /= probs.sum()
+    n = 20000
+    got = torch.bincount(torch.tensor([draw(probs, g) for _ in range(n)]), minlength=40).double() / n
+    assert got[[0, 7, 39]].sum() == 0
+    assert (got - probs.double()).abs().max() < 4 * math.sqrt(probs.max().item() / n) + 1e-3
+    x = logits(5, v=500)
+    s = Sampler(SamplingParams(temperature=1.0, top_k=5, seed=9), len(x), "cpu")
+    counts = torch.bincount(torch.tensor([s(x) for _ in range(n)]), minlength=len(x)).double() / n
+    top = torch.topk(x, 5).indices
+    want = torch.zeros(len(x), dtype=torch.float64)
+    want[top] = torch.softmax(x[top].double(), -1)
+    assert (counts - want).abs().max() < 4 * math.sqrt(want.max() / n) + 1e-3

@@ -6,6 +6,7 @@ Repetition penalty (HF semantics) covers prompt and output; presence/frequency p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,20 +69,59 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, out_counts: torch.
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
     """Set to -inf every logit outside the top-k / nucleus top-p / min-p sets. logits [V] (already tempered)."""
-    logits = logits.clone()
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits[logits < kth] = float("-inf")
+    vals, ids = candidates(logits, top_k, top_p, min_p)
+    if ids is None:
+        return vals.clone()
+    out = torch.full_like(logits, float("-inf"))
+    out[ids] = vals
+    return out
+
+
+NUCLEUS_FIRST = 1024     # top-p looks at this many of the largest logits before sorting them all
+
+
+def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """The logits that survive top-k (every one >= the k-th largest), then top-p (the smallest set of the largest
+    whose probability reaches p: each token whose higher-ranked tokens' mass is still < p), then min-p (probability
+    >= min_p x the largest), in that order -> (values, their token ids; None: all of them, unchanged). Works on the
+    survivors only: top-k leaves k of them, and top-p without top-k first tries the NUCLEUS_FIRST largest (then 8x
+    as many, ...), sorting the whole vocabulary only if half of it holds less than p (a 151,936-token vocabulary:
+    4-20 ms a token on a CPU otherwise)."""
+    vals, ids = logits, None
+    if top_k and top_k < vals.shape[-1]:
+        ids = torch.nonzero(vals >= torch.topk(vals, top_k).values[-1]).flatten()
+        vals = vals[ids]
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p   # mass before this token already >= p
-        drop[0] = False
-        logits[order[drop]] = float("-inf")
+        n = vals.shape[-1]
+        lse = torch.logsumexp(vals.double(), -1)        # float64: float32's rounding moved the boundary
+        k = min(n, NUCLEUS_FIRST)
+        while True:
+            top, order = torch.topk(vals, k) if k < n else torch.sort(vals, descending=True)
+            p = torch.exp(top.double() - lse)
+            before = p.cumsum(-1) - p                   # mass of the tokens ranked above each
+            if k == n or before[-1] >= top_p:           # the k-th is dropped, so is every token after it
+                break
+            k = n if k * 8 > n // 2 else k * 8
+        keep = before < top_p
+        keep[0] = True
+        order = order[keep]
+        vals, ids = vals[order], order if ids is None else ids[order]
     if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits[probs < min_p * probs.max()] = float("-inf")
-    return logits
+        keep = vals >= vals.max() + math.log(min_p)     # p >= min_p * p_max, in logits
+        vals, ids = vals[keep], torch.nonzero(keep).flatten() if ids is None else ids[keep]
+    return vals, ids
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """An index of probs [n] (sums to ~1) drawn with these probabilities: the inverse of the cumulative sum at one
+    uniform number (float64: a token of probability 0 is never drawn). torch.multinomial drew an exponential
+    number for every entry: 160 us for 8,192 on a CPU, 3 ms for 151,936."""
+    cdf = probs.double().cumsum(-1)
+    total = float(cdf[-1])
+    if not total > 0:       # NaN or 0: every logit was -inf (a logits processor that allows no token)
+        raise RuntimeError("no token can be sampled: every candidate has probability 0 or NaN")
+    u = torch.rand((), generator=gen, dtype=torch.float64, device=probs.device) * total
+    return min(int(torch.searchsorted(cdf, u.reshape(1), right=True)), probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -118,6 +158,6 @@ class Sampler:
         x = apply_penalties(logits.float(), self.seen, self.counts, self.p)
         if self.p.greedy:
             return int(torch.argmax(x))
-        x = filter_logits(x / self.p.temperature, self.p.top_k, self.p.top_p, self.p.min_p)
-        probs = torch.softmax(x, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+        vals, ids = candidates(x / self.p.temperature, self.p.top_k, self.p.top_p, self.p.min_p)
+        i = draw(torch.softmax(vals, dim=-1), self.gen)
+        return i if ids is None else int(ids[i])

@@ -1,0 +1,86 @@
+"""The sampler's cost a token (runtime.sampling.Sampler) against the full-vocabulary way it replaced (session 36): every
+filter as a mask over all V logits, then torch.multinomial (an exponential number per entry); prints JSON.
+
+Per vocabulary size (8,192: the default model; 151,936: Qwen's) and parameter set (the default model's generation
+config: T 0.7, top-k 40, top-p 0.9, repetition penalty 1.1; plain T 1; top-p 0.95 alone; min-p 0.05 alone): us a call,
+best of --rounds interleaved rounds of --calls calls each, one thread, random logits x 3 (a flatter distribution than a
+trained model's: top-p alone keeps more tokens here than it would there), and the ratio old / new.
+
+    python bench/bench_sampling.py [--vocab 8192,151936] [--rounds 3] [--calls 50] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moetier.runtime.sampling import Sampler, SamplingParams, apply_penalties  # noqa: E402
+
+PARAMS = {"generation_config": dict(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1),
+          "temperature_1": dict(temperature=1.0), "top_p_0.95": dict(temperature=0.8, top_p=0.95),
+          "min_p_0.05": dict(temperature=0.8, min_p=0.05)}
+
+
+def full_vocab_filter(logits, top_k=0, top_p=1.0, min_p=0.0):
+    """The baseline: each filter a mask over the whole vocabulary (runtime.sampling before session 36)."""
+    logits = logits.clone()
+    if top_k and top_k < logits.shape[-1]:
+        logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False
+        logits[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits[probs < min_p * probs.max()] = float("-inf")
+    return logits
+
+
+def baseline(s: Sampler, logits: torch.Tensor) -> int:
+    x = apply_penalties(logits.float(), s.seen, s.counts, s.p)
+    x = full_vocab_filter(x / s.p.temperature, s.p.top_k, s.p.top_p, s.p.min_p)
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=s.gen))
+
+
+def timed(fn, calls: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", default="8192,151936")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    out = []
+    for v in (int(x) for x in a.vocab.split(",")):
+        logits = torch.randn(v, generator=torch.Generator().manual_seed(0)) * 3
+        for name, kw in PARAMS.items():
+            s = Sampler(SamplingParams(seed=1, **kw), v, "cpu", list(range(64)))
+            old, new = [], []
+            for _ in range(a.rounds):
+                old.append(timed(lambda: baseline(s, logits), a.calls))
+                new.append(timed(lambda: s(logits), a.calls))
+            out.append({"vocab": v, "params": name, "full_vocab_us": round(min(old), 1),
+                        "sampler_us": round(min(new), 1), "speedup": round(min(old) / min(new), 2)})
+            print(out[-1], file=sys.stderr)
+    json.dump({"threads": a.threads, "results": out}, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
