@@ -1,5 +1,6 @@
-"""The sampler's cost a token (runtime.sampling.Sampler) against the full-vocabulary way it replaced (session 36): every
-filter as a mask over all V logits, then torch.multinomial (an exponential number per entry); prints JSON.
+"""The CPU sampler's cost a token (runtime.sampling.Sampler) against the full-vocabulary way it replaced there (session
+36), which the CUDA sampler keeps: every filter a mask over all V logits (filter_logits), then torch.multinomial (an
+exponential number per entry); prints JSON.
 
 Per vocabulary size (8,192: the default model; 151,936: Qwen's) and parameter set (the default model's generation
 config: T 0.7, top-k 40, top-p 0.9, repetition penalty 1.1; plain T 1; top-p 0.95 alone; min-p 0.05 alone): us a call,
@@ -19,33 +20,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moetier.runtime.sampling import Sampler, SamplingParams, apply_penalties  # noqa: E402
+from moetier.runtime.sampling import Sampler, SamplingParams, apply_penalties, filter_logits  # noqa: E402
 
 PARAMS = {"generation_config": dict(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1),
           "temperature_1": dict(temperature=1.0), "top_p_0.95": dict(temperature=0.8, top_p=0.95),
           "min_p_0.05": dict(temperature=0.8, min_p=0.05)}
 
 
-def full_vocab_filter(logits, top_k=0, top_p=1.0, min_p=0.0):
-    """The baseline: each filter a mask over the whole vocabulary (runtime.sampling before session 36)."""
-    logits = logits.clone()
-    if top_k and top_k < logits.shape[-1]:
-        logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[0] = False
-        logits[order[drop]] = float("-inf")
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits[probs < min_p * probs.max()] = float("-inf")
-    return logits
-
-
 def baseline(s: Sampler, logits: torch.Tensor) -> int:
+    """The full-vocabulary way: filter_logits' masks (the CUDA sampler's) and torch.multinomial."""
     x = apply_penalties(logits.float(), s.seen, s.counts, s.p)
-    x = full_vocab_filter(x / s.p.temperature, s.p.top_k, s.p.top_p, s.p.min_p)
+    x = filter_logits(x / s.p.temperature, s.p.top_k, s.p.top_p, s.p.min_p)
     return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=s.gen))
 
 

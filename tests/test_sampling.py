@@ -173,3 +173,14 @@ def test_draw_follows_the_probabilities_and_never_draws_a_zero():
     want = torch.zeros(len(x), dtype=torch.float64)
     want[top] = torch.softmax(x[top].double(), -1)
     assert (counts - want).abs().max() < 4 * math.sqrt(want.max() / n) + 1e-3
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kw", [dict(top_k=30), dict(top_p=0.9), dict(top_p=0.999), dict(min_p=0.03),
+                                dict(top_k=200, top_p=0.7, min_p=0.01)])
+def test_the_cpu_candidates_are_the_cuda_masks(seed, kw):
+    """The two implementations of the filters (candidates on the CPU, filter_logits' masks on CUDA): the same sets."""
+    from moetier.runtime.sampling import candidates
+    x = logits(seed, v=5000)
+    vals, ids = candidates(x, **kw)
+    assert set(ids.tolist()) == kept(filter_logits(x, **kw))

@@ -68,13 +68,23 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, out_counts: torch.
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k / nucleus top-p / min-p sets. logits [V] (already tempered)."""
-    vals, ids = candidates(logits, top_k, top_p, min_p)
-    if ids is None:
-        return vals.clone()
-    out = torch.full_like(logits, float("-inf"))
-    out[ids] = vals
-    return out
+    """Set to -inf every logit outside the top-k / nucleus top-p / min-p sets. logits [V] (already tempered). Masks
+    over the whole vocabulary, no host sync: the CUDA sampler's filters (a sort of 151,936 logits is cheap there, a
+    sync is not); `candidates` keeps the same sets on the CPU."""
+    logits = logits.clone()
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits[logits < kth] = float("-inf")
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits.double(), dim=-1)
+        drop = probs.cumsum(-1) - probs >= top_p    # mass before this token already >= p
+        drop[0] = False
+        logits[order[drop]] = float("-inf")
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits[probs < min_p * probs.max()] = float("-inf")
+    return logits
 
 
 NUCLEUS_FIRST = 1024     # top-p looks at this many of the largest logits before sorting them all
@@ -83,8 +93,8 @@ NUCLEUS_FIRST = 1024     # top-p looks at this many of the largest logits before
 def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
     """The logits that survive top-k (every one >= the k-th largest), then top-p (the smallest set of the largest
     whose probability reaches p: each token whose higher-ranked tokens' mass is still < p), then min-p (probability
-    >= min_p x the largest), in that order -> (values, their token ids; None: all of them, unchanged). Works on the
-    survivors only: top-k leaves k of them, and top-p without top-k first tries the NUCLEUS_FIRST largest (then 8x
+    >= min_p x the largest), in that order -> (values, their token ids; None: all of them, unchanged): the sets of
+    filter_logits, for the CPU sampler. Works on the survivors only: top-k leaves k of them, and top-p without top-k first tries the NUCLEUS_FIRST largest (then 8x
     as many, ...), sorting the whole vocabulary only if half of it holds less than p (a 151,936-token vocabulary:
     4-20 ms a token on a CPU otherwise)."""
     vals, ids = logits, None
@@ -158,6 +168,10 @@ class Sampler:
         x = apply_penalties(logits.float(), self.seen, self.counts, self.p)
         if self.p.greedy:
             return int(torch.argmax(x))
-        vals, ids = candidates(x / self.p.temperature, self.p.top_k, self.p.top_p, self.p.min_p)
+        x = x / self.p.temperature
+        if x.is_cuda:       # masks and one multinomial: no host sync before the token's
+            x = filter_logits(x, self.p.top_k, self.p.top_p, self.p.min_p)
+            return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.gen))
+        vals, ids = candidates(x, self.p.top_k, self.p.top_p, self.p.min_p)
         i = draw(torch.softmax(vals, dim=-1), self.gen)
         return i if ids is None else int(ids[i])
