@@ -1,6 +1,6 @@
 """The CPU sampler's cost a token (runtime.sampling.Sampler) against the full-vocabulary way it replaced there (session
-36), which the CUDA sampler keeps: every filter a mask over all V logits (filter_logits), then torch.multinomial (an
-exponential number per entry); prints JSON.
+36), which the CUDA sampler keeps: the penalties and every filter a mask over all V logits (filter_logits), then
+torch.multinomial (an exponential number per entry); prints JSON.
 
 Per vocabulary size (8,192: the default model; 151,936: Qwen's) and parameter set (the default model's generation
 config: T 0.7, top-k 40, top-p 0.9, repetition penalty 1.1; plain T 1; top-p 0.95 alone; min-p 0.05 alone): us a call,
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moetier.runtime.sampling import Sampler, SamplingParams, apply_penalties, filter_logits  # noqa: E402
+from moetier.runtime.sampling import Sampler, SamplingParams, _penalties_dense, filter_logits  # noqa: E402
 
 PARAMS = {"generation_config": dict(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1),
           "temperature_1": dict(temperature=1.0), "top_p_0.95": dict(temperature=0.8, top_p=0.95),
@@ -28,8 +28,9 @@ PARAMS = {"generation_config": dict(temperature=0.7, top_k=40, top_p=0.9, repeti
 
 
 def baseline(s: Sampler, logits: torch.Tensor) -> int:
-    """The full-vocabulary way: filter_logits' masks (the CUDA sampler's) and torch.multinomial."""
-    x = apply_penalties(logits.float(), s.seen, s.counts, s.p)
+    """The full-vocabulary way (the CUDA sampler's): penalties and filter_logits' masks over every logit, then
+    torch.multinomial."""
+    x = _penalties_dense(logits.float(), s.seen, s.counts, s.p)
     x = filter_logits(x / s.p.temperature, s.p.top_k, s.p.top_p, s.p.min_p)
     return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=s.gen))
 

@@ -75,14 +75,19 @@ def test_same_seed_same_tokens_and_distribution():
     assert (counts - want).abs().max() < 4 * math.sqrt(want.max() / n) + 1e-3
 
 
-def test_penalties_match_definitions():
+@pytest.mark.parametrize("how", ["apply_penalties", "_penalties_dense", "_penalties_sparse"])
+def test_penalties_match_definitions(how):
+    """Both implementations (CUDA's over the vocabulary, the CPU's over the seen tokens) against the definitions."""
+    from moetier.runtime import sampling
     x = logits(2)
     seen = torch.zeros(len(x), dtype=torch.bool)
     seen[[1, 5, 9]] = True
     counts = torch.zeros(len(x))
     counts[5], counts[9] = 2, 1
     p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25)
-    out = apply_penalties(x, seen, counts, p)
+    x0 = x.clone()
+    out = getattr(sampling, how)(x, seen, counts, p)
+    assert torch.equal(x, x0)                                            # the caller's logits untouched
     for i in range(len(x)):
         v = x[i].item()
         if seen[i]:
