@@ -184,8 +184,14 @@ def test_draw_follows_the_probabilities_and_never_draws_a_zero():
 @pytest.mark.parametrize("kw", [dict(top_k=30), dict(top_p=0.9), dict(top_p=0.999), dict(min_p=0.03),
                                 dict(top_k=200, top_p=0.7, min_p=0.01)])
 def test_the_cpu_candidates_are_the_cuda_masks(seed, kw):
-    """The two implementations of the filters (candidates on the CPU, filter_logits' masks on CUDA): the same sets."""
+    """The two implementations of the filters (candidates on the CPU, filter_logits' masks on CUDA): the same sets,
+    on random logits; on logits of 40 distinct values (ties at the k-th: every tied token stays) the same values
+    (top-p's cut inside a group of equal logits keeps as many of them, which ones is the sort's choice)."""
     from moetier.runtime.sampling import candidates
     x = logits(seed, v=5000)
     vals, ids = candidates(x, **kw)
-    assert set(ids.tolist()) == kept(filter_logits(x, **kw))
+    assert set(ids.tolist()) == kept(filter_logits(x, **kw)) and torch.equal(vals, x[ids])
+    x = torch.randint(0, 40, (5000,), generator=torch.Generator().manual_seed(seed)) / 8
+    vals, ids = candidates(x, **kw)
+    assert torch.equal(vals, x[ids])
+    assert sorted(vals.tolist()) == sorted(x[sorted(kept(filter_logits(x, **kw)))].tolist())

@@ -115,19 +115,25 @@ def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
     """The logits that survive top-k (every one >= the k-th largest), then top-p (the smallest set of the largest
     whose probability reaches p: each token whose higher-ranked tokens' mass is still < p), then min-p (probability
     >= min_p x the largest), in that order -> (values, their token ids; None: all of them, unchanged): the sets of
-    filter_logits, for the CPU sampler. Works on the survivors only: top-k leaves k of them, and top-p without top-k first tries the NUCLEUS_FIRST largest (then 8x
-    as many, ...), sorting the whole vocabulary only if half of it holds less than p (a 151,936-token vocabulary:
-    4-20 ms a token on a CPU otherwise)."""
-    vals, ids = logits, None
+    filter_logits, for the CPU sampler. Works on the survivors only: top-k leaves k of them (in order, unless the
+    k-th ties with others), and top-p without top-k first tries the NUCLEUS_FIRST largest (then 8x as many, ...),
+    sorting the whole vocabulary only if half of it holds less than p (a 151,936-token vocabulary: 4-20 ms a token
+    on a CPU otherwise)."""
+    vals, ids, ordered = logits, None, False
     if top_k and top_k < vals.shape[-1]:
-        ids = torch.nonzero(vals >= torch.topk(vals, top_k).values[-1]).flatten()
-        vals = vals[ids]
+        top, idx = torch.topk(vals, top_k)
+        if int(torch.count_nonzero(vals >= top[-1])) == top_k:
+            vals, ids, ordered = top, idx, True
+        else:                                           # ties at the k-th: all of them stay
+            ids = torch.nonzero(vals >= top[-1]).flatten()
+            vals = vals[ids]
     if top_p < 1.0:
         n = vals.shape[-1]
         lse = torch.logsumexp(vals.double(), -1)        # float64: float32's rounding moved the boundary
-        k = min(n, NUCLEUS_FIRST)
+        k = n if ordered else min(n, NUCLEUS_FIRST)
         while True:
-            top, order = torch.topk(vals, k) if k < n else torch.sort(vals, descending=True)
+            top, order = ((vals, None) if ordered else torch.topk(vals, k) if k < n
+                          else torch.sort(vals, descending=True))
             p = torch.exp(top.double() - lse)
             before = p.cumsum(-1) - p                   # mass of the tokens ranked above each
             if k == n or before[-1] >= top_p:           # the k-th is dropped, so is every token after it
@@ -135,8 +141,11 @@ def candidates(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
             k = n if k * 8 > n // 2 else k * 8
         keep = before < top_p
         keep[0] = True
-        order = order[keep]
-        vals, ids = vals[order], order if ids is None else ids[order]
+        if ordered:
+            vals, ids = vals[keep], ids[keep]
+        else:
+            order = order[keep]
+            vals, ids = vals[order], order if ids is None else ids[order]
     if min_p > 0.0:
         keep = vals >= vals.max() + math.log(min_p)     # p >= min_p * p_max, in logits
         vals, ids = vals[keep], torch.nonzero(keep).flatten() if ids is None else ids[keep]
