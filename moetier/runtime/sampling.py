@@ -59,8 +59,8 @@ class SamplingParams:
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, out_counts: torch.Tensor,
                     p: SamplingParams) -> torch.Tensor:
     """logits [V]; seen [V] bool (prompt + output); out_counts [V] (output only). On CUDA over the whole vocabulary
-    (no host sync); on the CPU over the seen tokens only (the others keep their logits): 1.5 ms -> ~0.1 ms for a
-    151,936-token vocabulary."""
+    (no host sync); on the CPU over the seen tokens only (the others keep their logits): 0.73 -> 0.18 ms for a
+    151,936-token vocabulary and 600 seen tokens on the dev box (8,192: ~30 us either way)."""
     return (_penalties_dense if logits.is_cuda else _penalties_sparse)(logits, seen, out_counts, p)
 
 
