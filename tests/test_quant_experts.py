@@ -19,6 +19,7 @@ from moetier.models.quant_experts import QuantExperts
 from moetier.quant.pack import quantize as pack
 from moetier.runtime.engine import Engine
 from moetier.runtime.generate import greedy_tokens
+from moetier.runtime.sampling import SamplingParams
 from test_gguf import build_qwen3_moe
 
 TOKENS = torch.randint(0, 300, (13,), generator=torch.Generator().manual_seed(1))
@@ -49,9 +50,11 @@ def test_packed_gguf_matches_dequantized(qwen_dir, tmp_path, qtype):
     got, want = ours_logits(packed.model, TOKENS, 7), ours_logits(deq.model, TOKENS, 7)
     assert max_rel_err(got, want) <= LOGIT_TOL
     prompt = TOKENS[:5].tolist()
-    assert greedy_tokens(packed.model, prompt, 20) == greedy_tokens(deq.model, prompt, 20)
-    done = packed.complete(prompt_ids=prompt, max_tokens=4)      # the engine's generation loop too
-    assert len(done.token_ids) >= 1
+    want_ids = greedy_tokens(deq.model, prompt, 20)
+    assert greedy_tokens(packed.model, prompt, 20) == want_ids
+    # the engine's generation loop too: greedy and past EOS, so a random model's first token cannot end it
+    done = packed.complete(prompt_ids=prompt, max_tokens=4, params=SamplingParams(temperature=0.0), ignore_eos=True)
+    assert done.token_ids == want_ids[:4]
 
 
 def test_gpt_oss_biases_and_clamp_through_the_engine(tmp_path):
