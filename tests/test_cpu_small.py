@@ -34,8 +34,8 @@ def attention_twin(qkv, qw, kw, eps, cos, sin, pos, kv, h, hkv, scale):
                                                           (4, 1, 128, 96, 300, True, True),
                                                           (4, 1, 128, 96, 300, True, False)])
 def test_decode_attention_matches_the_twin(h, hkv, dh, rot, pos, norm, c_core, monkeypatch):
-    """c_core: the C attention over every key (else past cpu.ATTN_C_MAX_KEYS: its prep, then torch's GEMMs)."""
-    monkeypatch.setattr(cpu, "ATTN_C_MAX_KEYS", 1 << 20 if c_core else 256)
+    """c_core: the C attention over every key (else past cpu.ATTN_C_MAX_WORK: its prep, then torch's GEMMs)."""
+    monkeypatch.setattr(cpu, "ATTN_C_MAX_WORK", 1 << 30 if c_core else 256 * h * dh)
     g = torch.Generator().manual_seed(pos + h)
     qkv = torch.randn(1, (h + 2 * hkv) * dh, generator=g)
     qw = torch.randn(dh, generator=g) if norm else None
@@ -71,6 +71,16 @@ def test_router_add_norm_matches_the_twin(e, k, normalize):
     assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("n", [384, 2048, 77])
+def test_rms_norm_matches_the_twin(n):
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(1, n, generator=g) * 3, torch.randn(n, generator=g)
+    got = cpu.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and torch.allclose(got, F.rms_norm(x, (n,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    many = torch.randn(5, n, generator=g)                               # rows: each normed on its own
+    assert torch.allclose(cpu.rms_norm(many, w, 1e-5), F.rms_norm(many, (n,), w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
 def test_router_add_norm_gives_way_on_nan_and_refuses_bad_k():
     h, a, weight = torch.randn(1, 64), torch.randn(1, 64), torch.randn(8, 64)
     h[0, 0] = float("nan")                           # every logit NaN: the C call hands the choice back
@@ -80,13 +90,13 @@ def test_router_add_norm_gives_way_on_nan_and_refuses_bad_k():
 
 
 def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkeypatch):
-    """The engine's eager CPU decode (a tiny Qwen3-MoE) runs cpu_small.c's two calls once a layer a token, and its
-    logits are the torch twins' (MOETIER_CPU_SMALL=0's) to float32 rounding; forcing the torch backend turns them
+    """The engine's eager CPU decode (a tiny Qwen3-MoE) runs cpu_small.c's attention and router once a layer a token
+    and its RMSNorm for each block's input norm and the final one, and its logits are the torch twins' (MOETIER_CPU_SMALL=0's) to float32 rounding; forcing the torch backend turns them
     off."""
     eng = Engine.load(build_qwen3_moe(tmp_path / "model"),
                       EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
-    calls = {"attn": 0, "router": 0}
-    for name, key in (("decode_attention", "attn"), ("router_topk_add_norm", "router")):
+    calls = {"attn": 0, "router": 0, "norm": 0}
+    for name, key in (("decode_attention", "attn"), ("router_topk_add_norm", "router"), ("rms_norm", "norm")):
         inner = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, _i=inner, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1)
                             or _i(*a, **kw))
@@ -107,10 +117,10 @@ def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkey
                     out.append(eng.model(t[None], c)[-1])
         return torch.stack(out)
     want = logits(False)
-    assert calls == {"attn": 0, "router": 0}
+    assert calls == {"attn": 0, "router": 0, "norm": 0}
     got = logits(True)
     layers = len(eng.model.model.layers)
-    assert calls == {"attn": len(toks) * layers, "router": len(toks) * layers}
+    assert calls == {"attn": len(toks) * layers, "router": len(toks) * layers, "norm": len(toks) * (layers + 1)}
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(got.argmax(-1), want.argmax(-1))
     logits(True, force_torch=True)
     assert calls["attn"] == len(toks) * layers           # use("torch"): the twins

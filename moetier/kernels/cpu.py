@@ -156,6 +156,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_decode_attn_prep.restype = None
     lib.moetier_router_add_norm.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
                                             c_int]
+    lib.moetier_rms_norm.argtypes = [ptr, ptr, f32, i64, c_int, ptr]
+    lib.moetier_rms_norm.restype = None
     return lib
 
 
@@ -657,20 +659,24 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-# Keys up to which cpu_small.c attends itself (a head a thread, a key at a time); beyond, torch's batched GEMMs over
-# its prep's q. Dev box, 1 thread, 32 q / 4 kv heads of 128 (session 25), us for C / prep + torch / all torch: 32 keys
-# 37 / 83 / 250, 128 keys 129 / 122 / 288, 512 keys 633 / 266 / 444, 4,096 keys 7,645 / 2,486 / 2,789.
-ATTN_C_MAX_KEYS = 96
+# Work (keys x q heads x head dim) up to which cpu_small.c attends itself (a head a thread, a key at a time); beyond,
+# torch's batched GEMMs over its prep's q. Those cost ~75 us more a call to start (three ops and their dispatch), ~1/3
+# the C's time a key: the C wins while its extra time a key stays under that. Dev box, 1 thread, 32 q / 4 kv heads of
+# 128 (session 25), us for C / prep + torch / all torch: 32 keys 37 / 83 / 250, 128 keys 129 / 122 / 288, 512 keys
+# 633 / 266 / 444, 4,096 keys 7,645 / 2,486 / 2,789: the crossover near 96 keys there. The default model (6 q heads
+# of 64, session 37, 2-core EPYC, 1 thread, a decode step of 4 layers): at 256 keys 1,504 -> 1,253 us with the C, at
+# 900 keys 1,754 -> 1,622: still the C's side of 393K (~1,000 keys at 384 values a key).
+ATTN_C_MAX_WORK = 96 * 32 * 128
 
 
 def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos: int, k_cache, v_cache, h: int, hkv: int,
                      scale: float) -> torch.Tensor:
     """One token's qkv [1, (H + 2 Hkv) Dh] -> q / k RMSNorm (q_w / k_w [Dh] or None) and RoPE (cos / sin [1, R]: the
     first R features, halves), k and v into the caches [S, Hkv, Dh] at row `pos`, attention over [0, pos] -> [1, H Dh]
-    (cpu_small.c; past ATTN_C_MAX_KEYS keys the attention itself is models.layers.one_token_attention; the twin is
+    (cpu_small.c; past ATTN_C_MAX_WORK the attention itself is models.layers.one_token_attention; the twin is
     models.layers.Attention's path for one token)."""
     dh = k_cache.shape[-1]
-    if pos + 1 > ATTN_C_MAX_KEYS:
+    if (pos + 1) * h * dh > ATTN_C_MAX_WORK:
         from ..models.layers import one_token_attention
         q = qkv.new_empty((1, h, dh))
         _lib.moetier_decode_attn_prep(qkv.data_ptr(), _ptr(q_w), _ptr(k_w), eps, cos.data_ptr(), sin.data_ptr(),
@@ -684,6 +690,14 @@ def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos: int, k_cache, v_c
     if rc:
         raise MemoryError("decode attention: out of memory for the scores")
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight over x's last dim (rows of a float32 token's tensor, weight [N]; cpu_small.c). The twin is
+    models.layers.RMSNorm.native (F.rms_norm: float32 sums in another order)."""
+    y = torch.empty_like(x)
+    _lib.moetier_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1], y.data_ptr())
+    return y
 
 
 def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normalize: bool):
