@@ -29,20 +29,25 @@ def attention_twin(qkv, qw, kw, eps, cos, sin, pos, kv, h, hkv, scale):
     return one_token_attention(q, keys, values, pos, scale).reshape(1, h * dh)
 
 
-@pytest.mark.parametrize("h,hkv,dh,rot,pos,norm,c_core", [(8, 2, 64, 64, 0, True, True), (8, 2, 64, 64, 37, True, True),
-                                                          (6, 6, 32, 16, 5, False, True),
-                                                          (4, 1, 128, 96, 300, True, True),
-                                                          (4, 1, 128, 96, 300, True, False)])
-def test_decode_attention_matches_the_twin(h, hkv, dh, rot, pos, norm, c_core, monkeypatch):
+@pytest.mark.parametrize("h,hkv,dh,rot,pos,norm,c_core,sharp", [
+    (8, 2, 64, 64, 0, True, True, 1), (8, 2, 64, 64, 37, True, True, 1), (6, 6, 32, 16, 5, False, True, 1),
+    (4, 1, 128, 96, 300, True, True, 1), (4, 1, 128, 96, 300, True, False, 1),
+    (8, 1, 64, 64, 200, True, True, 1),       # runs of 4 heads on 2 threads
+    (7, 1, 64, 32, 200, False, True, 1),      # runs of 4 and 3
+    (4, 2, 20, 20, 150, True, True, 1),       # dh % 8 != 0: the plain C loops
+    (32, 4, 128, 128, 700, True, True, 1),
+    (6, 2, 64, 64, 300, False, True, 40)])    # sharp scores: most shifted ones below -87 (exp 0)
+def test_decode_attention_matches_the_twin(h, hkv, dh, rot, pos, norm, c_core, sharp, monkeypatch):
     """c_core: the C attention over every key (else past cpu.ATTN_C_MAX_WORK: its prep, then torch's GEMMs)."""
     monkeypatch.setattr(cpu, "ATTN_C_MAX_WORK", 1 << 30 if c_core else 256 * h * dh)
     g = torch.Generator().manual_seed(pos + h)
     qkv = torch.randn(1, (h + 2 * hkv) * dh, generator=g)
+    qkv[:, :h * dh] *= sharp
     qw = torch.randn(dh, generator=g) if norm else None
     kw = torch.randn(dh, generator=g) if norm else None
     rope = Rope({"rope_type": "default", "rope_theta": 10000.0}, rot, 4096)
     cos, sin = rope.span(pos, 1, torch.float32, "cpu")
-    ours, ref = KVCache(400, (hkv, dh), (hkv, dh), torch.float32, "cpu"), KVCache(400, (hkv, dh), (hkv, dh),
+    ours, ref = KVCache(800, (hkv, dh), (hkv, dh), torch.float32, "cpu"), KVCache(800, (hkv, dh), (hkv, dh),
                                                                                    torch.float32, "cpu")
     for c in (ours, ref):          # earlier positions: random keys and values (never zeros)
         c.k[:pos] = torch.randn(pos, hkv, dh, generator=torch.Generator().manual_seed(1))

@@ -659,14 +659,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-# Work (keys x q heads x head dim) up to which cpu_small.c attends itself (a head a thread, a key at a time); beyond,
-# torch's batched GEMMs over its prep's q. Those cost ~75 us more a call to start (three ops and their dispatch), ~1/3
-# the C's time a key: the C wins while its extra time a key stays under that. Dev box, 1 thread, 32 q / 4 kv heads of
-# 128 (session 25), us for C / prep + torch / all torch: 32 keys 37 / 83 / 250, 128 keys 129 / 122 / 288, 512 keys
-# 633 / 266 / 444, 4,096 keys 7,645 / 2,486 / 2,789: the crossover near 96 keys there. The default model (6 q heads
-# of 64, session 37, 2-core EPYC, 1 thread, a decode step of 4 layers): at 256 keys 1,504 -> 1,253 us with the C, at
-# 900 keys 1,754 -> 1,622: still the C's side of 393K (~1,000 keys at 384 values a key).
-ATTN_C_MAX_WORK = 96 * 32 * 128
+# Work (keys x q heads x head dim) up to which cpu_small.c attends itself; beyond, torch's batched GEMMs over its prep's
+# q. Session 25's C (a head a thread, a key at a time, libm's expf) lost past ~96 keys of 32 heads of 128; since
+# session 37 (a KV group's heads together, four keys a dot, the exponentials 8 at a time) it wins at every size
+# measured (dev box, 2-core EPYC, us C / torch, 1 thread | 2 threads): 32 heads of 128 (4 KV) at 128 keys 48 / 80 |
+# 29 / 60, 2,048 keys 714 / 781 | 348 / 393, 8,192 keys - | 2,643 / 2,987; 6 heads of 64 (the default model) at 128
+# keys 9 / 38, 2,048 keys 84 / 227, 8,192 keys | 165 / 496. Past 8,192 keys of 32 x 128 it is unmeasured.
+ATTN_C_MAX_WORK = 8192 * 32 * 128
 
 
 def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos: int, k_cache, v_cache, h: int, hkv: int,
