@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetier import EngineConfig
+from moetier import EngineConfig, SamplingParams
 from moetier.kernels import cpu, small_ops
 from moetier.models.layers import Rope, apply_rope, one_token_attention, rms_normalize, softmax_topk
 from moetier.runtime.engine import Engine
 from moetier.runtime.kv_cache import KVCache
+from moetier.commands.quantize import quantize
 from test_gguf import build_qwen3_moe
 
 pytestmark = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
@@ -92,6 +93,12 @@ def test_router_add_norm_gives_way_on_nan_and_refuses_bad_k():
     assert cpu.router_topk_add_norm(h, a, torch.ones(64), 1e-6, weight, 2, True) is None
     with pytest.raises(ValueError, match="k=9 outside"):
         cpu.router_topk_add_norm(torch.randn(1, 64), a, torch.ones(64), 1e-6, torch.randn(8, 64), 9, True)
+    gate = up = torch.randint(0, 255, (8, 32, 64 // 32 * 34), dtype=torch.uint8)      # Q8_0 blocks (type id 8)
+    down = torch.randint(0, 255, (8, 64, 34), dtype=torch.uint8)
+    planes = (8, 8, gate, up, down, False)
+    assert cpu.moe_block(h, a, torch.ones(64), 1e-6, weight, 2, True, planes) is None
+    with pytest.raises(RuntimeError, match="k=9 of 8 experts"):
+        cpu.moe_block(torch.randn(1, 64), a, torch.ones(64), 1e-6, weight, 9, True, planes)
 
 
 def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkeypatch):
@@ -129,3 +136,36 @@ def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkey
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(got.argmax(-1), want.argmax(-1))
     logits(True, force_torch=True)
     assert calls["attn"] == len(toks) * layers           # use("torch"): the twins
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "BF16"])
+def test_eager_moe_block_is_the_three_calls(tmp_path, monkeypatch, qtype):
+    """An eager CPU token of a GGUF file (packed experts; BF16: float32 experts on their 16-bit copies) makes each
+    block's MoE half in one C call (cpu.moe_block: router, experts, residual add), with the logits of the separate
+    router and experts calls (the experts' cpu_token_planes hidden) bit for bit."""
+    path = quantize(build_qwen3_moe(tmp_path / "model"), qtype, tmp_path / f"m-{qtype}.gguf")
+    eng = Engine.load(path, EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
+    eng.complete(prompt_ids=[5, 6, 7], max_tokens=2, params=SamplingParams(temperature=0.0))   # makes the copies
+    experts = [blk.mlp.experts for blk in eng.model.model.layers]
+    assert all(e.cpu_token_planes(torch.randn(1, eng.args.hidden_size)) is not None for e in experts)
+    calls = {"block": 0}
+    inner = cpu.moe_block
+    monkeypatch.setattr(cpu, "moe_block", lambda *a, **kw: calls.__setitem__("block", calls["block"] + 1)
+                        or inner(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, eng.args.vocab_size, (9,), generator=g)
+    toks = torch.randint(0, eng.args.vocab_size, (10,), generator=g)
+
+    def logits():
+        c, out = eng.new_session(max_context=64).cache, []
+        with torch.inference_mode():
+            eng.model(prompt, c)
+            out += [eng.model(t[None], c)[-1] for t in toks]
+        return torch.stack(out)
+    got = logits()
+    assert calls["block"] == len(toks) * len(experts)
+    for e in experts:                                   # the experts' own call after the C router
+        monkeypatch.setattr(e, "cpu_token_planes", lambda x: None)
+    want = logits()
+    assert calls["block"] == len(toks) * len(experts)
+    assert torch.equal(got, want)

@@ -157,6 +157,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_router_add_norm.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
                                             c_int]
     lib.moetier_rms_norm.argtypes = [ptr, ptr, f32, i64, c_int, ptr]
+    lib.moetier_moe_block.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, c_int, c_int, ptr, ptr, i64,
+                                      i64, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.moetier_rms_norm.restype = None
     return lib
 
@@ -651,8 +653,15 @@ def _build_ops_library(cache_dir: Path | None = None) -> Path:
 def small_ops_ok(*ts: torch.Tensor) -> bool:
     """cpu_small.c can take these tensors: the C kernels built, plain (not fake or traced) contiguous float32 CPU
     tensors."""
-    return backend() == "c" and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
-                                    and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+    if _backend != "c" and backend() != "c":
+        return False
+    for t in ts:          # a loop, not all(<generator>): called ~17 times a token (an eager step's overhead)
+        if not (type(t) in _PLAIN and t.dtype == _F32 and t.is_cpu and t.is_contiguous()):
+            return False
+    return True
+
+
+_PLAIN, _F32 = (torch.Tensor, torch.nn.Parameter), torch.float32
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -697,6 +706,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     _lib.moetier_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1], y.data_ptr())
     return y
+
+
+def moe_block(h, a, norm_weight, eps: float, weight, k: int, normalize: bool, planes: tuple):
+    """s + experts(x, router_topk(x)) with s = h + a, x = RMSNorm(s) * norm_weight, for one token [1, D] in one C call
+    (cpu_small.c: router_topk_add_norm, then moe_tokens, then the add). planes = (gate type id, down type id, gate, up,
+    down, q8) as moe_tokens_op takes them (the experts' cpu_token_planes). None where the logits hold a NaN."""
+    gq, dq, gate, up, down, q8 = planes
+    out = torch.empty_like(h)
+    gs, ds = gate.stride(), down.stride()
+    rc = _lib.moetier_moe_block(h.data_ptr(), a.data_ptr(), norm_weight.data_ptr(), eps, h.shape[-1], weight.data_ptr(),
+                                weight.shape[0], k, int(normalize), gq, dq, gate.data_ptr(), up.data_ptr(), gs[0], gs[1],
+                                down.data_ptr(), ds[0], ds[1], gate.shape[1], int(q8), out.data_ptr(),
+                                torch.get_num_threads())
+    if rc == -2:
+        return None
+    if rc:
+        raise RuntimeError(f"CPU MoE block failed ({rc}): k={k} of {weight.shape[0]} experts, types {gq}/{dq}, "
+                           f"D={h.shape[-1]}, I={gate.shape[1]}" + (" (out of memory)" if rc == -3 else ""))
+    return out
 
 
 def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normalize: bool):

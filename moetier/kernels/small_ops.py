@@ -9,6 +9,7 @@ kernels on CPU tensors under TRITON_INTERPRET=1).
     ids, w = router_topk(x, weight, k, norm, twin)  # x [1, D], weight [E, D]: the GEMV and the above, one launch
     s, y = add_rms_norm(h, a, weight, eps, twin)   # s = h + a, y = rms_norm(s): residual add + next norm
     s, y, ids, w = router_topk_add_norm(h, a, nw, eps, weight, k, norm)  # add_rms_norm, router_topk: one launch
+    out = moe_block(h, a, nw, eps, weight, k, norm, planes)  # that, the experts and the residual add: one C call
     y, pre = rms_norm_q8(x, weight, eps, twin)     # x [1, N]: y and its int8 copy for a QuantLinear GEMV (or None)
     made_norm_q8(x, weight, eps, y, pre)          # x's writer made those too: rms_norm_q8(x, ...) returns them
 """
@@ -18,6 +19,7 @@ import os
 
 import torch
 
+from ..runtime.kv_cache import KVCache
 from . import ops
 
 MAX_TOKENS = 64        # above this the step is a prefill chunk: the twins' big kernels are fine
@@ -44,14 +46,25 @@ def _triton(x, tokens: int) -> bool:
 CPU_SMALL = os.environ.get("MOETIER_CPU_SMALL", "1") != "0"     # 0: an eager CPU token takes the twins (A/B)
 
 
+_cpu_module = None
+
+
+def _cpu():
+    """kernels.cpu, imported on first use (it builds the C library)."""
+    global _cpu_module
+    if _cpu_module is None:
+        from . import cpu
+        _cpu_module = cpu
+    return _cpu_module
+
+
 def _cpu_small(*ts) -> bool:
     """The C versions (kernels/cpu_small.c) serve this call: tensors of one float32 token on the CPU, the backend not
     forced (tests force "triton" to run the kernels under the interpreter), not traced (torch.export of the compiled
     CPU step keeps the twins' ops)."""
     if not (_enabled and CPU_SMALL and _choice.name is None) or torch.compiler.is_compiling():
         return False
-    from . import cpu
-    return cpu.small_ops_ok(*ts)
+    return _cpu().small_ops_ok(*ts)
 
 
 def rms_norm(x, weight, eps: float, twin):
@@ -59,8 +72,7 @@ def rms_norm(x, weight, eps: float, twin):
     in x's dtype (what `twin(x)` computes). One eager CPU token [1, N] with a weight [N]: cpu_small.c."""
     if not x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight is not None and weight.dim() == 1 \
             and _cpu_small(x, weight):
-        from .cpu import rms_norm as c_kernel
-        return c_kernel(x, weight, eps)
+        return _cpu().rms_norm(x, weight, eps)
     if not _triton(x, x.shape[0] if x.dim() > 1 else 1) or (weight is not None and weight.dtype != x.dtype):
         return twin(x)
     from .triton_small import rms_norm as kernel
@@ -150,9 +162,9 @@ def next_norm_q8(h, then):
     """The next decoder block's input RMSNorm where that block would call rms_norm_q8 on h with its kernel (then = its
     (input norm, attention): an RMSNorm before an attention that takes the int8 copy, models.base.Block), else None.
     The writer of h may make that norm itself (made_norm_q8): the tiered wait_add, add_norm_q8."""
-    from ..models.layers import RMSNorm
-    if then is None:
+    if then is None or not _triton(h, 1):       # an eager CPU token: no kernel to make it (and no import a call)
         return None
+    from ..models.layers import RMSNorm
     norm, attn = then
     q8 = getattr(attn, "q8_input", None)
     if type(norm) is not RMSNorm or q8 is None or not q8(h) or not rms_norm_q8_ok(h, norm.weight):
@@ -198,16 +210,21 @@ def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normaliz
     (kernels/triton_small.router_topk_add_norm) or one C call on the CPU (kernels/cpu_small.c), where
     router_add_norm_ok holds; the twin is those two. None (the C call only) where the logits hold a NaN."""
     if h.device.type == "cpu" and _cpu_small(h):
-        from .cpu import router_topk_add_norm as c_kernel
-        return c_kernel(h, a, norm_weight, eps, weight, k, normalize)
+        return _cpu().router_topk_add_norm(h, a, norm_weight, eps, weight, k, normalize)
     from .triton_small import router_topk_add_norm as kernel
     return kernel(h, a, norm_weight, eps, weight, k, normalize)
+
+
+def moe_block(h, a, norm_weight, eps: float, weight, k: int, normalize: bool, planes: tuple):
+    """s + the experts' sum for router_topk_add_norm's choice, s = h + a (one eager CPU token where
+    router_add_norm_ok holds and the experts give their C call's planes: cpu_token_planes), in one C call
+    (kernels/cpu_small.c). None where the logits hold a NaN (the caller's twin then decides)."""
+    return _cpu().moe_block(h, a, norm_weight, eps, weight, k, normalize, planes)
 
 
 def decode_attention_ok(x, kv, window, sinks, interleaved: bool) -> bool:
     """The fused decode attention serves this call (one token of a CUDA-graph step, or of an eager CPU step: plain
     KV cache)."""
-    from ..runtime.kv_cache import KVCache
     if not (x.shape[0] == 1 and window is None and sinks is None and not interleaved and type(kv) is KVCache
             and kv.k.dtype == x.dtype):
         return False
@@ -219,9 +236,10 @@ def decode_attention(qkv, q_w, k_w, eps, cos, sin, pos, kv, h: int, hkv: int, sc
     into the cache, attention over [0, pos] -> [1, H Dh] (kernels/triton_attention.decode_attention; an eager CPU
     token kernels/cpu_small.c); q8: -> (out, its int8 copy for a QuantLinear o_proj, or None)."""
     if not qkv.is_cuda and not _triton(qkv, 1):
-        from .cpu import decode_attention as c_kernel
-        q_w, k_w = (None if t is None else t.float().contiguous() for t in (q_w, k_w))
-        out = c_kernel(qkv, q_w, k_w, eps, cos.contiguous(), sin.contiguous(), int(pos), kv.k, kv.v, h, hkv, scale)
+        q_w = None if q_w is None else q_w.float().contiguous()
+        k_w = None if k_w is None else k_w.float().contiguous()
+        out = _cpu().decode_attention(qkv, q_w, k_w, eps, cos.contiguous(), sin.contiguous(), int(pos), kv.k, kv.v,
+                                      h, hkv, scale)
         return (out, None) if q8 else out
     if not isinstance(pos, torch.Tensor):
         pos = torch.tensor(pos, device=qkv.device)

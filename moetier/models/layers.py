@@ -377,6 +377,15 @@ class DenseExperts(nn.Module):
         i = self.gate_up_half.shape[1] // 2
         return self._half[0], self.gate_up_half[:, :i], self.gate_up_half[:, i:], self.down_half
 
+    def cpu_token_planes(self, x: torch.Tensor) -> tuple | None:
+        """(gate type, down type, gate, up, down, q8) of the one C call forward makes for x (an eager CPU token on the
+        16-bit copies: half_call), for a caller that fuses the router and the residual add around it
+        (SoftmaxMoE.add_norm_forward -> kernels.cpu.moe_block); None otherwise."""
+        if not self.half_call(x) or torch.compiler.is_compiling():
+            return None
+        tid, gate, up, down = self.half_planes()
+        return tid, tid, gate, up, down, False
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.half_call(x) and not torch.compiler.is_compiling():
             # an eager CPU token of a 16-bit checkpoint: the layer's k experts in one C call on the 16-bit copies
@@ -574,6 +583,10 @@ class SoftmaxMoE(nn.Module):
         out = routed(h, a, norm, gate) if routed is not None else None
         if out is not None:
             return out
+        planes = getattr(self.experts, "cpu_token_planes", None)
+        planes = planes(h) if planes is not None and not h.is_cuda else None
+        if planes is not None:           # an eager CPU token: router, experts and the residual add in one C call
+            return small_ops.moe_block(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize, planes)
         out = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize)
         if out is None:                  # NaN logits in the CPU's C router: the Block's own ops decide
             return None

@@ -107,17 +107,36 @@ def _fused_quant_experts(model: torch.nn.Module) -> None:
                     return fused_experts(self, x, ids, w)
                 return eager(x, ids, w)
             m.forward = types.MethodType(forward, m)
+            m.cpu_token_planes = types.MethodType(_token_planes, m)
+
+
+def _planes(m) -> tuple:
+    """(gate type, down type, gate, up, down, q8) of a fused QuantExperts' C call: its x8 copies where _x8_experts made
+    them (int8 activations), else its stored blocks (Q8_ACTIVATIONS)."""
+    x8 = m.__dict__.get("_x8_types")
+    if x8 and Q8_ACTIVATIONS:
+        b = m._buffers
+        return x8[0], x8[1], b["gate_x8"], b["up_x8"], b["down_x8"], True
+    return (get_format(m.fmt).type_id, get_format(m.down_fmt).type_id, m.gate_raw, m.up_raw, m.down_raw,
+            Q8_ACTIVATIONS)
+
+
+def _token_planes(m, x: torch.Tensor) -> tuple | None:
+    """QuantExperts.cpu_token_planes (installed with the fused forward): the planes of an eager CPU token's call."""
+    if not x.is_cpu or x.shape[0] != 1 or x.dtype != torch.float32 or torch.compiler.is_compiling():
+        return None
+    return _planes(m)
 
 
 def fused_experts(m, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """A QuantExperts layer for few tokens in one C call with int8 activations (Q8_ACTIVATIONS), on its x8 copies
     where _x8_experts made them: what the compiled step and an eager decode step run."""
-    x8 = getattr(m, "_x8_types", None)
-    if not (x8 and Q8_ACTIVATIONS):
+    if not (m.__dict__.get("_x8_types") and Q8_ACTIVATIONS):
         return m.forward_fused(x, ids, w, q8=Q8_ACTIVATIONS)
+    gq, dq, gate, up, down, _ = _planes(m)
     # traced: the torch op (the compiled step keeps it whole); eager: its CPU kernel without the dispatcher (~6 us)
     call = torch.ops.moetier.moe_tokens if torch.compiler.is_compiling() else cpu_kernels.moe_tokens_op
-    return call(x, ids, w.float(), m.gate_x8, m.up_x8, m.down_x8, x8[0], x8[1], True)
+    return call(x, ids, w.float(), gate, up, down, gq, dq, True)
 
 
 def fused_gather_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ex: DenseExperts) -> torch.Tensor:
@@ -297,9 +316,12 @@ def _on_blocks(eager, attr: str, bias: str):
     """A method f(self, x, *rest) that computes x @ W^T (+ b) on W's quantized copy (`<attr>_q`) for an eager call on
     at most EAGER_QLINEAR_ROWS rows of x on the CPU, on more rows where _prefill_qgemm says so, else calls `eager`
     (the bound float method)."""
+    key = f"{attr}_q"
+
     def forward(self, x, *rest, **kw):
-        qtype, blocks = getattr(self, "_quant_copies", {}).get(attr), getattr(self, f"{attr}_q", None)
-        if qtype is None or blocks is None or torch.compiler.is_compiling() or x.device.type != "cpu":
+        # the module's dicts read directly: nn.Module.__getattr__ cost ~1 us a name, 9 calls a token (eager step)
+        qtype, blocks = self.__dict__.get("_quant_copies", {}).get(attr), self._buffers.get(key)
+        if qtype is None or blocks is None or not x.is_cpu or torch.compiler.is_compiling():
             return eager(x, *rest, **kw)
         if x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
             if not _prefill_qgemm(self, qtype):
@@ -307,7 +329,9 @@ def _on_blocks(eager, attr: str, bias: str):
             y = cpu_kernels.qgemm(qtype, blocks, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).to(x.dtype)
         else:
             y = cpu_kernels.qlinear_op(x, blocks, qtype, Q8_ACTIVATIONS)   # one float32 row: straight to C
-        b = getattr(self, bias, None)
+        b = self._parameters.get(bias)
+        if b is None:
+            b = self._buffers.get(bias)
         return y if b is None else y + b
     return forward
 
