@@ -139,19 +139,22 @@ def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkey
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "BF16"])
-def test_eager_moe_block_is_the_three_calls(tmp_path, monkeypatch, qtype):
-    """An eager CPU token of a GGUF file (packed experts; BF16: float32 experts on their 16-bit copies) makes each
-    block's MoE half in one C call (cpu.moe_block: router, experts, residual add), with the logits of the separate
-    router and experts calls (the experts' cpu_token_planes hidden) bit for bit."""
+def test_eager_blocks_are_their_separate_calls(tmp_path, monkeypatch, qtype):
+    """An eager CPU token of a GGUF file (packed experts; BF16: float32 weights on their 16-bit copies) makes each
+    block's attention half (cpu.attn_block: norm, qkv, attention, o) and MoE half (cpu.moe_block: router, experts,
+    residual add) in one C call each, with the logits of the separate calls (the planes hidden) bit for bit."""
     path = quantize(build_qwen3_moe(tmp_path / "model"), qtype, tmp_path / f"m-{qtype}.gguf")
     eng = Engine.load(path, EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
     eng.complete(prompt_ids=[5, 6, 7], max_tokens=2, params=SamplingParams(temperature=0.0))   # makes the copies
     experts = [blk.mlp.experts for blk in eng.model.model.layers]
-    assert all(e.cpu_token_planes(torch.randn(1, eng.args.hidden_size)) is not None for e in experts)
-    calls = {"block": 0}
-    inner = cpu.moe_block
-    monkeypatch.setattr(cpu, "moe_block", lambda *a, **kw: calls.__setitem__("block", calls["block"] + 1)
-                        or inner(*a, **kw))
+    attns = [blk.self_attn for blk in eng.model.model.layers]
+    x = torch.randn(1, eng.args.hidden_size)
+    assert all(m.cpu_token_planes(x) is not None for m in experts + attns)
+    calls = {"moe_block": 0, "attn_block": 0}
+    for name in calls:
+        inner = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _i=inner, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1)
+                            or _i(*a, **kw))
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, eng.args.vocab_size, (9,), generator=g)
     toks = torch.randint(0, eng.args.vocab_size, (10,), generator=g)
@@ -163,9 +166,9 @@ def test_eager_moe_block_is_the_three_calls(tmp_path, monkeypatch, qtype):
             out += [eng.model(t[None], c)[-1] for t in toks]
         return torch.stack(out)
     got = logits()
-    assert calls["block"] == len(toks) * len(experts)
-    for e in experts:                                   # the experts' own call after the C router
-        monkeypatch.setattr(e, "cpu_token_planes", lambda x: None)
+    assert calls == {"moe_block": len(toks) * len(experts), "attn_block": len(toks) * len(experts)}
+    for m in experts + attns:                          # the modules' own calls (the C router, norm, attention)
+        monkeypatch.setattr(m, "cpu_token_planes", lambda x: None)
     want = logits()
-    assert calls["block"] == len(toks) * len(experts)
+    assert calls == {"moe_block": len(toks) * len(experts), "attn_block": len(toks) * len(experts)}
     assert torch.equal(got, want)

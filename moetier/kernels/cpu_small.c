@@ -8,6 +8,8 @@
  *   moetier_decode_attn_prep   its first part (norm, RoPE, cache write): longer contexts attend with torch's GEMMs
  *   moetier_router_add_norm    s = h + a, x = RMSNorm(s) * nw, softmax(W x) top-k (renormalised if asked)
  *                              (Block's residual add + post-attention norm, then SoftmaxRouter)
+ *   moetier_attn_block         x = RMSNorm(h) * nw, qkv = W x, the attention above, out = O att: a decode block's
+ *                              attention half in one call (Attention.norm_token)
  *   moetier_moe_block          the router's call, then the k experts (moetier_moe_tokens) and the residual add: a
  *                              decode block's MoE half in one call (SoftmaxMoE.add_norm_forward)
  *   moetier_rms_norm           rows of x -> RMSNorm(x) * w (RMSNorm.forward: a block's input norm, the final norm;
@@ -319,5 +321,35 @@ int moetier_moe_block(const float *hv, const float *av, const float *nw, float e
         for (int i = 0; i < d; i++)
             out[i] = s[i] + y[i];
     free(s);
+    return rc;
+}
+
+/* y = W x for one row x: the blocks' matvec with int8 activations (q8) or float32 ones, as kernels.cpu.qlinear_op */
+static int small_matvec(int type, const uint8_t *w, int64_t stride, int64_t n, int64_t k, const float *x, float *y,
+                        int q8, int nthreads) {
+    return q8 ? moetier_matvec_q8(type, w, stride, n, k, x, y, nthreads)
+              : moetier_matvec(type, w, stride, n, k, x, y, nthreads);
+}
+
+/* A decode block's attention half for one token: x = RMSNorm(h) * nw [d], qkv = Wqkv x ([(nh + 2 hkv) dh] rows of
+ * GGML type qt), moetier_decode_attn (q / k norm, RoPE, the cache row `pos`, attention), out = Wo att ([d] rows of type
+ * ot): the arithmetic of the four calls, one call (the module path's Python and tensors cost ~20 us a layer on the
+ * dev box). Returns 0, -3 out of memory, else the failing call's code (out not written; the cache row may be). */
+int moetier_attn_block(const float *hv, const float *nw, float eps, int d, int qt, const uint8_t *wqkv, int64_t qkv_stride,
+                       int ot, const uint8_t *wo, int64_t o_stride, int q8, const float *qw, const float *kw,
+                       float qk_eps, const float *cs, const float *sn, int rot, int64_t pos, float *kc, float *vc,
+                       int nh, int hkv, int dh, float scale, float *out, int nthreads) {
+    const int64_t rows = (int64_t)(nh + 2 * hkv) * dh;
+    float *x = malloc(sizeof(float) * ((size_t)d + (size_t)rows + (size_t)nh * dh));
+    if (!x)
+        return -3;
+    float *qkv = x + d, *att = qkv + rows;
+    small_rms_norm(hv, nw, eps, d, x);
+    int rc = small_matvec(qt, wqkv, qkv_stride, rows, d, x, qkv, q8, nthreads);
+    if (rc == 0)
+        rc = moetier_decode_attn(qkv, qw, kw, qk_eps, cs, sn, rot, pos, kc, vc, nh, hkv, dh, scale, att, nthreads);
+    if (rc == 0)
+        rc = small_matvec(ot, wo, o_stride, d, (int64_t)nh * dh, att, out, q8, nthreads);
+    free(x);
     return rc;
 }

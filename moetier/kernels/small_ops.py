@@ -10,6 +10,7 @@ kernels on CPU tensors under TRITON_INTERPRET=1).
     s, y = add_rms_norm(h, a, weight, eps, twin)   # s = h + a, y = rms_norm(s): residual add + next norm
     s, y, ids, w = router_topk_add_norm(h, a, nw, eps, weight, k, norm)  # add_rms_norm, router_topk: one launch
     out = moe_block(h, a, nw, eps, weight, k, norm, planes)  # that, the experts and the residual add: one C call
+    a = attn_block(h, nw, eps, planes, qw, kw, qk_eps, rope, pos, kv, h, hkv, scale)  # norm + attention: one C call
     y, pre = rms_norm_q8(x, weight, eps, twin)     # x [1, N]: y and its int8 copy for a QuantLinear GEMV (or None)
     made_norm_q8(x, weight, eps, y, pre)          # x's writer made those too: rms_norm_q8(x, ...) returns them
 """
@@ -213,6 +214,25 @@ def router_topk_add_norm(h, a, norm_weight, eps: float, weight, k: int, normaliz
         return _cpu().router_topk_add_norm(h, a, norm_weight, eps, weight, k, normalize)
     from .triton_small import router_topk_add_norm as kernel
     return kernel(h, a, norm_weight, eps, weight, k, normalize)
+
+
+def attn_block_ok(h, norm_weight, kv, window, sinks, nh: int, dh: int, start) -> bool:
+    """attn_block serves this call: one eager CPU token that decode_attention's C kernel takes, an int position within
+    its work bound (cpu.ATTN_C_MAX_WORK), float32 weights."""
+    return (type(start) is int and norm_weight is not None and norm_weight.shape == h.shape[-1:]
+            and decode_attention_ok(h, kv, window, sinks, False) and not _triton(h, 1) and _cpu_small(norm_weight)
+            and (start + 1) * nh * dh <= _cpu().ATTN_C_MAX_WORK)
+
+
+def attn_block(h, norm_weight, eps: float, planes: tuple, q_w, k_w, qk_eps: float, rope: tuple, start: int, kv,
+               nh: int, hkv: int, scale: float):
+    """Attention.forward(RMSNorm(h) * norm_weight) for one eager CPU token where attn_block_ok holds, in one C call
+    (kernels/cpu_small.c; planes: the qkv and o GEMVs' blocks, cpu_token_planes). None where a GEMV refuses its
+    blocks (the caller's modules then run)."""
+    q_w = None if q_w is None else q_w.float().contiguous()
+    k_w = None if k_w is None else k_w.float().contiguous()
+    return _cpu().attn_block(h, norm_weight, eps, planes, q_w, k_w, qk_eps, rope[0].contiguous(), rope[1].contiguous(),
+                             start, kv.k, kv.v, nh, hkv, scale)
 
 
 def moe_block(h, a, norm_weight, eps: float, weight, k: int, normalize: bool, planes: tuple):

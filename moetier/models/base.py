@@ -29,13 +29,16 @@ class Block(nn.Module):
 
     def forward(self, h, rope, kv, start):
         norm = self.input_layernorm
-        q8 = getattr(self.self_attn, "q8_input", None)
-        if type(norm) is RMSNorm and q8 is not None and q8(h):
-            # one CUDA token into a quantized qkv GEMV: the norm writes the GEMV's int8 input too (one launch fewer)
-            x, pre = small_ops.rms_norm_q8(h, norm.weight, norm.eps, norm)
-            a = self.self_attn(x, rope, kv, start, pre=pre)
-        else:
-            a = self.self_attn(norm(h), rope, kv, start)
+        fused = getattr(self.self_attn, "norm_token", None)
+        a = fused(h, norm, rope, kv, start) if fused is not None else None   # one eager CPU token: one C call
+        if a is None:
+            q8 = getattr(self.self_attn, "q8_input", None)
+            if type(norm) is RMSNorm and q8 is not None and q8(h):
+                # one CUDA token into a quantized qkv GEMV: the norm writes the GEMV's int8 input too (one launch fewer)
+                x, pre = small_ops.rms_norm_q8(h, norm.weight, norm.eps, norm)
+                a = self.self_attn(x, rope, kv, start, pre=pre)
+            else:
+                a = self.self_attn(norm(h), rope, kv, start)
         norm = self.post_attention_layernorm
         fused = getattr(self.mlp, "add_norm_forward", None)
         out = fused(h, a, norm) if fused is not None else None

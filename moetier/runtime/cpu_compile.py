@@ -41,7 +41,7 @@ import torch
 from ..kernels import cpu as cpu_kernels
 from ..memory import hugepages
 from ..memory.budget import ram_info
-from ..models.layers import DenseExperts
+from ..models.layers import Attention, DenseExperts
 from ..models.quant_experts import FUSED_CPU_TOKENS
 from ..quant.formats import get_format
 from .kv_cache import Cache, KVCache
@@ -312,6 +312,26 @@ def _eager_quant_linears(model: torch.nn.Module) -> None:
             m._qkv = types.MethodType(_on_blocks(m._qkv, "qkv_weight", "qkv_bias"), m)
 
 
+def _attention_planes(model: torch.nn.Module) -> None:
+    """Attention modules whose q/k/v (stacked) and o GEMVs run on quantized copies, without biases: `cpu_token_planes`
+    gives an eager CPU token's one C call (Attention.norm_token) those blocks."""
+    for m in model.modules():
+        if (isinstance(m, Attention) and "qkv_weight" in m.__dict__.get("_quant_copies", {})
+                and m._buffers.get("qkv_bias") is None and isinstance(m.o_proj, torch.nn.Linear)
+                and "weight" in m.o_proj.__dict__.get("_quant_copies", {}) and m.o_proj.bias is None):
+            m.cpu_token_planes = types.MethodType(_attn_token_planes, m)
+
+
+def _attn_token_planes(m, h: torch.Tensor) -> tuple | None:
+    """(qkv type, qkv blocks, o type, o blocks, q8) for one float32 CPU token, while both copies exist."""
+    o = m.o_proj
+    qkv, ob = m._buffers.get("qkv_weight_q"), o._buffers.get("weight_q")
+    if qkv is None or ob is None or not h.is_cpu or h.shape[0] != 1 or h.dtype != torch.float32 \
+            or torch.compiler.is_compiling():
+        return None
+    return m._quant_copies["qkv_weight"], qkv, o._quant_copies["weight"], ob, Q8_ACTIVATIONS
+
+
 def _on_blocks(eager, attr: str, bias: str):
     """A method f(self, x, *rest) that computes x @ W^T (+ b) on W's quantized copy (`<attr>_q`) for an eager call on
     at most EAGER_QLINEAR_ROWS rows of x on the CPU, on more rows where _prefill_qgemm says so, else calls `eager`
@@ -358,6 +378,7 @@ def eager_blocks(model: torch.nn.Module) -> None:
     model._eager_blocks_done = True
     _quantized_copies(model)
     _eager_quant_linears(model)
+    _attention_planes(model)           # a block's attention half: one C call
     _fused_quant_experts(model)        # packed experts: one C call on their x8 copies, int8 activations
 
 
