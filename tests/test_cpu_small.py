@@ -103,8 +103,8 @@ def test_router_add_norm_gives_way_on_nan_and_refuses_bad_k():
 
 def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkeypatch):
     """The engine's eager CPU decode (a tiny Qwen3-MoE) runs cpu_small.c's attention and router once a layer a token
-    and its RMSNorm for each block's input norm and the final one, and its logits are the torch twins' (MOETIER_CPU_SMALL=0's) to float32 rounding; forcing the torch backend turns them
-    off."""
+    and its RMSNorm for each block's input norm and the final one, and its logits are the torch twins'
+    (MOETIER_CPU_SMALL=0's) to float32 rounding; forcing the torch backend turns them off."""
     eng = Engine.load(build_qwen3_moe(tmp_path / "model"),
                       EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
     calls = {"attn": 0, "router": 0, "norm": 0}

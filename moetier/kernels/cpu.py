@@ -157,8 +157,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_router_add_norm.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
                                             c_int]
     lib.moetier_rms_norm.argtypes = [ptr, ptr, f32, i64, c_int, ptr]
-    lib.moetier_attn_block.argtypes = [ptr, ptr, f32, c_int, c_int, ptr, i64, c_int, ptr, i64, c_int, ptr, ptr, f32, ptr,
-                                       ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32, ptr, c_int]
+    lib.moetier_attn_block.argtypes = [ptr, ptr, f32, c_int, c_int, ptr, i64, c_int, ptr, i64, c_int, ptr, ptr, f32,
+                                       ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32, ptr, c_int]
     lib.moetier_moe_block.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, c_int, c_int, ptr, ptr, i64,
                                       i64, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.moetier_rms_norm.restype = None
@@ -736,8 +736,8 @@ def moe_block(h, a, norm_weight, eps: float, weight, k: int, normalize: bool, pl
     out = torch.empty_like(h)
     gs, ds = gate.stride(), down.stride()
     rc = _lib.moetier_moe_block(h.data_ptr(), a.data_ptr(), norm_weight.data_ptr(), eps, h.shape[-1], weight.data_ptr(),
-                                weight.shape[0], k, int(normalize), gq, dq, gate.data_ptr(), up.data_ptr(), gs[0], gs[1],
-                                down.data_ptr(), ds[0], ds[1], gate.shape[1], int(q8), out.data_ptr(),
+                                weight.shape[0], k, int(normalize), gq, dq, gate.data_ptr(), up.data_ptr(), gs[0],
+                                gs[1], down.data_ptr(), ds[0], ds[1], gate.shape[1], int(q8), out.data_ptr(),
                                 torch.get_num_threads())
     if rc == -2:
         return None

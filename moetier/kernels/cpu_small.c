@@ -308,11 +308,10 @@ int moetier_moe_block(const float *hv, const float *av, const float *nw, float e
                       int q8, float *out, int nthreads) {
     if (k < 1 || k > e)
         return -1;
-    float *s = malloc(sizeof(float) * (3 * (size_t)d + (size_t)k) + sizeof(int64_t) * (size_t)k);
-    if (!s)
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)k + sizeof(float) * (3 * (size_t)d + (size_t)k));
+    if (!ids)
         return -3;
-    float *x = s + d, *y = x + d, *w = y + d;
-    int64_t *ids = (int64_t *)(w + k);
+    float *s = (float *)(ids + k), *x = s + d, *y = x + d, *w = y + d;
     int rc = moetier_router_add_norm(hv, av, nw, eps, d, rw, e, k, normalize, s, x, ids, w, nthreads);
     if (rc == 0)
         rc = moetier_moe_tokens(gq, dq, gate, up, g_estride, g_rstride, down, d_estride, d_rstride, e, d, I, 1, k, ids,
@@ -320,7 +319,7 @@ int moetier_moe_block(const float *hv, const float *av, const float *nw, float e
     if (rc == 0)
         for (int i = 0; i < d; i++)
             out[i] = s[i] + y[i];
-    free(s);
+    free(ids);
     return rc;
 }
 
@@ -335,10 +334,10 @@ static int small_matvec(int type, const uint8_t *w, int64_t stride, int64_t n, i
  * GGML type qt), moetier_decode_attn (q / k norm, RoPE, the cache row `pos`, attention), out = Wo att ([d] rows of type
  * ot): the arithmetic of the four calls, one call (the module path's Python and tensors cost ~20 us a layer on the
  * dev box). Returns 0, -3 out of memory, else the failing call's code (out not written; the cache row may be). */
-int moetier_attn_block(const float *hv, const float *nw, float eps, int d, int qt, const uint8_t *wqkv, int64_t qkv_stride,
-                       int ot, const uint8_t *wo, int64_t o_stride, int q8, const float *qw, const float *kw,
-                       float qk_eps, const float *cs, const float *sn, int rot, int64_t pos, float *kc, float *vc,
-                       int nh, int hkv, int dh, float scale, float *out, int nthreads) {
+int moetier_attn_block(const float *hv, const float *nw, float eps, int d, int qt, const uint8_t *wqkv,
+                       int64_t qkv_stride, int ot, const uint8_t *wo, int64_t o_stride, int q8, const float *qw,
+                       const float *kw, float qk_eps, const float *cs, const float *sn, int rot, int64_t pos, float *kc,
+                       float *vc, int nh, int hkv, int dh, float scale, float *out, int nthreads) {
     const int64_t rows = (int64_t)(nh + 2 * hkv) * dh;
     float *x = malloc(sizeof(float) * ((size_t)d + (size_t)rows + (size_t)nh * dh));
     if (!x)

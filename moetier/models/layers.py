@@ -243,15 +243,17 @@ class Attention(nn.Module):
         if blocks[0] is not None:
             w.ggml_blocks = (torch.cat([b[0] for b in blocks]), blocks[0][1], w._version)
 
-    def norm_token(self, h: torch.Tensor, norm: nn.Module, rope: tuple | None, kv: KVCache, start) -> torch.Tensor | None:
-        """forward(norm(h), rope, kv, start) for one eager CPU token in one C call (kernels.cpu.attn_block: the norm, the
-        qkv GEMV, decode_attention, the o GEMV) where the engine gave this module its GEMVs' blocks
+    def norm_token(self, h: torch.Tensor, norm: nn.Module, rope: tuple | None, kv: KVCache,
+                   start) -> torch.Tensor | None:
+        """forward(norm(h), rope, kv, start) for one eager CPU token in one C call (kernels.cpu.attn_block: the norm,
+        the qkv GEMV, decode_attention, the o GEMV) where the engine gave this module its GEMVs' blocks
         (cpu_token_planes, runtime.cpu_compile); None otherwise (Block norms and calls forward)."""
         planes = self.__dict__.get("cpu_token_planes")
         if planes is None or rope is None or type(norm) is not RMSNorm or type(self).forward is not Attention.forward:
             return None
         p = planes(h)
-        if p is None or not small_ops.attn_block_ok(h, norm.weight, kv, self.window, self.sinks, self.h, self.dh, start):
+        if p is None or not small_ops.attn_block_ok(h, norm.weight, kv, self.window, self.sinks, self.h, self.dh,
+                                                    start):
             return None
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         eps = self.q_norm.eps if self.qk_norm else 0.0
