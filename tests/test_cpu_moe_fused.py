@@ -350,8 +350,10 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     ours, ref = Engine.load(path, cfg), Engine.load(path, cfg)
     float_bytes = bytes_per_token(ours, 16)["dense"]
     calls = []
-    inner = cpu.qlinear_op              # _on_blocks' call (x, blocks, qtype, q8)
+    inner, inner_attn = cpu.qlinear_op, cpu.attn_block   # _on_blocks' call (x, blocks, qtype, q8); a block's
     monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
+    # attention half: its q/k/v and o GEMVs in one C call (planes: qkv type, blocks, o type, blocks, q8)
+    monkeypatch.setattr(cpu, "attn_block", lambda *a, **k: calls.extend((a[3][0], a[3][2])) or inner_attn(*a, **k))
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 12
     done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
     layers = len(ours.model.model.layers)
@@ -393,9 +395,11 @@ def test_eager_decode_of_a_16_bit_checkpoint_reads_16_bit_copies(tmp_path, monke
     conf = EngineConfig(device="cpu", dtype="float32", threads=1, progress=False, max_context=128, cpu_compile="off")
     ours, ref = Engine.load(tmp_path, conf), Engine.load(tmp_path, conf)
     calls, moe = [], []
-    inner, inner_moe = cpu.qlinear_op, cpu.moe_tokens
+    inner, inner_attn, inner_moe = cpu.qlinear_op, cpu.attn_block, cpu.moe_block
     monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
-    monkeypatch.setattr(cpu, "moe_tokens", lambda *a, **k: moe.append(a[0]) or inner_moe(*a, **k))
+    # a block's two C calls: the attention half's q/k/v and o GEMVs, the MoE half's experts (planes' types)
+    monkeypatch.setattr(cpu, "attn_block", lambda *a, **k: calls.extend((a[3][0], a[3][2])) or inner_attn(*a, **k))
+    monkeypatch.setattr(cpu, "moe_block", lambda *a, **k: moe.append(a[7][:2]) or inner_moe(*a, **k))
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 10
     done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
     tid = get_format(half).type_id
