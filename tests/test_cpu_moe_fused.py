@@ -352,8 +352,8 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     calls = []
     inner, inner_attn = cpu.qlinear_op, cpu.attn_block   # _on_blocks' call (x, blocks, qtype, q8); a block's
     monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
-    # attention half: its q/k/v and o GEMVs in one C call (planes: qkv type, blocks, o type, blocks, q8)
-    monkeypatch.setattr(cpu, "attn_block", lambda *a, **k: calls.extend((a[3][0], a[3][2])) or inner_attn(*a, **k))
+    # attention half: its q/k/v and o GEMVs in one C call
+    monkeypatch.setattr(cpu, "attn_block", lambda *a, **k: calls.extend(_gemv_types(a[3])) or inner_attn(*a, **k))
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 12
     done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)
     layers = len(ours.model.model.layers)
@@ -374,6 +374,12 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
             assert kl(a, b) < 0.01
             agree.append(int(a.argmax() == b.argmax()))
     assert sum(agree) >= 0.9 * n
+
+
+def _gemv_types(planes) -> list:
+    """The GEMVs' type ids in cpu.attn_block's planes: its q/k/v parts' (one stacked or three), then o's."""
+    parts, o_type = planes[0], planes[1]
+    return [t for t, _ in parts] + [o_type]
 
 
 @needs_c
@@ -398,7 +404,7 @@ def test_eager_decode_of_a_16_bit_checkpoint_reads_16_bit_copies(tmp_path, monke
     inner, inner_attn, inner_moe = cpu.qlinear_op, cpu.attn_block, cpu.moe_block
     monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
     # a block's two C calls: the attention half's q/k/v and o GEMVs, the MoE half's experts (planes' types)
-    monkeypatch.setattr(cpu, "attn_block", lambda *a, **k: calls.extend((a[3][0], a[3][2])) or inner_attn(*a, **k))
+    monkeypatch.setattr(cpu, "attn_block", lambda *a, **k: calls.extend(_gemv_types(a[3])) or inner_attn(*a, **k))
     monkeypatch.setattr(cpu, "moe_block", lambda *a, **k: moe.append(a[7][:2]) or inner_moe(*a, **k))
     prompt, n = [5, 17, 33, 2, 90, 41, 7], 10
     done = ours.complete(prompt_ids=prompt, max_tokens=n, params=SamplingParams(temperature=0), ignore_eos=True)

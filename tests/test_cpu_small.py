@@ -138,18 +138,22 @@ def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkey
     assert calls["attn"] == len(toks) * layers           # use("torch"): the twins
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "BF16"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "BF16", "Q4_K_M"])
 def test_eager_blocks_are_their_separate_calls(tmp_path, monkeypatch, qtype):
     """An eager CPU token of a GGUF file (packed experts; BF16: float32 weights on their 16-bit copies) makes each
     block's attention half (cpu.attn_block: norm, qkv, attention, o) and MoE half (cpu.moe_block: router, experts,
     residual add) in one C call each, with the logits of the separate calls (the planes hidden) bit for bit."""
-    path = quantize(build_qwen3_moe(tmp_path / "model"), qtype, tmp_path / f"m-{qtype}.gguf")
+    # Q4_K_M: 256-wide rows, so q / k take Q4_K and v Q6_K in some layers (three GEMV parts there)
+    kw = dict(hidden_size=256, moe_intermediate_size=256, head_dim=64) if qtype == "Q4_K_M" else {}
+    path = quantize(build_qwen3_moe(tmp_path / "model", **kw), qtype, tmp_path / f"m-{qtype}.gguf")
     eng = Engine.load(path, EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
     eng.complete(prompt_ids=[5, 6, 7], max_tokens=2, params=SamplingParams(temperature=0.0))   # makes the copies
     experts = [blk.mlp.experts for blk in eng.model.model.layers]
     attns = [blk.self_attn for blk in eng.model.model.layers]
     x = torch.randn(1, eng.args.hidden_size)
     assert all(m.cpu_token_planes(x) is not None for m in experts + attns)
+    parts = [len(m.cpu_token_planes(x)[0]) for m in attns]                 # q/k/v stacked, or three of their own
+    assert parts == [3 if qtype == "Q4_K_M" else 1] * len(attns)
     calls = {"moe_block": 0, "attn_block": 0}
     for name in calls:
         inner = getattr(cpu, name)

@@ -157,8 +157,8 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_router_add_norm.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
                                             c_int]
     lib.moetier_rms_norm.argtypes = [ptr, ptr, f32, i64, c_int, ptr]
-    lib.moetier_attn_block.argtypes = [ptr, ptr, f32, c_int, c_int, ptr, i64, c_int, ptr, i64, c_int, ptr, ptr, f32,
-                                       ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32, ptr, c_int]
+    lib.moetier_attn_block.argtypes = [ptr, ptr, f32, c_int, *[c_int, ptr, i64, i64] * 3, c_int, ptr, i64, c_int, ptr,
+                                       ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32, ptr, c_int]
     lib.moetier_moe_block.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, c_int, c_int, ptr, ptr, i64,
                                       i64, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.moetier_rms_norm.restype = None
@@ -713,16 +713,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def attn_block(h, norm_weight, eps: float, planes: tuple, q_w, k_w, qk_eps: float, cos, sin, pos: int, k_cache,
                v_cache, nh: int, hkv: int, scale: float) -> torch.Tensor | None:
     """O attention(W_qkv RMSNorm(h) * norm_weight) for one token [1, D] in one C call (cpu_small.c: the norm, the qkv
-    matvec, decode_attention, the o matvec). planes = (qkv type id, qkv blocks [rows, bytes], o type id, o blocks, q8),
-    the matvecs' as qlinear_op takes them. None where a matvec refuses its blocks (the caller's modules then run; the
-    cache row may be written already: they write the same)."""
-    qt, wqkv, ot, wo, q8 = planes
+    matvecs, decode_attention, the o matvec). planes = (parts, o type id, o blocks, q8), parts ((type id, blocks
+    [rows, bytes]), ...): q/k/v stacked in one, or q, k and v (a K-quant mix's own types), the matvecs' as qlinear_op
+    takes them. None where a matvec refuses its blocks (the caller's modules then run; the cache row may be written
+    already: they write the same)."""
+    parts, ot, wo, q8 = planes
+    args = []
+    for i in range(3):
+        t, w = parts[i] if i < len(parts) else (0, None)
+        args += (t, None, 0, 0) if w is None else (t, w.data_ptr(), w.stride(0), w.shape[0])
     dh = k_cache.shape[-1]
     out = torch.empty_like(h)
-    rc = _lib.moetier_attn_block(h.data_ptr(), norm_weight.data_ptr(), eps, h.shape[-1], qt, wqkv.data_ptr(),
-                                 wqkv.stride(0), ot, wo.data_ptr(), wo.stride(0), int(q8), _ptr(q_w), _ptr(k_w), qk_eps,
-                                 cos.data_ptr(), sin.data_ptr(), cos.shape[-1], pos, k_cache.data_ptr(),
-                                 v_cache.data_ptr(), nh, hkv, dh, scale, out.data_ptr(), torch.get_num_threads())
+    rc = _lib.moetier_attn_block(h.data_ptr(), norm_weight.data_ptr(), eps, h.shape[-1], *args, ot, wo.data_ptr(),
+                                 wo.stride(0), int(q8), _ptr(q_w), _ptr(k_w), qk_eps, cos.data_ptr(), sin.data_ptr(),
+                                 cos.shape[-1], pos, k_cache.data_ptr(), v_cache.data_ptr(), nh, hkv, dh, scale,
+                                 out.data_ptr(), torch.get_num_threads())
     if rc == -3:
         raise MemoryError("decode attention block: out of memory")
     return None if rc else out

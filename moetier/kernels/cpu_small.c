@@ -330,21 +330,29 @@ static int small_matvec(int type, const uint8_t *w, int64_t stride, int64_t n, i
               : moetier_matvec(type, w, stride, n, k, x, y, nthreads);
 }
 
-/* A decode block's attention half for one token: x = RMSNorm(h) * nw [d], qkv = Wqkv x ([(nh + 2 hkv) dh] rows of
- * GGML type qt), moetier_decode_attn (q / k norm, RoPE, the cache row `pos`, attention), out = Wo att ([d] rows of type
- * ot): the arithmetic of the four calls, one call (the module path's Python and tensors cost ~20 us a layer on the
- * dev box). Returns 0, -3 out of memory, else the failing call's code (out not written; the cache row may be). */
-int moetier_attn_block(const float *hv, const float *nw, float eps, int d, int qt, const uint8_t *wqkv,
-                       int64_t qkv_stride, int ot, const uint8_t *wo, int64_t o_stride, int q8, const float *qw,
+/* A decode block's attention half for one token: x = RMSNorm(h) * nw [d], qkv = W x in up to three parts (q, k, v
+ * rows of their own GGML types; one stacked part: the other two 0 rows), moetier_decode_attn (q / k norm, RoPE, the
+ * cache row `pos`, attention), out = Wo att ([d] rows of type ot): the arithmetic of the separate calls, one call (the
+ * module path's Python and tensors cost ~20 us a layer on the dev box). Returns 0, -3 out of memory, -4 when the
+ * parts' rows are not (nh + 2 hkv) dh, else the failing call's code (out not written; the cache row may be). */
+int moetier_attn_block(const float *hv, const float *nw, float eps, int d, int t0, const uint8_t *w0, int64_t s0,
+                       int64_t n0, int t1, const uint8_t *w1, int64_t s1, int64_t n1, int t2, const uint8_t *w2,
+                       int64_t s2, int64_t n2, int ot, const uint8_t *wo, int64_t o_stride, int q8, const float *qw,
                        const float *kw, float qk_eps, const float *cs, const float *sn, int rot, int64_t pos, float *kc,
                        float *vc, int nh, int hkv, int dh, float scale, float *out, int nthreads) {
     const int64_t rows = (int64_t)(nh + 2 * hkv) * dh;
+    if (n0 + n1 + n2 != rows)
+        return -4;
     float *x = malloc(sizeof(float) * ((size_t)d + (size_t)rows + (size_t)nh * dh));
     if (!x)
         return -3;
     float *qkv = x + d, *att = qkv + rows;
     small_rms_norm(hv, nw, eps, d, x);
-    int rc = small_matvec(qt, wqkv, qkv_stride, rows, d, x, qkv, q8, nthreads);
+    int rc = small_matvec(t0, w0, s0, n0, d, x, qkv, q8, nthreads);
+    if (rc == 0 && n1)
+        rc = small_matvec(t1, w1, s1, n1, d, x, qkv + n0, q8, nthreads);
+    if (rc == 0 && n2)
+        rc = small_matvec(t2, w2, s2, n2, d, x, qkv + n0 + n1, q8, nthreads);
     if (rc == 0)
         rc = moetier_decode_attn(qkv, qw, kw, qk_eps, cs, sn, rot, pos, kc, vc, nh, hkv, dh, scale, att, nthreads);
     if (rc == 0)

@@ -312,24 +312,39 @@ def _eager_quant_linears(model: torch.nn.Module) -> None:
             m._qkv = types.MethodType(_on_blocks(m._qkv, "qkv_weight", "qkv_bias"), m)
 
 
+def _blocks_of(m: torch.nn.Module | None, attr: str = "weight") -> bool:
+    """m is a Linear without a bias whose `attr` has a quantized copy (an eager call multiplies on it)."""
+    return (isinstance(m, torch.nn.Linear) and attr in m.__dict__.get("_quant_copies", {})
+            and m._parameters.get("bias") is None)
+
+
 def _attention_planes(model: torch.nn.Module) -> None:
-    """Attention modules whose q/k/v (stacked) and o GEMVs run on quantized copies, without biases: `cpu_token_planes`
-    gives an eager CPU token's one C call (Attention.norm_token) those blocks."""
+    """Attention modules whose q/k/v (stacked, or three Linears: a K-quant mix's types) and o GEMVs run on quantized
+    copies, without biases: `cpu_token_planes` gives an eager CPU token's one C call (Attention.norm_token) those
+    blocks."""
     for m in model.modules():
-        if (isinstance(m, Attention) and "qkv_weight" in m.__dict__.get("_quant_copies", {})
-                and m._buffers.get("qkv_bias") is None and isinstance(m.o_proj, torch.nn.Linear)
-                and "weight" in m.o_proj.__dict__.get("_quant_copies", {}) and m.o_proj.bias is None):
+        if not isinstance(m, Attention) or not _blocks_of(m.o_proj):
+            continue
+        stacked = "qkv_weight" in m.__dict__.get("_quant_copies", {}) and m._buffers.get("qkv_bias") is None
+        if stacked or all(_blocks_of(p) for p in (m.q_proj, m.k_proj, m.v_proj)):
             m.cpu_token_planes = types.MethodType(_attn_token_planes, m)
 
 
 def _attn_token_planes(m, h: torch.Tensor) -> tuple | None:
-    """(qkv type, qkv blocks, o type, o blocks, q8) for one float32 CPU token, while both copies exist."""
-    o = m.o_proj
-    qkv, ob = m._buffers.get("qkv_weight_q"), o._buffers.get("weight_q")
-    if qkv is None or ob is None or not h.is_cpu or h.shape[0] != 1 or h.dtype != torch.float32 \
-            or torch.compiler.is_compiling():
+    """((qkv parts: (type, blocks), ...), o type, o blocks, q8) for one float32 CPU token, while the copies exist."""
+    if not h.is_cpu or h.shape[0] != 1 or h.dtype != torch.float32 or torch.compiler.is_compiling():
         return None
-    return m._quant_copies["qkv_weight"], qkv, o._quant_copies["weight"], ob, Q8_ACTIVATIONS
+    if m.qkv_rows is not None:
+        lins, names = (m,), ("qkv_weight",)
+    else:
+        lins, names = (m.q_proj, m.k_proj, m.v_proj), ("weight",) * 3
+    parts = tuple((lin.__dict__.get("_quant_copies", {}).get(a), lin._buffers.get(f"{a}_q"))
+                  for lin, a in zip(lins, names))
+    o = m.o_proj
+    ob = o._buffers.get("weight_q")
+    if ob is None or any(t is None or b is None for t, b in parts):
+        return None
+    return parts, o._quant_copies["weight"], ob, Q8_ACTIVATIONS
 
 
 def _on_blocks(eager, attr: str, bias: str):
