@@ -15,6 +15,7 @@ from moetier.quant.formats import get_format
 from moetier.quant.pack import quantize as pack
 from moetier.runtime import cpu_compile
 from moetier.runtime.engine import Engine
+from moetier.runtime.generate import greedy_tokens
 from test_gguf import build_qwen3_moe, sharpen
 
 needs_c = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
@@ -380,6 +381,33 @@ def _gemv_types(planes) -> list:
     """The GEMVs' type ids in cpu.attn_block's planes: its q/k/v parts' (one stacked or three), then o's."""
     parts, o_type = planes[0], planes[1]
     return [t for t, _ in parts] + [o_type]
+
+
+@needs_c
+def test_16_bit_experts_off_32_value_rows_decode_on_their_floats(tmp_path):
+    """A 16-bit checkpoint whose hidden size is no multiple of 32 (the C kernel's unit for 16-bit rows): its experts
+    get no 16-bit copies and decode eagerly on their float32 weights (this raised in moe_tokens before), the same
+    greedy tokens as the float forward."""
+    from helpers import tiny_checkpoint
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(vocab_size=320, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256)
+
+    def round16(m):
+        for p in m.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    tiny_checkpoint(tmp_path, Qwen3MoeForCausalLM, cfg, scale=4.0, init=round16)
+    conf = EngineConfig(device="cpu", dtype="float32", threads=1, progress=False, max_context=128, cpu_compile="off")
+    ours = Engine.load(tmp_path, conf)
+    done = ours.complete(prompt_ids=[5, 17, 33, 2], max_tokens=6, params=SamplingParams(temperature=0),
+                         ignore_eos=True)
+    assert len(done.token_ids) == 6
+    assert all("_half" not in m.__dict__ for m in ours.model.modules() if type(m).__name__ == "DenseExperts")
+    ref = Engine.load(tmp_path, conf)
+    with torch.inference_mode():
+        want = greedy_tokens(ref.model, [5, 17, 33, 2], 6)
+    assert done.token_ids == want
 
 
 @needs_c

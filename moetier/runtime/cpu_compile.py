@@ -409,8 +409,8 @@ def _half_expert_copies(model: torch.nn.Module) -> None:
     for m in model.modules():
         ws = (getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None))
         if type(m) is not DenseExperts or "_half" in m.__dict__ \
-                or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in ws):
-            continue
+                or any(w.device.type != "cpu" or w.dtype != torch.float32 or w.shape[-1] % 32 for w in ws):
+            continue      # (the C kernel reads 16-bit rows in units of 32 values: D and I multiples of 32)
         for dt, name in ((torch.bfloat16, "BF16"), (torch.float16, "F16")):
             if all(torch.equal(part.to(dt).float(), part) for w in ws for part in (w[0], w)):   # one expert first
                 todo.append((m, dt, get_format(name).type_id))
