@@ -7,7 +7,11 @@ config: T 0.7, top-k 40, top-p 0.9, repetition penalty 1.1; plain T 1; top-p 0.9
 best of --rounds interleaved rounds of --calls calls each, one thread, random logits x 3 (a flatter distribution than a
 trained model's: top-p alone keeps more tokens here than it would there), and the ratio old / new.
 
-    python bench/bench_sampling.py [--vocab 8192,151936] [--rounds 3] [--calls 50] [--threads 1]
+    python bench/bench_sampling.py [--vocab 8192,151936] [--rounds 3] [--calls 50] [--threads 1] [--device cuda]
+
+--device cuda: the logits on the GPU; the CUDA sampler (the masks and torch.multinomial on the device, its token read
+back: the sync a decode step has anyway) against the CPU one on the logits copied to the host (the copy included), us a
+call each ("cuda_sampler_us", "host_sampler_us").
 """
 from __future__ import annotations
 
@@ -49,8 +53,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.device == "cuda":
+        return on_cuda(a)
     out = []
     for v in (int(x) for x in a.vocab.split(",")):
         logits = torch.randn(v, generator=torch.Generator().manual_seed(0)) * 3
@@ -64,6 +71,29 @@ def main() -> int:
                         "sampler_us": round(min(new), 1), "speedup": round(min(old) / min(new), 2)})
             print(out[-1], file=sys.stderr)
     json.dump({"threads": a.threads, "results": out}, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+def on_cuda(a) -> int:
+    """The CUDA sampler against the CPU one on a host copy of the logits (see the module doc)."""
+    if not torch.cuda.is_available():
+        print("--device cuda: no CUDA device", file=sys.stderr)
+        return 2
+    out = []
+    for v in (int(x) for x in a.vocab.split(",")):
+        logits = (torch.randn(v, generator=torch.Generator().manual_seed(0)) * 3).cuda()
+        for name, kw in PARAMS.items():
+            dev = Sampler(SamplingParams(seed=1, **kw), v, "cuda", list(range(64)))
+            host = Sampler(SamplingParams(seed=1, **kw), v, "cpu", list(range(64)))
+            on_dev, on_host = [], []
+            for _ in range(a.rounds):
+                on_dev.append(timed(lambda: dev(logits), a.calls))
+                on_host.append(timed(lambda: host(logits.cpu()), a.calls))
+            out.append({"vocab": v, "params": name, "cuda_sampler_us": round(min(on_dev), 1),
+                        "host_sampler_us": round(min(on_host), 1), "host_over_cuda": round(min(on_host) / min(on_dev), 2)})
+            print(out[-1], file=sys.stderr)
+    json.dump({"device": torch.cuda.get_device_name(), "threads": a.threads, "results": out}, sys.stdout, indent=1)
     print()
     return 0
 

@@ -52,6 +52,8 @@
 #               variants)
 #   timeline    the T=1 decode pair program by program (bench/pair_timeline.py: %globaltimer stamps; KFMT)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
+#   sampling    the CUDA sampler (masks + multinomial) against the CPU one on a host copy of the logits, us a token
+#               (bench/bench_sampling.py --device cuda; vocabularies 8,192 and 151,936)
 #   topo        the box: CPUs, cores, NUMA nodes, huge pages, load, the busiest processes
 #   cpumv       no GPU: the CPU int8 matvec alone at a decode layer's one-row shapes, 8 and 16 threads (CMTHREADS)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
@@ -435,6 +437,10 @@ print(sys.argv[2], {k: s.get(k) for k in ("prompt_tokens", "completion_tokens", 
       {k: m.get(k) for k in ("hit_rate", "graph", "slots", "hits", "misses", "cpu_ms", "gpu_ms", "copy_ms")})
 PY
     done ;;
+  sampling)
+    timeout ${SSECS:-120} python3 bench/bench_sampling.py --device cuda --rounds 3 --calls 50 > "$OUT/sampling.json" \
+      2> "$OUT/sampling.err"
+    tail -8 "$OUT/sampling.err" | cut -c1-200 ;;
   kernels)
     # (KONLY: those variants only, e.g. v5q,v5pdl)
     timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --only "${KONLY:-}" \
