@@ -250,3 +250,20 @@ def test_a_package_that_crashes_its_loader_leaves_the_engine_eager(tiny_model_di
     eng = _engine(tiny_model_dir, "on")
     with pytest.warns(UserWarning, match="crashed a test process"):
         assert _decode_path(eng) == "eager"
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_traced_step_calls_the_block_ops(tmp_path, monkeypatch, blocks):
+    """The exported CPU step of a GGUF file calls a decoder block's two C calls as ops (moetier::attn_block /
+    moe_block, each once a layer) instead of the modules' pieces; TRACE_BLOCKS off: none of them."""
+    from moetier.commands.quantize import quantize
+    from test_gguf import build_qwen3_moe
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m.gguf")
+    eng = Engine.load(path, EngineConfig(device="cpu", threads=1, progress=False, max_context=64, cpu_compile="off"))
+    eng.complete(prompt_ids=[5, 6, 7], max_tokens=2, params=SamplingParams(temperature=0), ignore_eos=True)
+    monkeypatch.setattr(cpu_compile, "TRACE_BLOCKS", blocks)
+    ep = cpu_compile.export_step(eng.model)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    layers = len(eng.model.model.layers)
+    for op in ("moetier.attn_block", "moetier.moe_block"):
+        assert sum(op in t for t in targets) == (layers if blocks else 0), (op, targets)

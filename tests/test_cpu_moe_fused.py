@@ -274,6 +274,57 @@ def test_native_op_kernels_match_python_kernels():
 
 
 @needs_c
+def test_block_ops_are_the_c_calls(tmp_path):
+    """moetier::attn_block / moe_block (what the compiled step calls): their Python kernels and cpu_ops.cpp's C++
+    ones give cpu.attn_block / moe_block's outputs and cache rows bit for bit, at a 0-d position tensor."""
+    import shutil
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m.gguf")
+    eng = Engine.load(path, EngineConfig(device="cpu", threads=1, progress=False, max_context=64, cpu_compile="off"))
+    eng.complete(prompt_ids=[5, 6, 7], max_tokens=2, params=SamplingParams(temperature=0), ignore_eos=True)
+    blk = eng.model.model.layers[0]
+    att, moe, norm = blk.self_attn, blk.mlp, blk.input_layernorm
+    g = torch.Generator().manual_seed(9)
+    h, a = torch.randn(1, eng.args.hidden_size, generator=g), torch.randn(1, eng.args.hidden_size, generator=g)
+    pos = 11
+    cos, sin = eng.model.rope.span(pos, 1, torch.float32, "cpu")
+    cache = eng.model.make_cache(32, torch.float32, "cpu")[0]
+    cache.k.normal_(generator=g), cache.v.normal_(generator=g)
+    parts, ot, wo, q8 = att.cpu_token_planes(h)
+    (t0, w0), = parts
+    gq, dq, gate, up, down, mq8 = moe.experts.cpu_token_planes(h)
+    qw, kw = att.q_norm.weight, att.k_norm.weight
+
+    def attn(call):
+        k, v = cache.k.clone(), cache.v.clone()
+        y = call(h, norm.weight, norm.eps, w0, t0, None, 0, None, 0, wo, ot, q8, qw, kw, att.q_norm.eps, cos, sin,
+                 torch.tensor(pos), k, v, att.h, att.hkv, att.scale)
+        return y, k, v
+    k, v = cache.k.clone(), cache.v.clone()
+    want = (cpu.attn_block(h, norm.weight, norm.eps, (parts, ot, wo, q8), qw, kw, att.q_norm.eps, cos, sin, pos, k, v,
+                           att.h, att.hkv, att.scale), k, v)
+    want_moe = cpu.moe_block(h, a, blk.post_attention_layernorm.weight, 1e-6, moe.gate.weight, moe.gate.k,
+                             moe.gate.normalize, (gq, dq, gate, up, down, mq8))
+    moe_args = (h, a, blk.post_attention_layernorm.weight, 1e-6, moe.gate.weight, moe.gate.k, moe.gate.normalize,
+                gate, up, down, gq, dq, mq8)
+    impls = [cpu.attn_block_op]
+    moe_impls = [cpu.moe_block_op]
+    if shutil.which("g++") or shutil.which("c++"):
+        assert cpu.load_native_ops()
+        impls.append(torch.ops.moetier.attn_block)
+        moe_impls.append(torch.ops.moetier.moe_block)
+    for call in impls:
+        got = attn(call)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), call
+        assert not torch.equal(got[1][pos], cache.k[pos])                # the row written
+    for call in moe_impls:
+        assert torch.equal(call(*moe_args), want_moe), call
+    nan_h = h.clone()
+    nan_h[0, 0] = float("nan")
+    for call in moe_impls:                                                # NaN logits: NaN out (the twin's)
+        assert call(nan_h, *moe_args[1:]).isnan().all()
+
+
+@needs_c
 def test_native_qlinear_takes_every_c_format():
     """The compiled step's copies come in any C-kernel format (a GGUF's stored blocks: IQ3_XXS, MXFP4 ... and the
     interleaved ids): the C++ op checks their rows with the C kernels' own block table and gives the Python kernel's

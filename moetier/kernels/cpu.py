@@ -582,6 +582,42 @@ def qlinear_op(x, w, qtype: int, q8: bool):
     return qlinear(qtype, w, x, q8).to(x.dtype)   # any other call, or a failure explained
 
 
+# A decode block's two halves as torch ops too, so the compiled CPU step (runtime/cpu_compile.py) calls the C calls the
+# eager step makes (attn_block, moe_block) instead of tracing the modules' pieces. Their Python kernels below, the C++
+# ones in cpu_ops.cpp. attn_block writes the token's k / v row of the caches (views of the real ones).
+_ops.define("attn_block(Tensor h, Tensor norm_w, float eps, Tensor w0, int t0, Tensor? w1, int t1, Tensor? w2, int t2, "
+            "Tensor wo, int ot, bool q8, Tensor? qw, Tensor? kw, float qk_eps, Tensor cos, Tensor sin, Tensor pos, "
+            "Tensor(a!) k_cache, Tensor(b!) v_cache, int nh, int hkv, float scale) -> Tensor")
+_ops.define("moe_block(Tensor h, Tensor a, Tensor norm_w, float eps, Tensor router_w, int k, bool normalize, "
+            "Tensor gate, Tensor up, Tensor down, int gate_type, int down_type, bool q8) -> Tensor")
+
+
+def attn_block_op(h, norm_w, eps, w0, t0, w1, t1, w2, t2, wo, ot, q8, qw, kw, qk_eps, cos, sin, pos, k_cache, v_cache,
+                  nh, hkv, scale):
+    parts = tuple((t, w) for t, w in ((t0, w0), (t1, w1), (t2, w2)) if w is not None)
+    out = attn_block(h, norm_w, eps, (parts, ot, wo, q8), qw, kw, qk_eps, cos.contiguous(), sin.contiguous(),
+                     int(pos), k_cache, v_cache, nh, hkv, scale)
+    if out is None:
+        raise RuntimeError("moetier::attn_block: a GEMV refused its blocks")
+    return out
+
+
+def moe_block_op(h, a, norm_w, eps, router_w, k, normalize, gate, up, down, gate_type, down_type, q8):
+    out = moe_block(h, a, norm_w, eps, router_w, k, normalize, (gate_type, down_type, gate, up, down, q8))
+    return torch.full_like(h, float("nan")) if out is None else out      # NaN logits: NaN out, as the twin's
+
+
+@torch.library.register_fake("moetier::attn_block")
+def _(h, norm_w, eps, w0, t0, w1, t1, w2, t2, wo, ot, q8, qw, kw, qk_eps, cos, sin, pos, k_cache, v_cache, nh, hkv,
+      scale):
+    return torch.empty_like(h)
+
+
+@torch.library.register_fake("moetier::moe_block")
+def _(h, a, norm_w, eps, router_w, k, normalize, gate, up, down, gate_type, down_type, q8):
+    return torch.empty_like(h)
+
+
 _py_kernels: torch.library.Library | None = None
 
 
@@ -590,6 +626,8 @@ def _register_python_kernels() -> None:
     _py_kernels = torch.library.Library("moetier", "IMPL")
     _py_kernels.impl("moe_tokens", moe_tokens_op, "CPU")
     _py_kernels.impl("qlinear", qlinear_op, "CPU")
+    _py_kernels.impl("attn_block", attn_block_op, "CPU")
+    _py_kernels.impl("moe_block", moe_block_op, "CPU")
 
 
 _register_python_kernels()
@@ -620,7 +658,8 @@ def load_native_ops() -> bool:
                     _register_python_kernels()
                     raise
                 ctypes.CDLL(str(path)).moetier_ops_bind(*(ctypes.cast(f, ctypes.c_void_p) for f in (
-                    _lib.moetier_matvec, _lib.moetier_matvec_q8, _lib.moetier_moe_tokens, _lib.moetier_row_bytes)))
+                    _lib.moetier_matvec, _lib.moetier_matvec_q8, _lib.moetier_moe_tokens, _lib.moetier_row_bytes,
+                    _lib.moetier_attn_block, _lib.moetier_moe_block)))
                 _native_ops = True
             except (RuntimeError, OSError) as e:
                 log.warning("C++ kernels of the moetier torch ops unavailable (%s); the Python ones stay", e)

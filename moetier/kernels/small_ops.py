@@ -224,13 +224,38 @@ def attn_block_ok(h, norm_weight, kv, window, sinks, nh: int, dh: int, start) ->
             and (start + 1) * nh * dh <= _cpu().ATTN_C_MAX_WORK)
 
 
-def attn_block(h, norm_weight, eps: float, planes: tuple, q_w, k_w, qk_eps: float, rope: tuple, start: int, kv,
+# The compiled CPU step's export sets this (runtime.cpu_compile): while it is on, a traced CPU token's block halves
+# become the ops moetier::attn_block / moe_block (the eager step's C calls) instead of their modules' pieces.
+TRACE_BLOCKS = False
+
+
+def attn_block_traced_ok(h, norm_weight, kv, window, sinks, start) -> bool:
+    """attn_block serves a traced call: TRACE_BLOCKS, one float32 CPU token, a 0-d position tensor, float32 caches."""
+    return (TRACE_BLOCKS and isinstance(start, torch.Tensor) and start.dim() == 0 and not h.is_cuda
+            and h.dim() == 2 and h.shape[0] == 1 and h.dtype == torch.float32 and window is None and sinks is None
+            and isinstance(kv, KVCache) and kv.k.dtype == kv.v.dtype == torch.float32
+            and norm_weight is not None and norm_weight.shape == h.shape[-1:] and norm_weight.dtype == torch.float32)
+
+
+def moe_block_traced_ok(h, a, norm_weight) -> bool:
+    """moe_block serves a traced call: TRACE_BLOCKS, one float32 CPU token."""
+    return (TRACE_BLOCKS and not h.is_cuda and h.dim() == 2 and h.shape[0] == 1 and h.dtype == a.dtype == torch.float32
+            and norm_weight is not None and norm_weight.shape == h.shape[-1:] and norm_weight.dtype == torch.float32)
+
+
+def attn_block(h, norm_weight, eps: float, planes: tuple, q_w, k_w, qk_eps: float, rope: tuple, start, kv,
                nh: int, hkv: int, scale: float):
-    """Attention.forward(RMSNorm(h) * norm_weight) for one eager CPU token where attn_block_ok holds, in one C call
-    (kernels/cpu_small.c; planes: the qkv and o GEMVs' blocks, cpu_token_planes). None where a GEMV refuses its
-    blocks (the caller's modules then run)."""
+    """Attention.forward(RMSNorm(h) * norm_weight) for one CPU token where attn_block_ok (eager: one C call,
+    kernels/cpu_small.c) or attn_block_traced_ok (the op moetier::attn_block, `start` a 0-d tensor) holds; planes:
+    the qkv and o GEMVs' blocks (cpu_token_planes). None where a GEMV refuses its blocks (eager: the caller's modules
+    then run)."""
     q_w = None if q_w is None else q_w.float().contiguous()
     k_w = None if k_w is None else k_w.float().contiguous()
+    if torch.compiler.is_compiling():
+        parts, ot, wo, q8 = planes
+        (t0, w0), (t1, w1), (t2, w2) = (*parts, *((0, None),) * (3 - len(parts)))
+        return torch.ops.moetier.attn_block(h, norm_weight, eps, w0, t0, w1, t1, w2, t2, wo, ot, q8, q_w, k_w, qk_eps,
+                                            rope[0], rope[1], start, kv.k, kv.v, nh, hkv, scale)
     return _cpu().attn_block(h, norm_weight, eps, planes, q_w, k_w, qk_eps, rope[0].contiguous(), rope[1].contiguous(),
                              start, kv.k, kv.v, nh, hkv, scale)
 
@@ -238,7 +263,11 @@ def attn_block(h, norm_weight, eps: float, planes: tuple, q_w, k_w, qk_eps: floa
 def moe_block(h, a, norm_weight, eps: float, weight, k: int, normalize: bool, planes: tuple):
     """s + the experts' sum for router_topk_add_norm's choice, s = h + a (one eager CPU token where
     router_add_norm_ok holds and the experts give their C call's planes: cpu_token_planes), in one C call
-    (kernels/cpu_small.c). None where the logits hold a NaN (the caller's twin then decides)."""
+    (kernels/cpu_small.c); traced (moe_block_traced_ok): the op moetier::moe_block. None where the logits hold a NaN
+    (eager; the caller's twin then decides; the op gives NaN)."""
+    if torch.compiler.is_compiling():
+        gq, dq, gate, up, down, q8 = planes
+        return torch.ops.moetier.moe_block(h, a, norm_weight, eps, weight, k, normalize, gate, up, down, gq, dq, q8)
     return _cpu().moe_block(h, a, norm_weight, eps, weight, k, normalize, planes)
 
 

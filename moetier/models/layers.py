@@ -245,15 +245,21 @@ class Attention(nn.Module):
 
     def norm_token(self, h: torch.Tensor, norm: nn.Module, rope: tuple | None, kv: KVCache,
                    start) -> torch.Tensor | None:
-        """forward(norm(h), rope, kv, start) for one eager CPU token in one C call (kernels.cpu.attn_block: the norm,
+        """forward(norm(h), rope, kv, start) for one CPU token in one C call (kernels.cpu.attn_block: the norm,
         the qkv GEMV, decode_attention, the o GEMV) where the engine gave this module its GEMVs' blocks
-        (cpu_token_planes, runtime.cpu_compile); None otherwise (Block norms and calls forward)."""
+        (cpu_token_planes, runtime.cpu_compile): eagerly, and as the op moetier::attn_block while the compiled CPU
+        step is traced (small_ops.blocks_traced); None otherwise (Block norms and calls forward)."""
         planes = self.__dict__.get("cpu_token_planes")
         if planes is None or rope is None or type(norm) is not RMSNorm or type(self).forward is not Attention.forward:
             return None
         p = planes(h)
-        if p is None or not small_ops.attn_block_ok(h, norm.weight, kv, self.window, self.sinks, self.h, self.dh,
-                                                    start):
+        if p is None:
+            return None
+        traced = torch.compiler.is_compiling()
+        if traced and not small_ops.attn_block_traced_ok(h, norm.weight, kv, self.window, self.sinks, start):
+            return None
+        if not traced and not small_ops.attn_block_ok(h, norm.weight, kv, self.window, self.sinks, self.h, self.dh,
+                                                      start):
             return None
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         eps = self.q_norm.eps if self.qk_norm else 0.0
@@ -397,8 +403,8 @@ class DenseExperts(nn.Module):
     def cpu_token_planes(self, x: torch.Tensor) -> tuple | None:
         """(gate type, down type, gate, up, down, q8) of the one C call forward makes for x (an eager CPU token on the
         16-bit copies: half_call), for a caller that fuses the router and the residual add around it
-        (SoftmaxMoE.add_norm_forward -> kernels.cpu.moe_block); None otherwise."""
-        if not self.half_call(x) or torch.compiler.is_compiling():
+        (SoftmaxMoE.add_norm_forward -> kernels.cpu.moe_block, eagerly or as the traced op); None otherwise."""
+        if not self.half_call(x):
             return None
         tid, gate, up, down = self.half_planes()
         return tid, tid, gate, up, down, False
@@ -593,8 +599,14 @@ class SoftmaxMoE(nn.Module):
         made by the router's launch (one CUDA token: small_ops.router_add_norm_ok); None otherwise (Block adds,
         norms and calls forward)."""
         gate = self.gate
-        if (type(gate) is not SoftmaxRouter or type(norm) is not RMSNorm
-                or not small_ops.router_add_norm_ok(h, a, norm.weight, gate.weight, gate.k)):
+        if type(gate) is not SoftmaxRouter or type(norm) is not RMSNorm:
+            return None
+        if torch.compiler.is_compiling():       # the compiled CPU step being traced: its one op (moetier::moe_block)
+            planes = getattr(self.experts, "cpu_token_planes", None)
+            planes = planes(h) if planes is not None and small_ops.moe_block_traced_ok(h, a, norm.weight) else None
+            return None if planes is None else small_ops.moe_block(h, a, norm.weight, norm.eps, gate.weight, gate.k,
+                                                                    gate.normalize, planes)
+        if not small_ops.router_add_norm_ok(h, a, norm.weight, gate.weight, gate.k):
             return None
         routed = getattr(self.experts, "add_norm_routed", None)     # tiered experts inside a captured decode step
         out = routed(h, a, norm, gate) if routed is not None else None

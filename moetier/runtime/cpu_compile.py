@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import cpu as cpu_kernels
+from ..kernels import small_ops
 from ..memory import hugepages
 from ..memory.budget import ram_info
 from ..models.layers import Attention, DenseExperts
@@ -49,6 +50,9 @@ from .kv_cache import Cache, KVCache
 log = logging.getLogger(__name__)
 
 BUCKET = 128  # attention view granularity (positions)
+# The traced step's decoder blocks as the eager step's two C calls each (moetier::attn_block / moe_block ops) where
+# their modules give the blocks; MOETIER_TRACE_BLOCKS=0: the modules' pieces (A/B).
+TRACE_BLOCKS = os.environ.get("MOETIER_TRACE_BLOCKS", "1") != "0"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moetier" / "cpu_decode"
 
 
@@ -122,8 +126,8 @@ def _planes(m) -> tuple:
 
 
 def _token_planes(m, x: torch.Tensor) -> tuple | None:
-    """QuantExperts.cpu_token_planes (installed with the fused forward): the planes of an eager CPU token's call."""
-    if not x.is_cpu or x.shape[0] != 1 or x.dtype != torch.float32 or torch.compiler.is_compiling():
+    """QuantExperts.cpu_token_planes (installed with the fused forward): the planes of a CPU token's call."""
+    if x.is_cuda or x.shape[0] != 1 or x.dtype != torch.float32:
         return None
     return _planes(m)
 
@@ -332,7 +336,7 @@ def _attention_planes(model: torch.nn.Module) -> None:
 
 def _attn_token_planes(m, h: torch.Tensor) -> tuple | None:
     """((qkv parts: (type, blocks), ...), o type, o blocks, q8) for one float32 CPU token, while the copies exist."""
-    if not h.is_cpu or h.shape[0] != 1 or h.dtype != torch.float32 or torch.compiler.is_compiling():
+    if h.is_cuda or h.shape[0] != 1 or h.dtype != torch.float32:
         return None
     if m.qkv_rows is not None:
         lins, names = (m,), ("qkv_weight",)
@@ -495,8 +499,12 @@ class _Step(torch.nn.Module):
         cache = Cache([_KVView(k, v) for k, v in zip(ks, vs)], ks[0].shape[0])
         subs = {id(getattr(m, a)): (getattr(m, f"{a}_q"), t)
                 for m in self.model.modules() for a, t in getattr(m, "_quant_copies", {}).items()}
-        with _QuantLinears(subs):
-            return self.model(tokens, cache, pos=pos)
+        was, small_ops.TRACE_BLOCKS = small_ops.TRACE_BLOCKS, TRACE_BLOCKS
+        try:
+            with _QuantLinears(subs):
+                return self.model(tokens, cache, pos=pos)
+        finally:
+            small_ops.TRACE_BLOCKS = was
 
 
 def package_key(model: torch.nn.Module) -> str:
@@ -514,7 +522,9 @@ def package_key(model: torch.nn.Module) -> str:
     h.update(repr([getattr(m, "_half", (None,))[0] for m in model.modules()]).encode())      # 16-bit experts' type
     h.update(f"{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{torch.get_num_threads()}".encode())
     sources = {inspect.getsourcefile(type(m)) for m in model.modules() if type(m).__module__.startswith("moetier.")}
-    sources |= {inspect.getsourcefile(KVCache), __file__, cpu_kernels.__file__}   # the latter: moetier::moe_tokens
+    sources |= {inspect.getsourcefile(KVCache), __file__, cpu_kernels.__file__,   # cpu.py: the moetier:: ops
+                small_ops.__file__}                                               # which of them a trace calls
+    h.update(f"blocks={TRACE_BLOCKS};".encode())
     for src in sorted(str(Path(f).resolve()) for f in sources):
         h.update(Path(src).read_bytes())
     return h.hexdigest()[:24]
@@ -631,19 +641,25 @@ class CpuDecode:
         return logits
 
 
-def _build(model: torch.nn.Module, path: Path) -> None:
-    """Export the step with a dynamic KV length and build it with AOTInductor into `path`."""
+def export_step(model: torch.nn.Module) -> torch.export.ExportedProgram:
+    """The decode step exported with a dynamic KV length (what _build compiles)."""
     _graph_friendly_experts(model)
     p = next(model.parameters())
     example = model.make_cache(2 * BUCKET, p.dtype, p.device)
     ks, vs = [kv.k for kv in example.layers], [kv.v for kv in example.layers]
     n = torch.export.Dim("kv_len", min=2, max=1 << 20)
+    with torch.inference_mode():
+        return torch.export.export(_Step(model), (torch.tensor([0]), torch.tensor(BUCKET), ks, vs),
+                                   dynamic_shapes=(None, None, [{0: n}] * len(ks), [{0: n}] * len(vs)), strict=False)
+
+
+def _build(model: torch.nn.Module, path: Path) -> None:
+    """Export the step (export_step) and build it with AOTInductor into `path`."""
     t0 = time.perf_counter()
     log.warning("cpu_compile: building the compiled CPU decode step once for this model (~15-25 s on 2 cores); "
                 "later runs load it from %s", path.parent)
+    ep = export_step(model)
     with torch.inference_mode():
-        ep = torch.export.export(_Step(model), (torch.tensor([0]), torch.tensor(BUCKET), ks, vs),
-                                 dynamic_shapes=(None, None, [{0: n}] * len(ks), [{0: n}] * len(vs)), strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.pt2")
         try:
