@@ -601,11 +601,11 @@ class SoftmaxMoE(nn.Module):
         gate = self.gate
         if type(gate) is not SoftmaxRouter or type(norm) is not RMSNorm:
             return None
-        if torch.compiler.is_compiling():       # the compiled CPU step being traced: its one op (moetier::moe_block)
+        if small_ops.TRACE_BLOCKS and torch.compiler.is_compiling():   # the compiled CPU step being traced
             planes = getattr(self.experts, "cpu_token_planes", None)
             planes = planes(h) if planes is not None and small_ops.moe_block_traced_ok(h, a, norm.weight) else None
-            return None if planes is None else small_ops.moe_block(h, a, norm.weight, norm.eps, gate.weight, gate.k,
-                                                                    gate.normalize, planes)
+            if planes is not None:          # the layer's one op (moetier::moe_block)
+                return small_ops.moe_block(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize, planes)
         if not small_ops.router_add_norm_ok(h, a, norm.weight, gate.weight, gate.k):
             return None
         routed = getattr(self.experts, "add_norm_routed", None)     # tiered experts inside a captured decode step
