@@ -101,17 +101,23 @@ def test_router_add_norm_gives_way_on_nan_and_refuses_bad_k():
         cpu.moe_block(torch.randn(1, 64), a, torch.ones(64), 1e-6, weight, 9, True, planes)
 
 
+def counted(monkeypatch, **names) -> dict:
+    """Wrap the kernels.cpu functions named by the values so that calls[key] counts each one's calls."""
+    calls = dict.fromkeys(names, 0)
+    for key, name in names.items():
+        inner = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _i=inner, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1)
+                            or _i(*a, **kw))
+    return calls
+
+
 def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkeypatch):
     """The engine's eager CPU decode (a tiny Qwen3-MoE) runs cpu_small.c's attention and router once a layer a token
     and its RMSNorm for each block's input norm and the final one, and its logits are the torch twins'
     (MOETIER_CPU_SMALL=0's) to float32 rounding; forcing the torch backend turns them off."""
     eng = Engine.load(build_qwen3_moe(tmp_path / "model"),
                       EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
-    calls = {"attn": 0, "router": 0, "norm": 0}
-    for name, key in (("decode_attention", "attn"), ("router_topk_add_norm", "router"), ("rms_norm", "norm")):
-        inner = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *a, _i=inner, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1)
-                            or _i(*a, **kw))
+    calls = counted(monkeypatch, attn="decode_attention", router="router_topk_add_norm", norm="rms_norm")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, eng.args.vocab_size, (9,), generator=g)
     toks = torch.randint(0, eng.args.vocab_size, (12,), generator=g)
@@ -154,11 +160,7 @@ def test_eager_blocks_are_their_separate_calls(tmp_path, monkeypatch, qtype):
     assert all(m.cpu_token_planes(x) is not None for m in experts + attns)
     parts = [len(m.cpu_token_planes(x)[0]) for m in attns]                 # q/k/v stacked, or three of their own
     assert parts == [3 if qtype == "Q4_K_M" else 1] * len(attns)
-    calls = {"moe_block": 0, "attn_block": 0}
-    for name in calls:
-        inner = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *a, _i=inner, _n=name, **kw: calls.__setitem__(_n, calls[_n] + 1)
-                            or _i(*a, **kw))
+    calls = counted(monkeypatch, moe_block="moe_block", attn_block="attn_block")
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, eng.args.vocab_size, (9,), generator=g)
     toks = torch.randint(0, eng.args.vocab_size, (10,), generator=g)

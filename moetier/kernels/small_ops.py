@@ -10,7 +10,7 @@ kernels on CPU tensors under TRITON_INTERPRET=1).
     s, y = add_rms_norm(h, a, weight, eps, twin)   # s = h + a, y = rms_norm(s): residual add + next norm
     s, y, ids, w = router_topk_add_norm(h, a, nw, eps, weight, k, norm)  # add_rms_norm, router_topk: one launch
     out = moe_block(h, a, nw, eps, weight, k, norm, planes)  # that, the experts and the residual add: one C call
-    a = attn_block(h, nw, eps, planes, qw, kw, qk_eps, rope, pos, kv, h, hkv, scale)  # norm + attention: one C call
+    a = attn_block(h, nw, eps, planes, qw, kw, qk_eps, rope, pos, kv, nh, hkv, scale)  # norm + attention: one call
     y, pre = rms_norm_q8(x, weight, eps, twin)     # x [1, N]: y and its int8 copy for a QuantLinear GEMV (or None)
     made_norm_q8(x, weight, eps, y, pre)          # x's writer made those too: rms_norm_q8(x, ...) returns them
 """
@@ -229,18 +229,22 @@ def attn_block_ok(h, norm_weight, kv, window, sinks, nh: int, dh: int, start) ->
 TRACE_BLOCKS = False
 
 
+def _traced_token(h, norm_weight) -> bool:
+    """TRACE_BLOCKS, and h one float32 CPU token [1, D] with a float32 norm weight [D]."""
+    return (TRACE_BLOCKS and not h.is_cuda and h.dim() == 2 and h.shape[0] == 1 and h.dtype == torch.float32
+            and norm_weight is not None and norm_weight.shape == h.shape[-1:] and norm_weight.dtype == torch.float32)
+
+
 def attn_block_traced_ok(h, norm_weight, kv, window, sinks, start) -> bool:
     """attn_block serves a traced call: TRACE_BLOCKS, one float32 CPU token, a 0-d position tensor, float32 caches."""
-    return (TRACE_BLOCKS and isinstance(start, torch.Tensor) and start.dim() == 0 and not h.is_cuda
-            and h.dim() == 2 and h.shape[0] == 1 and h.dtype == torch.float32 and window is None and sinks is None
-            and isinstance(kv, KVCache) and kv.k.dtype == kv.v.dtype == torch.float32
-            and norm_weight is not None and norm_weight.shape == h.shape[-1:] and norm_weight.dtype == torch.float32)
+    return (_traced_token(h, norm_weight) and isinstance(start, torch.Tensor) and start.dim() == 0
+            and window is None and sinks is None and isinstance(kv, KVCache)
+            and kv.k.dtype == kv.v.dtype == torch.float32)
 
 
 def moe_block_traced_ok(h, a, norm_weight) -> bool:
     """moe_block serves a traced call: TRACE_BLOCKS, one float32 CPU token."""
-    return (TRACE_BLOCKS and not h.is_cuda and h.dim() == 2 and h.shape[0] == 1 and h.dtype == a.dtype == torch.float32
-            and norm_weight is not None and norm_weight.shape == h.shape[-1:] and norm_weight.dtype == torch.float32)
+    return _traced_token(h, norm_weight) and a.dtype == torch.float32
 
 
 def attn_block(h, norm_weight, eps: float, planes: tuple, q_w, k_w, qk_eps: float, rope: tuple, start, kv,

@@ -248,7 +248,7 @@ class Attention(nn.Module):
         """forward(norm(h), rope, kv, start) for one CPU token in one C call (kernels.cpu.attn_block: the norm,
         the qkv GEMV, decode_attention, the o GEMV) where the engine gave this module its GEMVs' blocks
         (cpu_token_planes, runtime.cpu_compile): eagerly, and as the op moetier::attn_block while the compiled CPU
-        step is traced (small_ops.blocks_traced); None otherwise (Block norms and calls forward)."""
+        step is traced (small_ops.TRACE_BLOCKS); None otherwise (Block norms and calls forward)."""
         planes = self.__dict__.get("cpu_token_planes")
         if planes is None or rope is None or type(norm) is not RMSNorm or type(self).forward is not Attention.forward:
             return None
