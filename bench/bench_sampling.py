@@ -9,14 +9,16 @@ trained model's: top-p alone keeps more tokens here than it would there), and th
 
     python bench/bench_sampling.py [--vocab 8192,151936] [--rounds 3] [--calls 50] [--threads 1] [--device cuda]
 
---device cuda: the logits on the GPU; the CUDA sampler (the masks and torch.multinomial on the device, its token read
-back: the sync a decode step has anyway) against the CPU one on the logits copied to the host (the copy included), us a
-call each ("cuda_sampler_us", "host_sampler_us").
+--device cuda: the logits on the GPU, us a call each, its token read back (the sync a decode step has anyway): the
+CUDA sampler (runtime.sampling.DeviceDraw: one graph replay, "cuda_sampler_us"), the same without its graph
+("cuda_eager_us"), the masks and torch.multinomial it replaced ("cuda_masks_multinomial_us"), and the CPU sampler on the
+logits copied to the host, the copy included ("host_sampler_us").
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,8 +33,13 @@ PARAMS = {"generation_config": dict(temperature=0.7, top_k=40, top_p=0.9, repeti
           "min_p_0.05": dict(temperature=0.8, min_p=0.05)}
 
 
+OPS = {"sort": lambda x: torch.sort(x, descending=True), "topk_21": lambda x: torch.topk(x, 21),
+       "topk_1024": lambda x: torch.topk(x, 1024), "logsumexp_f64": lambda x: torch.logsumexp(x.double(), -1),
+       "softmax_cumsum_f64": lambda x: torch.softmax(x.double(), -1).cumsum(-1), "nothing": lambda x: None}
+
+
 def baseline(s: Sampler, logits: torch.Tensor) -> int:
-    """The full-vocabulary way (the CUDA sampler's): penalties and filter_logits' masks over every logit, then
+    """The full-vocabulary way (the CUDA sampler's until session 38): penalties and filter_logits' masks over every logit, then
     torch.multinomial."""
     x = _penalties_dense(logits.float(), s.seen, s.counts, s.p)
     x = filter_logits(x / s.p.temperature, s.p.top_k, s.p.top_p, s.p.min_p)
@@ -83,15 +90,28 @@ def on_cuda(a) -> int:
     out = []
     for v in (int(x) for x in a.vocab.split(",")):
         logits = (torch.randn(v, generator=torch.Generator().manual_seed(0)) * 3).cuda()
+        for name, op in OPS.items():        # the sampler's pieces alone, each synced
+            out.append({"vocab": v, "op": name, "us": round(min(timed(lambda: (op(logits), torch.cuda.synchronize()),
+                                                                      a.calls) for _ in range(a.rounds)), 1)})
+            print(out[-1], file=sys.stderr)
         for name, kw in PARAMS.items():
-            dev = Sampler(SamplingParams(seed=1, **kw), v, "cuda", list(range(64)))
-            host = Sampler(SamplingParams(seed=1, **kw), v, "cpu", list(range(64)))
-            on_dev, on_host = [], []
+            make = lambda dev: Sampler(SamplingParams(seed=1, **kw), v, dev, list(range(64)))  # noqa: E731
+            graph, host, old = make("cuda"), make("cpu"), make("cuda")
+            os.environ["MOETIER_SAMPLER_GRAPH"] = "0"
+            eager = make("cuda")
+            eager(logits)
+            os.environ.pop("MOETIER_SAMPLER_GRAPH")
+            t = {k: [] for k in ("graph", "eager", "old", "host")}
             for _ in range(a.rounds):
-                on_dev.append(timed(lambda: dev(logits), a.calls))
-                on_host.append(timed(lambda: host(logits.cpu()), a.calls))
-            out.append({"vocab": v, "params": name, "cuda_sampler_us": round(min(on_dev), 1),
-                        "host_sampler_us": round(min(on_host), 1), "host_over_cuda": round(min(on_host) / min(on_dev), 2)})
+                t["graph"].append(timed(lambda: graph(logits), a.calls))
+                t["eager"].append(timed(lambda: eager(logits), a.calls))
+                t["old"].append(timed(lambda: baseline(old, logits), a.calls))
+                t["host"].append(timed(lambda: host(logits.cpu()), a.calls))
+            best = {k: min(x) for k, x in t.items()}
+            out.append({"vocab": v, "params": name, "cuda_sampler_us": round(best["graph"], 1),
+                        "cuda_eager_us": round(best["eager"], 1), "cuda_masks_multinomial_us": round(best["old"], 1),
+                        "host_sampler_us": round(best["host"], 1),
+                        "masks_over_graph": round(best["old"] / best["graph"], 2)})
             print(out[-1], file=sys.stderr)
     json.dump({"device": torch.cuda.get_device_name(), "threads": a.threads, "results": out}, sys.stdout, indent=1)
     print()

@@ -52,8 +52,9 @@
 #               variants)
 #   timeline    the T=1 decode pair program by program (bench/pair_timeline.py: %globaltimer stamps; KFMT)
 #   graphcheck  graph replay vs eager step module by module, replays of one state repeated (bench/graph_check.py)
-#   sampling    the CUDA sampler (masks + multinomial) against the CPU one on a host copy of the logits, us a token
-#               (bench/bench_sampling.py --device cuda; vocabularies 8,192 and 151,936)
+#   sampling    the CUDA sampler's GPU tests, then its cost a token against its eager form, the masks + multinomial
+#               it replaced, the CPU one on a host copy of the logits (bench/bench_sampling.py --device cuda;
+#               vocabularies 8,192 and 151,936)
 #   topo        the box: CPUs, cores, NUMA nodes, huge pages, load, the busiest processes
 #   cpumv       no GPU: the CPU int8 matvec alone at a decode layer's one-row shapes, 8 and 16 threads (CMTHREADS)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
@@ -227,7 +228,9 @@ for step in $STEPS; do
                                             # MOETIER_RING_Q8; g8wan: that with the next block's input norm made
                                             # by wait_add only, MOETIER_WAIT_ADD_NORM; g8fused: both (the default);
                                             # g8base: neither; g8ab: default / neither / default / neither in one
-                                            # process, --compare's MOETIER_* switches; g8ab3: its first three)
+                                            # process, --compare's MOETIER_* switches; g8ab3: its first three;
+                                            # allsample / g8sample: --decode sample, allsample0 without the
+                                            # sampler's graph)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -274,6 +277,10 @@ for step in $STEPS; do
                 # default / off / default / off
         bench proof48_allanab ${P48ABSECS:-420} $M --prompt-len 512 --gen 48 \
           --compare "off:MOETIER_ADD_NORM_Q8=0" --compare "default2:" --compare "off2:MOETIER_ADD_NORM_Q8=0" ;;
+      allsample) bench proof48_allsample ${P48SECS:-150} $M --prompt-len 512 --gen 48 --decode sample ;;
+      allsample0) MOETIER_SAMPLER_GRAPH=0 bench proof48_allsample0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 \
+        --decode sample ;;
+      g8sample) bench proof48_g8sample ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --decode sample ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       allnopipe) MOETIER_PIPELINE=0 bench proof48_allnopipe ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;
       g8t14) bench proof48_g8t14 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --cpu-threads 14 ;;
@@ -438,9 +445,10 @@ print(sys.argv[2], {k: s.get(k) for k in ("prompt_tokens", "completion_tokens", 
 PY
     done ;;
   sampling)
+    timeout 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_sampling.py -k cuda --tb=short 2>&1 | tail -25
     timeout ${SSECS:-120} python3 bench/bench_sampling.py --device cuda --rounds 3 --calls 50 > "$OUT/sampling.json" \
       2> "$OUT/sampling.err"
-    tail -8 "$OUT/sampling.err" | cut -c1-200 ;;
+    tail -30 "$OUT/sampling.err" | cut -c1-300 ;;
   kernels)
     # (KONLY: those variants only, e.g. v5q,v5pdl)
     timeout ${KSECS:-120} python3 bench/bench_gpu_kernels.py --variants --budget ${KBUDGET:-40} --only "${KONLY:-}" \

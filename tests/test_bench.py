@@ -233,3 +233,27 @@ def test_bytes_per_token_counts_packed_gguf_experts(tmp_path):
     b = bytes_per_token(eng, 64)
     assert b["experts"] == total // args.num_experts * args.num_experts_per_tok > 0
     assert b["dense"] > 0 and b["kv"] > 0
+
+
+def test_sample_decode_draws_with_the_sampling_defaults(model, capsys, monkeypatch):
+    """--decode sample: the tokens drawn (seeded: two runs the same), with the checkpoint's generation_config, else
+    SAMPLE_DEFAULTS."""
+    from moetier.tools.bench_core import SAMPLE_DEFAULTS, SamplingParams, sample_params
+    drawn = []
+    real = bench_core.run_prompt
+
+    def spy(engine, prompt, gen, forced=None, params=bench_core.GREEDY):
+        drawn.append(params)
+        return real(engine, prompt, gen, forced, params)
+    monkeypatch.setattr(bench_core, "run_prompt", spy)
+    rep = run_json(capsys, ["bench", str(model), "--device", "cpu", "--prompt-len", "16", "--gen", "6",
+                            "--warmup", "0", "--repeat", "2", "--decode", "sample", "--json"])
+    assert rep["decode_mode"] == "sample" and all(r["generated_tokens"] == 6 for r in rep["configs"][0]["runs"])
+    assert drawn and all(p == SamplingParams(**SAMPLE_DEFAULTS, seed=0) for p in drawn)
+
+    class Eng:
+        def __init__(self, g):
+            self.sampling_defaults = lambda: g
+    assert sample_params(Eng({"temperature": 0.6, "top_p": 0.95})) == SamplingParams(temperature=0.6, top_p=0.95,
+                                                                                      seed=0)
+    assert sample_params(Eng({"temperature": 0.0})).temperature == SAMPLE_DEFAULTS["temperature"]

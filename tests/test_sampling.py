@@ -195,3 +195,121 @@ def test_the_cpu_candidates_are_the_cuda_masks(seed, kw):
     vals, ids = candidates(x, **kw)
     assert torch.equal(vals, x[ids])
     assert sorted(vals.tolist()) == sorted(x[sorted(kept(filter_logits(x, **kw)))].tolist())
+
+
+def _device_freqs(x, p, n, device="cpu", seed=0):
+    """n tokens of device_draw on x (the CUDA sampler's function: here run on `device` without a graph)."""
+    from moetier.runtime.sampling import device_draw
+    v = x.shape[-1]
+    seen = torch.zeros(v, dtype=torch.bool, device=device)
+    seen[::7] = True
+    counts = torch.zeros(v, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    toks = torch.stack([device_draw(x.to(device), seen, counts, p, g) for _ in range(n)]).cpu()
+    assert toks[:, 1:].eq(1).all()
+    return toks[:, 0], seen.cpu()
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=30), dict(top_p=0.9), dict(min_p=0.03), dict(), dict(top_k=1),
+                                dict(top_p=0.999), dict(top_k=30, top_p=0.6),
+                                dict(top_k=200, top_p=0.7, min_p=0.01, repetition_penalty=1.3)])
+def test_device_draw_samples_inside_the_filters_with_their_probabilities(kw):
+    """device_draw (no host sync: the CUDA sampler's function, run here on the CPU): every token inside
+    filter_logits' set of the penalised, tempered logits, and 3,000 draws' frequencies against the softmax over it."""
+    from moetier.runtime.sampling import _penalties_dense
+    x = logits(11, v=300)
+    p = SamplingParams(temperature=0.8, **kw)
+    toks, seen = _device_freqs(x, p, 3000)
+    y = filter_logits(_penalties_dense(x, seen, torch.zeros(300), p) / 0.8, p.top_k, p.top_p, p.min_p)
+    assert set(toks.tolist()) <= kept(y)
+    want = torch.softmax(y.double(), -1)
+    got = torch.bincount(toks, minlength=300).double() / len(toks)
+    assert (got - want).abs().max() < 4 * math.sqrt(want.max() / len(toks)) + 2e-3
+
+
+def test_device_draw_flags_candidates_that_miss_part_of_top_p(monkeypatch):
+    """Top-p alone looks at the DEVICE_NUCLEUS largest logits: on flat logits whose first ones carry less than p the
+    flag says so, and full=True (a sort of all V) holds the whole set; ties at the k-th also clear the flag."""
+    import moetier.runtime.sampling as sampling
+    monkeypatch.setattr(sampling, "DEVICE_NUCLEUS", 16)
+    x = logits(14, v=300) / 30
+    p, g = SamplingParams(temperature=1.0, top_p=0.9), torch.Generator().manual_seed(0)
+    z = (torch.zeros(300, dtype=torch.bool), torch.zeros(300))
+    assert sampling.device_draw(x, *z, p, g)[2] == 0
+    toks = torch.stack([sampling.device_draw(x, *z, p, g, full=True) for _ in range(200)])
+    assert toks[:, 1:].eq(1).all() and set(toks[:, 0].tolist()) <= kept(filter_logits(x, top_p=0.9))
+    assert sampling.device_draw(x * 30, *z, p, g)[2] == 1
+    tied = torch.randint(0, 5, (300,), generator=torch.Generator().manual_seed(1)).float()
+    assert sampling.device_draw(tied, *z, SamplingParams(temperature=1.0, top_k=10), g)[2] == 0
+
+
+def test_device_draw_greedy_with_penalties_and_no_candidate():
+    """Temperature 0 with a repetition penalty: the penalised argmax; logits that allow no token: flag 0."""
+    from moetier.runtime.sampling import _penalties_dense, device_draw
+    x = logits(12, v=200)
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    seen = torch.zeros(200, dtype=torch.bool)
+    seen[int(x.argmax())] = True
+    g = torch.Generator().manual_seed(0)
+    tok, ok, _ = device_draw(x, seen, torch.zeros(200), p, g).tolist()
+    assert ok == 1 and tok == int(_penalties_dense(x, seen, torch.zeros(200), p).argmax()) != int(x.argmax())
+    assert device_draw(torch.full((200,), float("-inf")), seen, torch.zeros(200), SamplingParams(top_p=0.9),
+                       g)[1] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", ["1", "0"])
+def test_cuda_sampler_graph_draws(monkeypatch, graph):
+    """The CUDA Sampler (one graph replay a token, or eager device_draw): tokens inside the filters, frequencies,
+    the same seed the same tokens, penalties read from the sampler's live state, and a clear error when no token can
+    be drawn."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setenv("MOETIER_SAMPLER_GRAPH", graph)
+    x = logits(13, v=5000).cuda()
+    p = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=5)
+    a, b = Sampler(p, 5000, "cuda", [1, 2, 3]), Sampler(p, 5000, "cuda", [1, 2, 3])
+    ta = [a(x) for _ in range(2000)]
+    assert ta[:50] == [b(x) for _ in range(50)]
+    assert (a._graph.graph is not None) == (graph == "1")
+    y = filter_logits(apply_penalties(x, a.seen, a.counts, p) / 0.7, 40, 0.9)
+    assert set(ta) <= kept(y.cpu())
+    want = torch.softmax(y.double(), -1).cpu()
+    got = torch.bincount(torch.tensor(ta), minlength=5000).double() / len(ta)
+    assert (got - want).abs().max() < 4 * math.sqrt(want.max() / len(ta)) + 2e-3
+    g = Sampler(SamplingParams(temperature=0.0, repetition_penalty=100.0), 5000, "cuda")
+    assert g(x) == int(x.argmax())
+    g.observe(int(x.argmax()))
+    assert g(x) != int(x.argmax())
+    with pytest.raises(RuntimeError, match="no token can be sampled"):
+        Sampler(SamplingParams(temperature=1.0), 5000, "cuda")(torch.full((5000,), float("-inf"), device="cuda"))
+
+
+@pytest.mark.parametrize("m", [1, 21, 256, 1024])
+def test_largest_by_rows_is_topk(monkeypatch, m):
+    """_largest (topk of rows, then of their winners): torch.topk's values, indices that point at them, on 151,936
+    logits with -inf ones and on a length no multiple of the rows (the padding never chosen while values remain)."""
+    import moetier.runtime.sampling as sampling
+    for n in (151_936, 9_001):
+        x = logits(15, v=n)
+        x[::5] = float("-inf")
+        vals, ids = sampling._largest(x, m)
+        assert torch.equal(vals, torch.topk(x, m).values) and torch.equal(x[ids], vals)
+        assert len(set(ids.tolist())) == m and int(ids.max()) < n
+    monkeypatch.setattr(sampling, "TOP_COLS", 64)       # several rounds of rows
+    x = logits(16, v=5000)
+    vals, ids = sampling._largest(x, 21)
+    assert torch.equal(vals, torch.topk(x, 21).values) and torch.equal(x[ids], vals)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=20, top_p=0.8), dict(top_p=0.9)])
+def test_device_draw_on_a_large_vocabulary(kw):
+    """device_draw through _largest's rows (20,000 logits, peaked enough for top-p's set to fit its candidates)."""
+    x = logits(17, v=20000) * 1.5
+    p = SamplingParams(temperature=0.7, **kw)
+    toks, _ = _device_freqs(x, p, 600)
+    y = filter_logits(x / 0.7, p.top_k, p.top_p)
+    assert set(toks.tolist()) <= kept(y)
+    want = torch.softmax(y.double(), -1)
+    got = torch.bincount(toks, minlength=20000).double() / len(toks)
+    assert (got - want).abs().max() < 4 * math.sqrt(want.max() / len(toks)) + 2e-3

@@ -38,10 +38,12 @@ def add_parser(sub) -> None:
                    help="another configuration, e.g. 'offload:--gpu-mem 8GiB' (repeatable); FLAGS are engine "
                         "flags added to the ones given here, and MOETIER_NAME=VALUE switches set for this "
                         "configuration only (A/B runs in one process, e.g. 'noq8:MOETIER_RING_Q8=0')")
-    p.add_argument("--decode", choices=("auto", "greedy", "stream"), default="auto",
+    p.add_argument("--decode", choices=("auto", "greedy", "stream", "sample"), default="auto",
                    help="decoded tokens: greedy = the model's argmax; stream = forced topic-local ids (the model "
-                        "still runs every step) so random-weight models do not loop on one token; auto = stream "
-                        "for moetier synth checkpoints, greedy otherwise")
+                        "still runs every step) so random-weight models do not loop on one token; sample = drawn "
+                        "with the checkpoint's generation_config (else temperature 0.7, top-k 20, top-p 0.8: a "
+                        "chat's cost of sampling included); auto = stream for moetier synth checkpoints, greedy "
+                        "otherwise")
     p.add_argument("--remeasure", action="store_true", help="measure bandwidths again instead of using the cache")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(func=main)

@@ -164,6 +164,119 @@ def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     return min(int(torch.searchsorted(cdf, u.reshape(1), right=True)), probs.shape[-1] - 1)
 
 
+DEVICE_NUCLEUS = 256     # the CUDA sampler's top-p alone looks at this many of the largest logits (else sorts all V)
+TOP_COLS = 2048          # _largest's rows
+
+
+def _largest(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The m largest of x [n], largest first, and their indices: torch.topk of rows of TOP_COLS (one thread block
+    each), their m largest's, ... until one row is left. torch.topk and torch.sort of one long row run in one block
+    (~100-150 us for 151,936 logits on the H200)."""
+    ids = None
+    while x.shape[-1] > 2 * TOP_COLS and m <= TOP_COLS // 2:
+        n = x.shape[-1]
+        r = -(-n // TOP_COLS)
+        v, i = torch.topk(torch.nn.functional.pad(x, (0, r * TOP_COLS - n), value=float("-inf"))
+                          .view(r, TOP_COLS), m, dim=-1)
+        i = (i + torch.arange(0, r * TOP_COLS, TOP_COLS, device=x.device)[:, None]).flatten().clamp_(max=n - 1)
+        x, ids = v.flatten(), (i if ids is None else ids[i])
+    v, i = torch.topk(x, m)
+    return v, (i if ids is None else ids[i])
+
+
+def device_draw(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, p: SamplingParams,
+                gen: torch.Generator, full: bool = False) -> torch.Tensor:
+    """The sampler without a host sync (the CUDA one): logits [V] float32 -> int64 [3]: the token; 1 if a token could
+    be drawn (0: every candidate had probability 0 or NaN); 1 if the candidates held every token the filters keep
+    (0: draw again with full=True). Static shapes only, so it can be captured in a CUDA graph (DeviceDraw).
+
+    The same sets as filter_logits. With top-k or top-p the candidates are the top_k + 1 (top-k) or DEVICE_NUCLEUS
+    (top-p alone) largest logits (`_largest`), not all V sorted: they hold the filters' whole set when the filters
+    drop the last of them (the flag; top-p alone over a flat distribution can miss it); top-p's probabilities are
+    over all V logits (or the top-k survivors) in float64, as filter_logits' are. The draw is the Gumbel-max one:
+    the argmax of the kept logits minus log E, E exponential, a token with the softmax's probability (no cumulative
+    sum over a long row: torch.cumsum of one row is one block too)."""
+    x = apply_penalties(logits, seen, counts, p)
+    one = torch.ones(1, dtype=torch.long, device=x.device)
+    if p.greedy:                                            # penalties, then the argmax (NaN: the first NaN)
+        return torch.cat((torch.argmax(x).reshape(1), one, one))
+    x = x / p.temperature
+    v = x.shape[-1]
+    top_k = p.top_k if p.top_k and p.top_k < v else 0
+    ids, covered = None, one
+    if top_k or p.top_p < 1.0:
+        kc = v if full else min(v, top_k + 1 if top_k else DEVICE_NUCLEUS)
+        y, (x, ids) = x, (torch.sort(x, descending=True) if kc == v else _largest(x, kc))
+        drop = x < x[top_k - 1] if top_k else torch.zeros(kc, dtype=torch.bool, device=x.device)
+        if p.top_p < 1.0:
+            lse = torch.logsumexp((x.masked_fill(drop, float("-inf")) if top_k else y).double(), -1)
+            probs = torch.exp(x.double() - lse).masked_fill(drop, 0.0)
+            cut = probs.cumsum(-1) - probs >= p.top_p       # the mass ranked above it already reaches p
+            cut[:1].fill_(False)
+            drop = drop | cut
+        if kc < v:
+            covered = drop[-1:].long()
+        x = x.masked_fill(drop, float("-inf"))
+    if p.min_p > 0.0:
+        x = x.masked_fill(x < x.max() + math.log(p.min_p), float("-inf"))
+    e = torch.empty_like(x).exponential_(generator=gen)
+    best, i = torch.max(x - e.log(), dim=-1, keepdim=True)
+    tok = i if ids is None else ids[i]
+    return torch.cat((tok, torch.isfinite(best).long(), covered))
+
+
+class DeviceDraw:
+    """A Sampler's draws on CUDA as one graph replay: the logits copied into a fixed buffer, `device_draw` (captured
+    at the first call, its generator registered with the graph so each replay draws anew), one read of the token.
+    Eager `device_draw` calls cost ~15-25 launches of Python a token; MOETIER_SAMPLER_GRAPH=0, or a graph that cannot
+    be made, runs them eagerly."""
+
+    def __init__(self, sampler: "Sampler", vocab: int):
+        import os
+        self.s = sampler
+        self.x = torch.empty(vocab, dtype=torch.float32, device=sampler.device)
+        self.graph = self.out = None
+        if os.environ.get("MOETIER_SAMPLER_GRAPH", "1") != "0":
+            try:
+                self._capture()
+            except Exception as e:      # noqa: BLE001 (an older torch without generator registration, ...)
+                import logging
+                logging.getLogger(__name__).warning("the sampler runs eagerly: its CUDA graph failed (%s)", e)
+                self.graph = self.out = None
+
+    def _draw(self) -> torch.Tensor:
+        return device_draw(self.x, self.s.seen, self.s.counts, self.s.p, self.s.gen)
+
+    def _capture(self) -> None:
+        self.x.normal_()
+        state = self.s.gen.get_state()
+        side = torch.cuda.Stream(self.x.device)
+        side.wait_stream(torch.cuda.current_stream(self.x.device))
+        with torch.inference_mode(), torch.cuda.stream(side):   # warm-up: lazy initialisations stay out of the graph
+            self._draw()
+        torch.cuda.current_stream(self.x.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        graph.register_generator_state(self.s.gen)
+        with torch.inference_mode(), torch.cuda.graph(graph):
+            out = self._draw()
+        self.s.gen.set_state(state)         # the warm-up's and the capture's draws are not the sequence's
+        self.graph, self.out = graph, out
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        self.x.copy_(logits.reshape(-1))
+        if self.graph is not None:
+            self.graph.replay()
+            out = self.out
+        else:
+            out = self._draw()
+        tok, ok, covered = out.tolist()
+        if not covered:     # the candidates missed part of top-p's set: all V logits sorted (rare)
+            tok, ok, _ = device_draw(self.x, self.s.seen, self.s.counts, self.s.p, self.s.gen, full=True).tolist()
+        if not ok:
+            raise RuntimeError("no token can be sampled: every candidate has probability 0 or NaN")
+        return tok
+
+
 class Sampler:
     """Holds the per-sequence state sampling needs (penalty counts, the RNG)."""
 
@@ -176,6 +289,7 @@ class Sampler:
             self.seen[torch.tensor(list(prompt_ids), device=device).clamp_(0, vocab_size - 1)] = True
         self.penalised = params.repetition_penalty != 1.0 or bool(params.frequency_penalty or params.presence_penalty)
         self.gen = torch.Generator(device=device)
+        self._graph = None          # DeviceDraw: the CUDA sampler, made at the first sampled token
         if params.seed is not None:
             self.gen.manual_seed(params.seed)
         else:
@@ -195,13 +309,14 @@ class Sampler:
         """logits [V] (any float dtype) -> token id."""
         if self.plain_greedy:  # the decode fast path: one argmax, no copies
             return argmax(logits)
+        if logits.is_cuda:
+            if self._graph is None:
+                self._graph = DeviceDraw(self, logits.shape[-1])
+            return self._graph(logits)
         x = apply_penalties(logits.float(), self.seen, self.counts, self.p)
         if self.p.greedy:
             return int(torch.argmax(x))
         x = x / self.p.temperature
-        if x.is_cuda:       # masks and one multinomial: no host sync before the token's
-            x = filter_logits(x, self.p.top_k, self.p.top_p, self.p.min_p)
-            return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self.gen))
         vals, ids = candidates(x, self.p.top_k, self.p.top_p, self.p.min_p)
         i = draw(torch.softmax(vals, dim=-1), self.gen)
         return i if ids is None else int(ids[i])

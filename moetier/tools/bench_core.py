@@ -115,13 +115,14 @@ class Forcing:
         return forced
 
 
-def run_prompt(engine, prompt: list[int], gen: int, forced: list[int] | None = None) -> dict:
-    """Prefill `prompt`, decode `gen` greedy tokens (EOS ignored) on a fresh session; with `forced`,
-    the decoded tokens are those ids (see `Forcing`)."""
+def run_prompt(engine, prompt: list[int], gen: int, forced: list[int] | None = None,
+               params: SamplingParams = GREEDY) -> dict:
+    """Prefill `prompt`, decode `gen` tokens (EOS ignored; greedy unless `params` say otherwise) on a fresh session;
+    with `forced`, the decoded tokens are those ids (see `Forcing`)."""
     session = engine.new_session()
     done, mid = None, None
     extra = {"logits_processor": Forcing(forced)} if forced else {}
-    for ev in engine.generate(prompt_ids=prompt, max_tokens=gen, params=GREEDY, session=session, ignore_eos=True,
+    for ev in engine.generate(prompt_ids=prompt, max_tokens=gen, params=params, session=session, ignore_eos=True,
                               **extra):
         if isinstance(ev, TokenEvent) and mid is None:
             mid = _tier_snapshot(engine)
@@ -326,6 +327,18 @@ def hbm_recheck(engine, bw: dict) -> dict | None:
 
 
 # ---------------------------------------------------------------- one configuration
+SAMPLE_DEFAULTS = dict(temperature=0.7, top_k=20, top_p=0.8)     # Qwen3's advice for non-thinking chat
+
+
+def sample_params(engine) -> SamplingParams:
+    """`--decode sample`: the checkpoint's generation_config sampling values (a chat's defaults), else
+    SAMPLE_DEFAULTS; seeded, so runs draw the same tokens."""
+    kw = engine.sampling_defaults()
+    if not kw.get("temperature", 1.0) > 0:      # do_sample false: a greedy checkpoint
+        kw = {}
+    return SamplingParams(**(kw or SAMPLE_DEFAULTS), seed=0)
+
+
 def decode_mode(mode: str, model_path: Path) -> str:
     """auto: 'stream' for moetier synth checkpoints (random weights loop under greedy decoding,
     which makes every decode step hit the same experts), 'greedy' for real models."""
@@ -340,9 +353,11 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
     median, decode_tok_s_runs every figure (a shared machine varies +-15% between runs)."""
     vocab = engine.args.vocab_size
 
+    params = sample_params(engine) if mode == "sample" else GREEDY
+
     def request(n: int, g: int, seed: int) -> dict:
         ids = stream_for(model_path, vocab, n + g, seed=seed)
-        return run_prompt(engine, ids[:n], g, ids[n:] if mode == "stream" else None)
+        return run_prompt(engine, ids[:n], g, ids[n:] if mode == "stream" else None, params)
 
     # the warm-up prompt is as long as the first measured one (up to 512): prefill kernels compile for their row
     # counts, and a 32-token warm-up left those compiles in the first figure (all on the GPU: 571 tok/s for 5,100)
