@@ -39,6 +39,7 @@ from triton.testing import do_bench
 
 from moetier.kernels import ops
 from moetier.kernels import triton_moe as tm
+from moetier.quant.repack import k_planes
 
 MODELS = {   # name: (D, I, k, experts, gpt-oss activation with biases)
     "qwen3-30b-a3b": (2048, 768, 8, 128, False),
@@ -63,8 +64,8 @@ def random_planes(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) 
     def scale(cols, v):
         return (torch.rand(slots, n, cols, device=device, generator=gen) * v / math.sqrt(k)).half()
     if fmt == "Q5_K":
-        return {"qs": ints(k // 2), "qh": ints(k // 8), "d": scale(k // 256, 1 / 512), "dmin": scale(k // 256, 1 / 64),
-                "sc": ints(k // 32, 0, 64), "mn": ints(k // 32, 0, 64)}
+        return {"qs": ints(k // 2), "qh": ints(k // 8), **k_planes(scale(k // 256, 1 / 512), scale(k // 256, 1 / 64),
+                                                                   ints(k // 32, 0, 64), ints(k // 32, 0, 64))}
     if fmt == "Q6_K":
         return {"ql": ints(k // 2), "qh": ints(k // 4), "sc": ints(k // 16, -32, 32, torch.int8),
                 "d": scale(k // 256, 1 / 256)}
@@ -108,8 +109,8 @@ def make_weights(fmt: str, slots: int, n: int, k: int, gen: torch.Generator | No
     q = torch.round((b + ml[..., None]) / dl.clamp_min(1e-12)[..., None]).clamp(0, 15).to(torch.uint8)
     q = q.view(slots, n, k // 256, 4, 2, 32)                          # chunk c: sub-blocks 2c (low), 2c+1 (high)
     packed = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(slots, n, k // 2)
-    return {"qs": packed, "d": d.half(), "dmin": dmin.half(), "sc": sc.to(torch.uint8).reshape(slots, n, -1),
-            "mn": mq.to(torch.uint8).reshape(slots, n, -1)}
+    return {"qs": packed, **k_planes(d, dmin, sc.to(torch.uint8).reshape(slots, n, -1),
+                                     mq.to(torch.uint8).reshape(slots, n, -1))}
 
 
 def nbytes(weight) -> int:

@@ -16,6 +16,8 @@ weight in gate_up and 9-13 in down (sm_90 SASS, bench --compile-sm90); v2 4.9-5.
 Blocks of a step: Q8_0 / Q4_0 / MXFP4 / IQ3_XXS 32 elements, Q4_K / Q5_K 64 (two 32-sub-blocks),
 Q6_K 128 (half a super-block). Each `_dot_*` returns [BN, NB] scaled partial dot products.
 Planes (moetier.quant.repack; word planes as int32 views): q (qs / ql), d, dmin, sc, mn, h (qh / sg).
+Q4_K / Q5_K read d and sc as words too (triton_weights): a super-block's (d, dmin) in one (`k_dmin`), a
+64-chunk's sc_lo, sc_hi, mn_lo, mn_hi in another (`k_byte`), where six loads were.
 """
 from __future__ import annotations
 
@@ -55,6 +57,19 @@ def _field(w, SH: tl.constexpr, M: tl.constexpr):
 def _f(bits, one):
     """bits | one (the bits of 1.0f, a runtime argument so that mask and OR fuse into one LOP3)."""
     return (bits | one).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def k_dmin(w):
+    """A Q4_K / Q5_K d word (d in the low fp16 half, dmin in the high one) -> d, dmin as float32."""
+    d = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d, (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def k_byte(w, B: tl.constexpr):
+    """Byte B of a Q4_K / Q5_K sc word (0 sc_lo, 1 sc_hi, 2 mn_lo, 3 mn_hi) as float32."""
+    return ((w >> (8 * B)) & 0xFF).to(tl.float32)
 
 
 @triton.jit
@@ -135,12 +150,13 @@ def _dot_q4_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB: tl.conste
 
 
 @triton.jit
-def _dot_q45_k(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, c0, NCK,
-               x_ptr, xo, one, NB: tl.constexpr, Q5: tl.constexpr):
+def _dot_q45_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, c0, NCK, x_ptr, xo, one, NB: tl.constexpr,
+               Q5: tl.constexpr):
     """64-chunks c of 8 words; byte b of word w holds elements 64c + 4w + b (low nibble, sub-block 2c)
     and + 32 (high, sub-block 2c + 1). Q4_K: one shift per byte, the low nibble to bits 15-18
     (f = 1 + q / 256), the high one to 19-22 (1 + q / 16). Q5_K: the 5th bit is bit 8b + 2 (c % 4) + h
-    of qh word 8 (c // 4) + w; q at bits 18-22 (f = 1 + q / 32). Value d * sc * q - dmin * mn."""
+    of qh word 8 (c // 4) + w; q at bits 18-22 (f = 1 + q / 32). Value d * sc * q - dmin * mn: (d, dmin)
+    from d word c // 4, the sub-blocks' sc and mn from sc word c."""
     c = c0 + tl.arange(0, NB)
     mc = c < NCK
     m2 = mask[:, None] & mc[None, :]
@@ -169,12 +185,9 @@ def _dot_q45_k(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn,
         p_hi += f_hi * x_hi[None, :, :]
         sx_lo += x_lo
         sx_hi += x_hi
-    d = tl.load(d_ptr + rd[:, None] + (c // 4)[None, :], mask=m2, other=0.0).to(tl.float32)
-    dm = tl.load(m_ptr + rm[:, None] + (c // 4)[None, :], mask=m2, other=0.0).to(tl.float32)
-    sc_lo = tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :], mask=m2, other=0).to(tl.float32)
-    sc_hi = tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :] + 1, mask=m2, other=0).to(tl.float32)
-    mn_lo = tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :], mask=m2, other=0).to(tl.float32)
-    mn_hi = tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :] + 1, mask=m2, other=0).to(tl.float32)
+    d, dm = k_dmin(tl.load(d_ptr + rd[:, None] + (c // 4)[None, :], mask=m2, other=0))
+    sw = tl.load(sc_ptr + rsc[:, None] + c[None, :], mask=m2, other=0)
+    sc_lo, sc_hi, mn_lo, mn_hi = k_byte(sw, 0), k_byte(sw, 1), k_byte(sw, 2), k_byte(sw, 3)
     s_lo = tl.sum(sx_lo, axis=1)[None, :]
     s_hi = tl.sum(sx_hi, axis=1)[None, :]
     u_lo = 32.0 if Q5 else 256.0                        # sum q x = u * (sum f x - sum x)
@@ -249,8 +262,8 @@ def _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, r
     elif FMT == Q4_0 or FMT == MXFP4:
         return _dot_q4_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB, FMT == MXFP4)
     elif FMT == Q4_K or FMT == Q5_K:
-        return _dot_q45_k(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, g0, NBK,
-                          x_ptr, xo, one, NB, FMT == Q5_K)
+        return _dot_q45_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, one, NB,
+                          FMT == Q5_K)
     elif FMT == Q6_K:
         return _dot_q6_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, one, NB)
     else:
@@ -443,33 +456,27 @@ def _v3_bload(ptr, r, g0, NB: tl.constexpr, W: tl.constexpr, K: tl.constexpr, M:
 
 
 @triton.jit
-def _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, g0, NBK,
-             FMT: tl.constexpr, NB: tl.constexpr):
+def _v3_load(q_ptr, d_ptr, sc_ptr, rq, rd, rsc, mask, g0, NBK, FMT: tl.constexpr, NB: tl.constexpr):
     """Loads of step blocks g0 .. g0+NB (of NBK) of rows [A, B] (offsets r* [A, B], mask [A, B]): words
     [NB*W, A, B], the word axis first (16-byte loads, lanes along the row), and each word's block
-    scales in the same shape (Q4_K: d, dmin, sc lo, sc hi, mn lo, mn hi; other formats repeat d).
+    scales in the same shape, two of them (Q4_K: the (d, dmin) word and the 64-chunk's sc word; other
+    formats d twice).
     Word axis first: every [NB*W, A, B] load here and in _v3_math gets the words' register layout
     (Triton's coalescing orders a gather's axes as the words' when the word axis is axis 0)."""
     W: tl.constexpr = 4 if FMT == Q4_0 else 8            # words per step block (Q4_K: 64-chunk)
     e = g0 * W + tl.arange(0, NB * W)
     m3 = (e < NBK * W)[:, None, None] & mask[None, :, :]
     words = tl.load(q_ptr + rq[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
-    if FMT == Q4_K:                                       # d, dmin per 4 chunks; sc, mn per sub-block
+    if FMT == Q4_K:                                       # a (d, dmin) word per 4 chunks, a sc word per chunk
         d = _v3_bload(d_ptr, rd, g0 // 4, NB // 4, 4 * W, 1, 0, NBK // 4)
-        dm = _v3_bload(m_ptr, rm, g0 // 4, NB // 4, 4 * W, 1, 0, NBK // 4)
-        sc_lo = _v3_bload(sc_ptr, rsc, g0, NB, W, 2, 0, NBK)
-        sc_hi = _v3_bload(sc_ptr, rsc, g0, NB, W, 2, 1, NBK)
-        mn_lo = _v3_bload(mn_ptr, rmn, g0, NB, W, 2, 0, NBK)
-        mn_hi = _v3_bload(mn_ptr, rmn, g0, NB, W, 2, 1, NBK)
-        return words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi
+        return words, d, _v3_bload(sc_ptr, rsc, g0, NB, W, 1, 0, NBK)
     else:
         d = _v3_bload(d_ptr, rd, g0, NB, W, 1, 0, NBK)
-        return words, d, d, d, d, d, d
+        return words, d, d
 
 
 @triton.jit
-def _v3_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, x_ptr, xo, one,
-             FMT: tl.constexpr, NB: tl.constexpr):
+def _v3_math(words, d, s, g0, NBK, x_ptr, xo, one, FMT: tl.constexpr, NB: tl.constexpr):
     """Row dot products [A, B] of _v3_load's blocks with x at offsets xo [XA, XB] (broadcast over the
     rows: [1, 1] one vector, [1, B] one per B index). The v2 bit tricks (module doc); word e of the
     step: Q8_0 element 4e + b, Q4_0 32 (e // 4) + 4 (e % 4) + b (and + 16), Q4_K 64 (e // 8) + 4 (e % 8) + b
@@ -525,28 +532,25 @@ def _v3_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, x_ptr, xo, one,
             t = _shift(words, 15 - 8 * b)
             p_lo += _f(t & 0x78000, one) * x_lo
             p_hi += _f(t & 0x780000, one16) * x_hi
-        df = d.to(tl.float32)
-        dmf = dm.to(tl.float32)
-        r = (df * (sc_lo.to(tl.float32) * p_lo + sc_hi.to(tl.float32) * p_hi) * 256.0
-             - dmf * (mn_lo.to(tl.float32) * sx_lo + mn_hi.to(tl.float32) * sx_hi))
+        df, dmf = k_dmin(d)
+        r = (df * (k_byte(s, 0) * p_lo + k_byte(s, 1) * p_hi) * 256.0
+             - dmf * (k_byte(s, 2) * sx_lo + k_byte(s, 3) * sx_hi))
         return tl.sum(r, axis=0)
 
 
 @triton.jit
-def _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask, NBK: tl.constexpr,
-            x_ptr, xo, one, FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr, PDL_WAIT: tl.constexpr):
+def _v3_dot(q_ptr, d_ptr, sc_ptr, rq, rd, rsc, mask, NBK: tl.constexpr, x_ptr, xo, one, FMT: tl.constexpr,
+            NB1: tl.constexpr, NB2: tl.constexpr, PDL_WAIT: tl.constexpr):
     """[A, B] dot products of whole rows: the loads of both pieces, (PDL_WAIT: the wait for the primary
     grid, before any x load), then the math."""
-    a0, a1, a2, a3, a4, a5, a6 = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
-                                          0, NBK, FMT, NB1)
+    a0, a1, a2 = _v3_load(q_ptr, d_ptr, sc_ptr, rq, rd, rsc, mask, 0, NBK, FMT, NB1)
     if NB2 > 0:
-        b0, b1, b2, b3, b4, b5, b6 = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc, rmn, mask,
-                                              NB1, NBK, FMT, NB2)
+        b0, b1, b2 = _v3_load(q_ptr, d_ptr, sc_ptr, rq, rd, rsc, mask, NB1, NBK, FMT, NB2)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
-    acc = _v3_math(a0, a1, a2, a3, a4, a5, a6, 0, NBK, x_ptr, xo, one, FMT, NB1)
+    acc = _v3_math(a0, a1, a2, 0, NBK, x_ptr, xo, one, FMT, NB1)
     if NB2 > 0:
-        acc += _v3_math(b0, b1, b2, b3, b4, b5, b6, NB1, NBK, x_ptr, xo, one, FMT, NB2)
+        acc += _v3_math(b0, b1, b2, NB1, NBK, x_ptr, xo, one, FMT, NB2)
     return acc
 
 
@@ -570,9 +574,8 @@ def _gate_up_kernel_v3(x_ptr, stride_x, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn
     acc = tl.zeros([BN, 2], dtype=tl.float32)
     if s >= 0:                      # a skipped pair (-1) reads nothing: act(0, 0) == 0; other loads unmasked
         xo = tl.zeros([1, 1], dtype=tl.int64) + (p // KTOP).to(tl.int64) * stride_x
-        acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                      s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, r >= 0, D // BS,
-                      x_ptr, xo, one, FMT, NB1, NB2, False)
+        acc = _v3_dot(q_ptr, d_ptr, sc_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n, s * ssc_s + r * ssc_n,
+                      r >= 0, D // BS, x_ptr, xo, one, FMT, NB1, NB2, False)
     m2 = m2 & (s >= 0)
     s = tl.maximum(s, 0)
     if HAS_BIAS:
@@ -605,9 +608,8 @@ def _down_kernel_v3(hx_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
     s = tl.maximum(s, 0)[:, None]
     r = tl.minimum(n, D - 1).to(tl.int64)[None, :]                                      # (in bounds)
     xo = ((t * KTOP + tl.minimum(j, KTOP - 1)).to(tl.int64) * I)[:, None]   # h[t*k + j] (lanes past k: a real one)
-    acc = _v3_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                  s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, mask, I // BS,
-                  hx_ptr, xo, one, FMT, NB1, NB2, PDL)                                  # [KP, BN]
+    acc = _v3_dot(q_ptr, d_ptr, sc_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n, s * ssc_s + r * ssc_n, mask,
+                  I // BS, hx_ptr, xo, one, FMT, NB1, NB2, PDL)                         # [KP, BN]
     if HAS_BIAS:
         acc += tl.load(b_ptr + s * sb_s + r, mask=mask, other=0.0).to(tl.float32)
     wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)

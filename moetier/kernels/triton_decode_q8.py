@@ -15,7 +15,8 @@ float32, 8 experts per program) is the worst. As llama.cpp's MMVQ does, x is qua
   - Q4_K word (8 weights of a 64-chunk c: low nibbles elements 64c + 4w..+3, sub-block 2c, the high ones
     + 32, sub-block 2c + 1): the sub-blocks have their own sc, mn and x scales, so two dp4a into two
     sums, v = d * (sc_lo * dx_lo * v_lo + sc_hi * dx_hi * v_hi) - dmin * (mn_lo * xs_lo + mn_hi * xs_hi) / 8
-    (the min term per sub-block, an eighth per word);
+    (the min term per sub-block, an eighth per word); d and dmin come as one int32 load (the super-block's
+    word of the d plane), sc_lo, sc_hi, mn_lo, mn_hi as another (the chunk's word of the sc plane);
   - Q6_K (v3 has no loader: `_q6_load`): per ql word pair a, b and qh word of a 128-chunk 16 weights, 4 parts
     of 4 (nibble of a or b | 2 qh bits: q 0..63), each its own x word, 32-block and 16-sub-block scale;
     q - 32 in the integer sum: r = dp4a(q, xw, dp4a(-32 bytes, xw, MAGIC)), v = d * sc * dx * r;
@@ -49,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import STEP_BLOCK, Tile, _act, _v3_bload, _v3_load, v3_pieces
+from .triton_decode import STEP_BLOCK, Tile, _act, _v3_bload, _v3_load, k_byte, k_dmin, v3_pieces
 from .triton_tiles import e8m0_half
 from .triton_weights import BLOCK
 
@@ -190,16 +191,16 @@ def quantize_native(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ one step of whole rows
 @triton.jit
-def _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
+def _v5_math(words, d, s, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
              FMT: tl.constexpr, NB: tl.constexpr, EMU: tl.constexpr, SUM: tl.constexpr = True):
-    """Row dot products [A, B] of _v3_load's words [NB*W, A, B] and block scales (same shape; Q4_K: d,
-    dmin, sc / mn of the low and high sub-block, other formats d only) with the int8 activation words at
+    """Row dot products [A, B] of _v3_load's words [NB*W, A, B] and block scales d, s (same shape; Q4_K: the
+    (d, dmin) word and the sc word, other formats d only) with the int8 activation words at
     xw_ptr + xwo [XA, XB] (broadcast over the rows), scales dx / xs at xd_ptr / xs_ptr + xdo. Word e of the
     step: Q8_0 elements 4e..4e+3 (x word e); Q4_0 / MXFP4 block e // 4, low nibbles elements 4 (e % 4)..+3
     (x word 8 (e // 4) + e % 4), high ones + 16 (x word + 4); Q4_K: _k_math's."""
     if FMT == Q4_K:
-        res = _k_math(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK,
-                      xw_ptr, xwo, xd_ptr, xs_ptr, xdo, NB, EMU, SUM)
+        res = _k_math(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F, d, s, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr,
+                      xdo, NB, EMU, SUM)
     else:                   # integer sums per 32-block first: one scale step a block, not one a word
         W: tl.constexpr = 4 if FMT == Q4_0 or FMT == MXFP4 else 8
         e = g0 * W + tl.arange(0, NB * W)
@@ -254,14 +255,15 @@ def _first(a, b):
 
 
 @triton.jit
-def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
-            NB: tl.constexpr, EMU: tl.constexpr, SUM: tl.constexpr = True):
+def _k_math(q_lo, q_hi, d, s, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, NB: tl.constexpr, EMU: tl.constexpr,
+            SUM: tl.constexpr = True):
     """Q4_K / Q5_K row dot products [A, B] (as _v5_math's) of the values q_lo, q_hi [NB*8, A, B] (4 non-negative
     int8 each: a word's low / high nibbles, Q5_K with their 5th bits) of 64-chunk c = e // 8: q_lo elements
     64c + 4 (e % 8)..+3 (x word 16c + e % 8, 32-block 2c), q_hi + 32 (x word + 8, block 2c + 1). The two
     sub-blocks have their own sc, mn and x scales: two dp4a, no shared accumulator; each summed as integers over
     the 4 words of a 16-byte load (half a chunk, one thread's) before the scale step, the min term half a
-    sub-block's there."""
+    sub-block's there. The scales come as two int32 words a word e, the super-block's (d, dmin) and the chunk's
+    (sc_lo, sc_hi, mn_lo, mn_hi), taken once per 4 words and unpacked there (triton_decode.k_dmin, k_byte)."""
     e = g0 * 8 + tl.arange(0, NB * 8)
     me = tl.broadcast_to((e < NBK * 8)[:, None, None], q_lo.shape)
     xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + (16 * (e // 8) + e % 8)[:, None, None], q_lo.shape)
@@ -275,12 +277,10 @@ def _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo,
     dx_hi = _per_block(tl.load(xd_ptr + dp + 1, mask=me, other=0.0), H, 4, False, EMU)
     xs_lo = _per_block(tl.load(xs_ptr + dp, mask=me, other=0.0), H, 4, False, EMU)
     xs_hi = _per_block(tl.load(xs_ptr + dp + 1, mask=me, other=0.0), H, 4, False, EMU)
-    d, dm = _per_block(d, H, 4, False, EMU).to(tl.float32), _per_block(dm, H, 4, False, EMU).to(tl.float32)
-    sc_lo = _per_block(sc_lo, H, 4, False, EMU).to(tl.float32)
-    sc_hi = _per_block(sc_hi, H, 4, False, EMU).to(tl.float32)
-    mn_lo = _per_block(mn_lo, H, 4, False, EMU).to(tl.float32)
-    mn_hi = _per_block(mn_hi, H, 4, False, EMU).to(tl.float32)
-    r = d * (sc_lo * (v_lo * dx_lo) + sc_hi * (v_hi * dx_hi)) - dm * (0.5 * (mn_lo * xs_lo + mn_hi * xs_hi))
+    d, dm = k_dmin(_per_block(d, H, 4, False, EMU))
+    s = _per_block(s, H, 4, False, EMU)
+    r = (d * (k_byte(s, 0) * (v_lo * dx_lo) + k_byte(s, 1) * (v_hi * dx_hi))
+         - dm * (0.5 * (k_byte(s, 2) * xs_lo + k_byte(s, 3) * xs_hi)))
     if SUM:
         r = tl.sum(r, axis=0)
     return r
@@ -311,52 +311,46 @@ def _iq3_math(words, d, sc, sg, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB: 
 
 
 @triton.jit
-def _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, g0, NBK,
-             FMT: tl.constexpr, NB: tl.constexpr):
+def _v5_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, FMT: tl.constexpr, NB: tl.constexpr):
     """Weight loads of step blocks g0 .. g0+NB (of NBK) of rows [A, B], word axis first: _v3_load's words and
-    scales (MXFP4 as Q4_0: its e byte in d) and an 8th value, Q5_K the qh words of the 64-chunks' 5th bits
+    two scales (MXFP4 as Q4_0: its e byte in d) and a 4th value, Q5_K the qh words of the 64-chunks' 5th bits
     (word e: qh word 8 (e // 32) + e % 8 of the row), the words again for other formats. IQ3_XXS: its 2
-    grid-index words per 32-block, d (per 8 blocks), sc in all 5 scale places, the block's sg word 8th."""
+    grid-index words per 32-block, d (per 8 blocks), sc, the block's sg word 4th."""
     if FMT == IQ3_XXS:
         e = g0 * 2 + tl.arange(0, NB * 2)
         m3 = (e < NBK * 2)[:, None, None] & mask[None, :, :]
         words = tl.load(q_ptr + rq[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
         d = _v3_bload(d_ptr, rd, g0 // 8, NB // 8, 16, 1, 0, NBK // 8)
-        sc_lo = _v3_bload(sc_ptr, rsc, g0, NB, 2, 1, 0, NBK)
-        dm, sc_hi, mn_lo, mn_hi = sc_lo, sc_lo, sc_lo, sc_lo
+        s = _v3_bload(sc_ptr, rsc, g0, NB, 2, 1, 0, NBK)
         hw = _v3_bload(h_ptr, rh, g0, NB, 2, 1, 0, NBK)
     elif FMT == Q5_K:
-        words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc,
-                                                            rmn, mask, g0, NBK, Q4_K, NB)
+        words, d, s = _v3_load(q_ptr, d_ptr, sc_ptr, rq, rd, rsc, mask, g0, NBK, Q4_K, NB)
         e = g0 * 8 + tl.arange(0, NB * 8)
         m3 = (e < NBK * 8)[:, None, None] & mask[None, :, :]
         hw = tl.load(h_ptr + rh[None, :, :] + (8 * (e // 32) + e % 8)[:, None, None], mask=m3, other=0,
                      eviction_policy="evict_first")
     else:
-        words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi = _v3_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, rq, rd, rm, rsc,
-                                                            rmn, mask, g0, NBK, Q4_0 if FMT == MXFP4 else FMT, NB)
+        words, d, s = _v3_load(q_ptr, d_ptr, sc_ptr, rq, rd, rsc, mask, g0, NBK, Q4_0 if FMT == MXFP4 else FMT, NB)
         hw = words
-    return words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, hw
+    return words, d, s, hw
 
 
 @triton.jit
-def _v5_step(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, hw, g0, NBK, lut_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
-             FMT: tl.constexpr, NB: tl.constexpr, EMU: tl.constexpr):
+def _v5_step(words, d, s, hw, g0, NBK, lut_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr,
+             NB: tl.constexpr, EMU: tl.constexpr):
     """Row dot products of _v5_load's values: Q5_K's 5th bits (bits 8b + 2 (c % 4), + 1 of qh word hw, c the
     word's 64-chunk) OR-ed into the nibbles of byte b, then _k_math; IQ3_XXS _iq3_math (lut: the grid words,
     _planes); other formats _v5_math."""
     if FMT == IQ3_XXS:
-        res = _iq3_math(words, d, sc_lo, hw, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB, EMU)
+        res = _iq3_math(words, d, s, hw, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB, EMU)
     elif FMT == Q5_K:
         c = g0 + tl.arange(0, NB * 8) // 8
         hb = hw >> (2 * (c % 4))[:, None, None]
         q_lo = (words & 0x0F0F0F0F) | ((hb << 4) & 0x10101010)
         q_hi = ((words >> 4) & 0x0F0F0F0F) | ((hb << 3) & 0x10101010)
-        res = _k_math(q_lo, q_hi, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo,
-                      NB, EMU)
+        res = _k_math(q_lo, q_hi, d, s, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, NB, EMU)
     else:
-        res = _v5_math(words, d, dm, sc_lo, sc_hi, mn_lo, mn_hi, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT,
-                       NB, EMU)
+        res = _v5_math(words, d, s, g0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB, EMU)
     return res
 
 
@@ -414,8 +408,8 @@ def _q6_math(wa, wb, wh, d, s0, s1, s2, s3, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, N
 
 
 @triton.jit
-def _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NBK: tl.constexpr,
-              FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr):
+def _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK: tl.constexpr, FMT: tl.constexpr,
+              NB1: tl.constexpr, NB2: tl.constexpr):
     """_v5_dot's weight loads of both pieces, as two tuples (the second is the first again where NB2 == 0)."""
     if FMT == Q6_K:
         a = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK, NB1)
@@ -423,11 +417,10 @@ def _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, 
         if NB2 > 0:
             b = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NB1, NBK, NB2)
     else:
-        a = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, 0, NBK, FMT, NB1)
+        a = _v5_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK, FMT, NB1)
         b = a
         if NB2 > 0:
-            b = _v5_load(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NB1, NBK, FMT,
-                         NB2)
+            b = _v5_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NB1, NBK, FMT, NB2)
     return a, b
 
 
@@ -442,28 +435,24 @@ def _v5_maths(a, b, m_ptr, NBK: tl.constexpr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, 
                             EMU)
     elif NB2 == NB1 and (FMT == Q4_0 or FMT == Q8_0 or FMT == MXFP4 or FMT == Q4_K):
         # equal pieces (gate_up_pieces' halves, or v3_pieces' 2^n + 2^n): block values added before one reduction
-        pa = _v5_math(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, EMU,
-                      False)
-        pb = _v5_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], NB1, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB2,
-                      EMU, False)
+        pa = _v5_math(a[0], a[1], a[2], 0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, EMU, False)
+        pb = _v5_math(b[0], b[1], b[2], NB1, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB2, EMU, False)
         acc = tl.sum(pa + pb, axis=0)
     else:
-        acc = _v5_step(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], 0, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr,
-                       xdo, FMT, NB1, EMU)
+        acc = _v5_step(a[0], a[1], a[2], a[3], 0, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, EMU)
         if NB2 > 0:
-            acc += _v5_step(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr,
-                            xs_ptr, xdo, FMT, NB2, EMU)
+            acc += _v5_step(b[0], b[1], b[2], b[3], NB1, NBK, m_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB2, EMU)
     return acc
 
 
 @triton.jit
-def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NBK: tl.constexpr,
+def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK: tl.constexpr,
             xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
             PDL_WAIT: tl.constexpr, EMU: tl.constexpr):
     """[A, B] dot products of whole rows: the weight loads of both pieces, (PDL_WAIT: the wait for the
-    activations' grid), then the math. Planes beyond q, d: dmin, sc, mn (Q4_K; Q5_K + h), sc, h (Q6_K), the grid
-    in dmin's slot, sc, h (IQ3_XXS)."""
-    a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rmn, rh, mask, NBK, FMT, NB1, NB2)
+    activations' grid), then the math. Planes beyond q, d: sc (Q4_K; Q5_K + h; d and sc as words), sc, h (Q6_K),
+    the grid in dmin's slot (m_ptr), sc, h (IQ3_XXS)."""
+    a, b = _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK, FMT, NB1, NB2)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     return _v5_maths(a, b, m_ptr, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, EMU)
@@ -518,9 +507,8 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
         t = (p // KTOP).to(tl.int64)
         if XQ:
             slot = p.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)      # this program's copy of x
-            a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                             s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                             r >= 0, D // BS, FMT, NB1, NB2)
+            a, b = _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                             s * ssc_s + r * ssc_n, s * sh_s + r * sh_n, r >= 0, D // BS, FMT, NB1, NB2)
             _x_q8_mine(x_ptr, stride_x, t, xq8_ptr, xd_ptr, xs_ptr, slot, D, NBP)
             if TRACE:
                 t_loaded = _stamp_after(b[0])
@@ -529,9 +517,9 @@ def _gate_up_kernel(xw_ptr, xd_ptr, xs_ptr, ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr
         else:
             xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 4)
             xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (D // 32)
-            acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                          s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                          r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
+            acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                          s * ssc_s + r * ssc_n, s * sh_s + r * sh_n, r >= 0, D // BS, xw_ptr, xwo, xd_ptr, xs_ptr,
+                          xdo, FMT, NB1, NB2, PDL, EMU)
     elif PDL and not XQ:
         tl.extra.cuda.gdc_wait()
     m2 = m2 & (s >= 0)
@@ -627,9 +615,8 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
     r = tl.minimum(n, D - 1).to(tl.int64)[None, :]
     pj = (t * KTOP + tl.minimum(j, KTOP - 1)).to(tl.int64)[:, None]    # pair of h (lanes past k: a real one)
     if TRACE:                                        # _v5_dot with a stamp after the wait
-        a, b = _v5_loads(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                         s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n,
-                         mask, I // BS, FMT, NB1, NB2)
+        a, b = _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                         s * ssc_s + r * ssc_n, s * sh_s + r * sh_n, mask, I // BS, FMT, NB1, NB2)
         t_loaded = _stamp_after(b[0])
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -637,9 +624,9 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
         acc = _v5_maths(a, b, m_ptr, I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32), FMT, NB1, NB2,
                         EMU)
     else:
-        acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
-                      s * sm_s + r * sm_n, s * ssc_s + r * ssc_n, s * smn_s + r * smn_n, s * sh_s + r * sh_n, mask,
-                      I // BS, hw_ptr, pj * (I // 4), hd_ptr, hs_ptr, pj * (I // 32), FMT, NB1, NB2, PDL, EMU)
+        acc = _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, h_ptr, s * sq_s + r * sq_n, s * sd_s + r * sd_n,
+                      s * ssc_s + r * ssc_n, s * sh_s + r * sh_n, mask, I // BS, hw_ptr, pj * (I // 4), hd_ptr,
+                      hs_ptr, pj * (I // 32), FMT, NB1, NB2, PDL, EMU)
     if HAS_BIAS:
         acc += tl.load(b_ptr + s * sb_s + r, mask=mask, other=0.0).to(tl.float32)
     wj = tl.load(w_ptr + t * KTOP + j, mask=jm, other=0.0).to(tl.float32)
@@ -674,9 +661,10 @@ DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(16, 0, 8), "Q4_K": Tile(8, 0, 4), 
 
 
 def _planes(w):
-    """The 6 planes (q and h as int32 words) and their 12 slot / row strides in elements: v2_args without
-    the table (dmin, mn read by Q4_K / Q5_K, sc by those, Q6_K and IQ3_XXS, h by Q5_K / Q6_K / IQ3_XXS; MXFP4's e
-    in d). IQ3_XXS has no dmin: its slot carries the grid as int32 words (4 int8 values each, stride 0)."""
+    """The 6 planes (q and h as int32 words; Q4_K / Q5_K's d and sc too) and their 12 slot / row strides in
+    elements: v2_args without the table (sc read by Q4_K / Q5_K, Q6_K and IQ3_XXS, h by Q5_K / Q6_K / IQ3_XXS;
+    dmin and mn by none: Q4_K / Q5_K's are in the d and sc words; MXFP4's e in d). IQ3_XXS has no dmin: its slot
+    carries the grid as int32 words (4 int8 values each, stride 0)."""
     a = w.v2_args()
     planes = a[0:6]
     if w.fmt == "IQ3_XXS":

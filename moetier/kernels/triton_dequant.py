@@ -64,7 +64,8 @@ def _q5_k_halves(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rm
                  BK: tl.constexpr):
     """Q5_K values of elements k0 .. k0+BK (whole super-blocks) as two [BN, C, 32] halves and their offsets (lo; hi =
     lo + 32): chunk c = 4 (sb - k0/256) + j reads qs bytes 128 sb + 32 j + l, low nibbles elements 256 sb + 64 j + l
-    (32-block 2j), high ones + 32 (2j + 1); the 5th bits are bits 2j, 2j + 1 of qh byte 32 sb + l."""
+    (32-block 2j), high ones + 32 (2j + 1); the 5th bits are bits 2j, 2j + 1 of qh byte 32 sb + l. d, dmin at 2 sb of
+    their slots, sc, mn of the chunk at 4 (4 sb + j), + 1 (triton_weights)."""
     c = tl.arange(0, BK // 64)[:, None]
     l = tl.arange(0, 32)[None, :]
     sb = k0 // 256 + c // 4
@@ -73,12 +74,12 @@ def _q5_k_halves(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, rq, rd, rm, rsc, rm
     m = mc & (l >= 0)[None, :, :]
     b = _rows_ld(q_ptr, rq, sb * 128 + j * 32 + l, m).to(tl.int32)
     hb = _rows_ld(h_ptr, rh, sb * 32 + l, m).to(tl.int32)
-    d = _rows_ld(d_ptr, rd, sb, mc).to(tl.float32)
-    dm = _rows_ld(m_ptr, rm, sb, mc).to(tl.float32)
-    sc_lo = _rows_ld(sc_ptr, rsc, sb * 8 + 2 * j, mc).to(tl.float32)
-    sc_hi = _rows_ld(sc_ptr, rsc, sb * 8 + 2 * j + 1, mc).to(tl.float32)
-    mn_lo = _rows_ld(mn_ptr, rmn, sb * 8 + 2 * j, mc).to(tl.float32)
-    mn_hi = _rows_ld(mn_ptr, rmn, sb * 8 + 2 * j + 1, mc).to(tl.float32)
+    d = _rows_ld(d_ptr, rd, 2 * sb, mc).to(tl.float32)
+    dm = _rows_ld(m_ptr, rm, 2 * sb, mc).to(tl.float32)
+    sc_lo = _rows_ld(sc_ptr, rsc, sb * 16 + 4 * j, mc).to(tl.float32)
+    sc_hi = _rows_ld(sc_ptr, rsc, sb * 16 + 4 * j + 1, mc).to(tl.float32)
+    mn_lo = _rows_ld(mn_ptr, rmn, sb * 16 + 4 * j, mc).to(tl.float32)
+    mn_hi = _rows_ld(mn_ptr, rmn, sb * 16 + 4 * j + 1, mc).to(tl.float32)
     q_lo = ((b & 15) | (((hb >> (2 * j)) & 1) << 4)).to(tl.float32)
     q_hi = ((b >> 4) | (((hb >> (2 * j + 1)) & 1) << 4)).to(tl.float32)
     return d * sc_lo * q_lo - dm * mn_lo, d * sc_hi * q_hi - dm * mn_hi, sb * 256 + j * 64 + l, m

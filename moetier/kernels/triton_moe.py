@@ -118,13 +118,15 @@ def _q4_0_load(q_ptr, d_ptr, rq, rd, mask, k0, K, BK: tl.constexpr):
 @triton.jit
 def _q4_k_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, rd, rm, rsc, rmn, mc, c):
     """Scale and min of the two sub-blocks (2c, 2c+1) of 64-element chunks c -> 4 x [R, NC] f32:
-    d * sc_lo, dmin * mn_lo, d * sc_hi, dmin * mn_hi (super-block c // 4)."""
-    d = tl.load(d_ptr + rd[:, None] + (c // 4)[None, :], mask=mc, other=0.0).to(tl.float32)
-    dm = tl.load(m_ptr + rm[:, None] + (c // 4)[None, :], mask=mc, other=0.0).to(tl.float32)
-    sc_lo = _u8f(tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :], mask=mc, other=0))
-    sc_hi = _u8f(tl.load(sc_ptr + rsc[:, None] + 2 * c[None, :] + 1, mask=mc, other=0))
-    mn_lo = _u8f(tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :], mask=mc, other=0))
-    mn_hi = _u8f(tl.load(mn_ptr + rmn[:, None] + 2 * c[None, :] + 1, mask=mc, other=0))
+    d * sc_lo, dmin * mn_lo, d * sc_hi, dmin * mn_hi (super-block c // 4). d and dmin of super-block b sit at
+    2b of their slots, sc and mn of chunk c at 4c, 4c + 1 (triton_weights: dmin, mn are views of d, sc)."""
+    sb = 2 * (c // 4)
+    d = tl.load(d_ptr + rd[:, None] + sb[None, :], mask=mc, other=0.0).to(tl.float32)
+    dm = tl.load(m_ptr + rm[:, None] + sb[None, :], mask=mc, other=0.0).to(tl.float32)
+    sc_lo = _u8f(tl.load(sc_ptr + rsc[:, None] + 4 * c[None, :], mask=mc, other=0))
+    sc_hi = _u8f(tl.load(sc_ptr + rsc[:, None] + 4 * c[None, :] + 1, mask=mc, other=0))
+    mn_lo = _u8f(tl.load(mn_ptr + rmn[:, None] + 4 * c[None, :], mask=mc, other=0))
+    mn_hi = _u8f(tl.load(mn_ptr + rmn[:, None] + 4 * c[None, :] + 1, mask=mc, other=0))
     return d * sc_lo, dm * mn_lo, d * sc_hi, dm * mn_hi
 
 

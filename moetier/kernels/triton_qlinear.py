@@ -37,8 +37,8 @@ def _gemv_kernel(xw_ptr, xd_ptr, xs_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_
     r = tl.minimum(n, N - 1).to(tl.int64)[None, :]                                     # [1, BN], in bounds
     xwo = tl.zeros([1, 1], dtype=tl.int64) + t * (K // 4)
     xdo = tl.zeros([1, 1], dtype=tl.int64) + t * (K // 32)
-    acc = q8._v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, r * sq_n, r * sd_n, r * sm_n, r * ssc_n,
-                     r * smn_n, r * sh_n, r >= 0, K // BS, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
+    acc = q8._v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, h_ptr, r * sq_n, r * sd_n, r * ssc_n, r * sh_n, r >= 0, K // BS,
+                     xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, NB2, PDL, EMU)
     y = tl.sum(acc, axis=0)
     nm = n < N
     if HAS_BIAS:

@@ -8,7 +8,8 @@ sized to the share: 58-62). Here each used row is read once and every field writ
 stage offset is -1 (unused this layer) cost one load.
 
 Field formats only (each plane a byte range of every block, as quant.repack._FIELDS), plus the K-quants'
-unpacked 6-bit scales and mins (quant.kquants.scale_min_k4). Other formats: `supported` is False.
+unpacked 6-bit scales and mins (quant.kquants.scale_min_k4) in quant.repack's sc plane (per 64-chunk: sc_lo,
+sc_hi, mn_lo, mn_hi). Other formats: `supported` is False.
 
     repack_rows(fmt, staging, stage_off, offset, rows, row_bytes, planes, stage0)
 """
@@ -38,7 +39,7 @@ def _field(v, bb, cc, m, row0, p_ptr, ps, pr, slot, OFF: tl.constexpr, SZ: tl.co
 
 @triton.jit
 def _repack_kernel(src_ptr, soff_ptr, src_stride, p0, p1, p2, p3, ps0, ps1, ps2, ps3, pr0, pr1, pr2, pr3,
-                   sc_ptr, mn_ptr, sc_s, sc_r, stage0, n_rows,
+                   sc_ptr, sc_s, sc_r, stage0, n_rows,
                    OFF: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr, TS: tl.constexpr, TSP: tl.constexpr,
                    O0: tl.constexpr, S0: tl.constexpr, O1: tl.constexpr, S1: tl.constexpr,
                    O2: tl.constexpr, S2: tl.constexpr, O3: tl.constexpr, S3: tl.constexpr,
@@ -61,20 +62,20 @@ def _repack_kernel(src_ptr, soff_ptr, src_stride, p0, p1, p2, p3, ps0, ps1, ps2,
                     _field(v, bb, cc, m, row0, p1, ps1, pr1, slot, O1, S1)
                     _field(v, bb, cc, m, row0, p2, ps2, pr2, slot, O2, S2)
                     _field(v, bb, cc, m, row0, p3, ps3, pr3, slot, O3, S3)
-                    if KQ:      # 12 scale bytes at 4 -> sc, mn [8] per block (quant.kquants.scale_min_k4)
-                        jj = tl.arange(0, 8)[None, :]
+                    if KQ:      # 12 scale bytes at 4 -> the sc plane's 16 per block (quant.kquants.scale_min_k4)
+                        jj = tl.arange(0, 16)[None, :]          # byte jj: chunk jj // 4's sc_lo, sc_hi, mn_lo, mn_hi
                         bm = bb < NB
-                        jm = jj % 4
+                        sub = jj // 4 * 2 + jj % 2              # its sub-block
+                        jm = sub % 4
                         blk = base + bb * TS
                         d = tl.load(blk + 4 + jm, mask=bm, other=0).to(tl.int32)
                         mm = tl.load(blk + 8 + jm, mask=bm, other=0).to(tl.int32)
                         md = tl.load(blk + 12 + jm, mask=bm, other=0).to(tl.int32)
-                        lo = jj < 4
+                        lo = sub < 4
                         sc = tl.where(lo, d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30))
                         mn = tl.where(lo, mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30))
-                        o = slot * sc_s + row0 * sc_r + bb * 8 + jj
-                        tl.store(sc_ptr + o, sc.to(tl.uint8), mask=bm)
-                        tl.store(mn_ptr + o, mn.to(tl.uint8), mask=bm)
+                        o = slot * sc_s + row0 * sc_r + bb * 16 + jj
+                        tl.store(sc_ptr + o, tl.where(jj % 4 < 2, sc, mn).to(tl.uint8), mask=bm)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -103,16 +104,15 @@ def repack_rows(fmt: str, staging: torch.Tensor, stage_off: torch.Tensor, offset
         pr.append(0)
         os_.append(0)
         ss.append(0)
-    kq = "sc" in planes and "mn" in planes
+    kq = fmt in ("Q4_K", "Q5_K")
     sc = planes["sc"] if kq else staging
-    mn = planes["mn"] if kq else staging
     nb = row_bytes // f.type_size
     tsp = triton.next_power_of_2(f.type_size)
     cb = max(1, min(triton.next_power_of_2(nb), 4096 // tsp))
     n = staging.shape[0]
     _repack_kernel[(triton.cdiv(rows, ROWS), n)](
         staging, stage_off, staging.stride(0), *ptrs, *ps, *pr,
-        sc, mn, sc.stride(0) if kq else 0, sc.stride(1) if kq else 0, int(stage0), rows,
+        sc, sc.stride(0) if kq else 0, sc.stride(1) if kq else 0, int(stage0), rows,
         OFF=offset, RB=row_bytes, NB=nb, TS=f.type_size, TSP=tsp,
         O0=os_[0], S0=ss[0], O1=os_[1], S1=ss[1], O2=os_[2], S2=ss[2], O3=os_[3], S3=ss[3],
         KQ=kq, CB=cb, R=ROWS, num_warps=4)

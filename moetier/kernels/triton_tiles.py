@@ -41,15 +41,17 @@ def deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rs
     if FMT == Q5_K or FMT == Q6_K:
         sb = e // 256
         r = e % 256
-        d = _ld(d_ptr, rd, sb, m).to(tl.float32)
         if FMT == Q5_K:        # byte 32 (r // 64) + r % 32 of the sb's 128 (nibble r // 32 % 2), qh bit r // 32
             b = _ld(q_ptr, rq, sb * 128 + r // 64 * 32 + r % 32, m).to(tl.int32)
             q = (b >> (4 * (r // 32 % 2))) & 15
             q = q | (((_ld(h_ptr, rh, sb * 32 + r % 32, m).to(tl.int32) >> (r // 32)) & 1) << 4)
-            sc = _ld(sc_ptr, rsc, e // 32, m).to(tl.float32)
-            mn = _ld(mn_ptr, rmn, e // 32, m).to(tl.float32)
-            return d * sc * q.to(tl.float32) - _ld(m_ptr, rm, sb, m).to(tl.float32) * mn
+            s = e // 64 * 4 + e // 32 % 2      # sc, mn: chunk e // 64's 4 bytes; d, dmin at 2 sb (triton_weights)
+            sc = _ld(sc_ptr, rsc, s, m).to(tl.float32)
+            mn = _ld(mn_ptr, rmn, s, m).to(tl.float32)
+            d = _ld(d_ptr, rd, 2 * sb, m).to(tl.float32)
+            return d * sc * q.to(tl.float32) - _ld(m_ptr, rm, 2 * sb, m).to(tl.float32) * mn
         else:                  # half r // 128, quarter qm = r // 32 % 4, l = r % 32
+            d = _ld(d_ptr, rd, sb, m).to(tl.float32)
             half, qm, l = r // 128, r // 32 % 4, r % 32
             b = _ld(q_ptr, rq, sb * 128 + half * 64 + l + 32 * (qm % 2), m).to(tl.int32)
             q = (b >> (4 * (qm // 2))) & 15

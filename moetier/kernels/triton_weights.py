@@ -1,5 +1,11 @@
 """Weight arenas as Triton kernel arguments: the repack planes of each format mapped to the kernels'
 plane slots, checked, with word views for the v2 decode kernels (triton_decode.py).
+
+Q4_K / Q5_K store dmin beside d (one d plane) and a 64-chunk's mins beside its scales (one sc plane): the
+slots dmin and mn are views of those planes from element 1 and 2 (dmin of super-block b at 2b, the mins of
+chunk c at 4c, 4c + 1; d at 2b and the scales at 4c, 4c + 1 in their own slots). The v2 kernels get the two
+as int32 words instead: d's word b = (d, dmin) (fp16 bits, low half first), sc's word c = sc_lo, sc_hi,
+mn_lo, mn_hi (bytes 0-3), in the d / dmin and sc / mn slots alike.
 """
 from __future__ import annotations
 
@@ -11,19 +17,21 @@ BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 2
 
 # per format: plane -> elements of a row per entry of the plane's last dim (its length is K / that)
 PLANE_DIV = {"dense": {"w": 1}, "Q8_0": {"qs": 1, "d": 32}, "Q4_0": {"qs": 2, "d": 32},
-             "Q4_K": {"qs": 2, "d": 256, "dmin": 256, "sc": 32, "mn": 32},
-             "Q5_K": {"qs": 2, "d": 256, "dmin": 256, "sc": 32, "mn": 32, "qh": 8},
+             "Q4_K": {"qs": 2, "d": 128, "sc": 16}, "Q5_K": {"qs": 2, "d": 128, "sc": 16, "qh": 8},
              "Q6_K": {"ql": 2, "qh": 4, "sc": 16, "d": 256}, "MXFP4": {"qs": 2, "e": 32},
              "IQ3_XXS": {"qs": 4, "sg": 32, "sc": 32, "d": 256}}
 SLOTS = ("q", "d", "dmin", "sc", "mn", "h")            # kernel plane arguments, in order
 SLOT_OF = {"w": "q", "qs": "q", "ql": "q", "e": "d", "qh": "h", "sg": "h"}   # plane name -> slot
 WORD_SLOTS = ("q", "h")                                  # read as int32 words by the v2 kernels
+K_PAIRS = {"dmin": ("d", 1), "mn": ("sc", 2)}            # Q4_K / Q5_K: slot -> (plane, first element) (module doc)
+K_WORDS = {"d": "d", "dmin": "d", "sc": "sc", "mn": "sc"}   # Q4_K / Q5_K: v2 slot -> plane read as int32 words
 
 
 class Weights:
     """A weight arena as kernel arguments, for `slots` x [n, k] matrices of format `fmt`: v1 kernels
     get 5 planes (q, d, dmin, sc, mn; unused ones repeat q) and their (slot, row) strides; v2
-    kernels get 6 planes (+ h) with q and h as int32 word views, a lookup table, 12 strides."""
+    kernels get 6 planes (+ h) with q and h (Q4_K / Q5_K: d, dmin, sc, mn too) as int32 word views,
+    a lookup table, 12 strides."""
 
     def __init__(self, weight, fmt: str):
         self.fmt, self.code = fmt, FMT_CODES[fmt]
@@ -48,11 +56,12 @@ class Weights:
                 raise ValueError(f"plane {name} of {fmt} weights must be [{self.slots}, {self.n}, "
                                  f"{self.k // div}] with unit stride on the last dim; got "
                                  f"{tuple(t.shape)} with strides {t.stride()}")
+        word_planes = {slot: by_slot[slot] for slot in WORD_SLOTS if slot in by_slot and fmt != "dense"}
+        if fmt in ("Q4_K", "Q5_K"):
+            by_slot.update({slot: planes[name][..., first:] for slot, (name, first) in K_PAIRS.items()})
+            word_planes.update({slot: planes[name] for slot, name in K_WORDS.items()})
         words = {}
-        for slot in WORD_SLOTS if fmt != "dense" else ():
-            t = by_slot.get(slot)
-            if t is None:
-                continue
+        for slot, t in word_planes.items():
             if t.element_size() * t.stride(0) % 4 or t.element_size() * t.stride(1) % 4 or t.data_ptr() % 4:
                 raise ValueError(f"{fmt} planes are read as int32 words: slot and row strides and the start "
                                  f"must be multiples of 4 bytes; got strides {t.stride()} of {t.dtype}")
@@ -60,8 +69,7 @@ class Weights:
         self.planes = [by_slot.get(slot, main) for slot in SLOTS[:5]]
         self.strides = [st for slot, t in zip(SLOTS, self.planes)
                         for st in ((t.stride(0), t.stride(1)) if slot in by_slot else (0, 0))]
-        v2 = [words.get(slot, by_slot.get(slot, main)) if slot in WORD_SLOTS else by_slot.get(slot, main)
-              for slot in SLOTS] if fmt != "dense" else []
+        v2 = [words.get(slot, by_slot.get(slot, main)) for slot in SLOTS] if fmt != "dense" else []
         self.v2_planes = [t if slot in by_slot else v2[0] for slot, t in zip(SLOTS, v2)]
         self.v2_strides = [st for slot, t in zip(SLOTS, self.v2_planes)
                            for st in ((t.stride(0), t.stride(1)) if slot in by_slot else (0, 0))]

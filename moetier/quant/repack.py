@@ -6,7 +6,9 @@
   with plain strided loads. Nibble planes keep the GGML order inside a 32-element group:
   byte j holds element j (low nibble) and element j + 16 (high nibble).
   K-quant 6-bit scale/min fields are unpacked to one uint8 each per 32 (Q4_K, Q5_K): the
-  per-32 float scale is then `float(d) * sc`, exactly what the dequantiser computes.
+  per-32 float scale is then `float(d) * sc`, exactly what the dequantiser computes. Q4_K / Q5_K
+  keep each super-block's d and dmin side by side and a 64-chunk's four scale bytes together, so a
+  decode kernel reads each pair / quad as one int32 word (`k_scales`: the four as separate tensors).
 Types without a repacked layout pass through as {"raw": raw}.
 `dequantize_repacked(qtype, packed)` -> float32 [..., N, K], bit-exact with `dequantize`.
 
@@ -14,8 +16,9 @@ Planes per type (K = row length):
   Q8_0  d f16[K/32]  qs i8[K]              Q4_0 / IQ4_NL  d f16[K/32]  qs u8[K/2]
   Q4_1  d, m f16[K/32]  qs u8[K/2]         Q5_0  d f16[K/32]  qh i32[K/32]  qs u8[K/2]
   Q5_1  d, m f16[K/32]  qh i32[K/32]  qs   MXFP4 e u8[K/32]  qs u8[K/2]
-  Q4_K  d, dmin f16[K/256]  sc, mn u8[K/32]  qs u8[K/2] (per 256: 4 x 32 bytes, byte j of
-        chunk c = sub-block 2c element j (low) and sub-block 2c+1 element j (high))
+  Q4_K  d f16[K/128] (per 256: d, dmin: the block's first 4 bytes)  sc u8[K/16] (per 64-chunk c:
+        sc[2c], sc[2c+1], mn[2c], mn[2c+1])  qs u8[K/2] (per 256: 4 x 32 bytes, byte j of chunk c =
+        sub-block 2c element j (low) and sub-block 2c+1 element j (high))
   Q5_K  as Q4_K + qh u8[K/8] (per 256: bit s of byte j = high bit of element 32 s + j)
   Q6_K  d f16[K/256]  sc i8[K/16]  ql u8[K/2]  qh u8[K/4] (GGML order inside each 256)
   IQ3_XXS  d f16[K/256]  sc u8[K/32] (4-bit)  sg i32[K/32] (bit e = sign of element e of the
@@ -42,9 +45,8 @@ _FIELDS = {
     "Q5_1": {"d": (0, 2, torch.float16), "m": (2, 2, torch.float16), "qh": (4, 4, torch.int32),
              "qs": (8, 16, torch.uint8)},
     "MXFP4": {"e": (0, 1, torch.uint8), "qs": (1, 16, torch.uint8)},
-    "Q4_K": {"d": (0, 2, torch.float16), "dmin": (2, 2, torch.float16), "qs": (16, 128, torch.uint8)},
-    "Q5_K": {"d": (0, 2, torch.float16), "dmin": (2, 2, torch.float16), "qh": (16, 32, torch.uint8),
-             "qs": (48, 128, torch.uint8)},
+    "Q4_K": {"d": (0, 4, torch.float16), "qs": (16, 128, torch.uint8)},           # d: d, dmin
+    "Q5_K": {"d": (0, 4, torch.float16), "qh": (16, 32, torch.uint8), "qs": (48, 128, torch.uint8)},
     "Q6_K": {"ql": (0, 128, torch.uint8), "qh": (128, 64, torch.uint8), "sc": (192, 16, torch.int8),
              "d": (208, 2, torch.float16)},
 }
@@ -69,8 +71,28 @@ def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
         out[name] = field.reshape(*lead, -1).contiguous()
     if fmt.name in ("Q4_K", "Q5_K"):
         sc, mn = scale_min_k4(blocks[..., 4:16].reshape(-1, 12))
-        out["sc"], out["mn"] = sc.reshape(*lead, -1), mn.reshape(*lead, -1)
+        out["sc"] = _chunk_scales(sc, mn).reshape(*lead, -1)
     return out
+
+
+def _chunk_scales(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """sc, mn [..., 8] per super-block -> [..., 16]: per 64-chunk c, sc[2c], sc[2c+1], mn[2c], mn[2c+1]."""
+    return torch.stack([sc[..., 0::2], sc[..., 1::2], mn[..., 0::2], mn[..., 1::2]], dim=-1).flatten(-2)
+
+
+def k_planes(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q4_K / Q5_K scales as separate tensors (d, dmin f16 [..., K/256]; sc, mn u8 [..., K/32]) -> the d and sc
+    planes of `repack` (module doc), for code that builds planes without GGML blocks."""
+    pair = torch.stack([d.half(), dmin.half()], dim=-1).flatten(-2).contiguous()
+    quad = _chunk_scales(sc.to(torch.uint8).unflatten(-1, (-1, 8)), mn.to(torch.uint8).unflatten(-1, (-1, 8)))
+    return {"d": pair, "sc": quad.flatten(-2).contiguous()}
+
+
+def k_scales(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K planes -> (d, dmin f16 [..., K/256], sc, mn u8 [..., K/32]): the scales as separate tensors
+    (the inverse of `k_planes`)."""
+    quad = _groups(p["sc"], 4)                                           # [..., K/64, 4]
+    return (p["d"][..., 0::2], p["d"][..., 1::2], quad[..., 0:2].flatten(-2), quad[..., 2:4].flatten(-2))
 
 
 def _repack_iq3_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
@@ -149,9 +171,10 @@ def _mxfp4(p):
 
 
 def _q45_k(p):
-    d = p["d"].float().repeat_interleave(8, dim=-1).unsqueeze(-1)       # [..., K/32, 1]
-    dmin = p["dmin"].float().repeat_interleave(8, dim=-1).unsqueeze(-1)
-    dl, ml = d * p["sc"].float().unsqueeze(-1), dmin * p["mn"].float().unsqueeze(-1)
+    d, dmin, sc, mn = k_scales(p)
+    d = d.float().repeat_interleave(8, dim=-1).unsqueeze(-1)             # [..., K/32, 1]
+    dmin = dmin.float().repeat_interleave(8, dim=-1).unsqueeze(-1)
+    dl, ml = d * sc.float().unsqueeze(-1), dmin * mn.float().unsqueeze(-1)
     ql = shifts(_groups(p["qs"], 32).unflatten(-2, (-1, 4)), [0, 4], 0x0F)  # [..., K/256, 4, 2, 32]
     q = ql.reshape(*dl.shape[:-1], 32)
     if "qh" in p:
