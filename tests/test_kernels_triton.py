@@ -322,9 +322,8 @@ def test_decode_variant_errors_say_what_reads_what():
     with pytest.raises(ValueError, match="v2 every quantized"):
         tm.variant_of("dense", "v2")
     assert tm.variant_of("dense", None) == "v1"
-    # timed faster on the H200 (sessions 8-36): v5q (h quantized by gate_up) where its pair won, v5qx (and x) for Q4_0
-    # and Q4_K
-    assert {f: tm.variant_of(f, None) for f in QUANT} == {f: "v5qx" if f in ("Q4_0", "Q4_K") else "v5q" if f == "Q6_K"
+    # timed faster on the H200 (sessions 8-38): v5q (h quantized by gate_up) where its pair won, v5qx (and x) for Q4_0
+    assert {f: tm.variant_of(f, None) for f in QUANT} == {f: "v5qx" if f == "Q4_0" else "v5q" if f in ("Q6_K", "Q4_K")
                                                           else "v5pdl" for f in QUANT}
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
     assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels

@@ -652,7 +652,9 @@ GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4),
 # v5q's gate_up (h quantized by its programs; session 18, pairs with v5pdl's down tile, two calls on two boxes):
 # Q4_0 (32, 0, 8) 10.65 / 10.49 us vs v5pdl 10.97 / 10.89; Q6_K (32, 0, 8) 13.97 / 14.21 vs 14.31 / 14.29; Q4_K at
 # GATE_UP5's (8, 0, 4) 12.58 / 12.65 vs 13.02 / 12.98. (32, 0, 2): 17-234 us (spills); 64 rows slower.
-GATE_UP5Q = {"Q4_0": Tile(32, 0, 8), "Q6_K": Tile(32, 0, 8)}
+# Q4_K (32, 0, 8) with its row in two pieces once its scales came as two words a load (session 38: 128 registers, two
+# programs an SM, from 209): 11.91 / 11.93 us vs v5qx (8, 0, 4) 12.36-12.48; in one piece 12.90 / 12.97.
+GATE_UP5Q = {"Q4_0": Tile(32, 0, 8), "Q6_K": Tile(32, 0, 8), "Q4_K": Tile(32, 0, 8)}
 # Q4_0's down at (16, 0, 8) (session 35, v5qx pairs, three calls): 9.72-9.74 us vs (4, 0, 4) 10.12-10.39. Its 128
 # programs (98 registers) load their weights beside gate_up's before their PDL wait; (4, 0, 8) 9.92-9.95, others
 # 10.0-11.3. The same sweep on Q4_K / Q6_K / Q8_0 / MXFP4's default pairs moved none beyond the spread.

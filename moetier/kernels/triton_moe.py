@@ -440,8 +440,9 @@ def _bias(b, like: torch.Tensor):
 # Q5_K 15.09 vs 36.61, IQ3_XXS 25.88 vs 62.53; session 30 Q4_0 v5qx (no x quantizer launch) pair 10.27 us vs v5q
 # 10.62, all on the GPU 686.6 tok/s vs 670.8 / 670.7 in one process (Q4_K 14.04 vs 12.65 and Q6_K 14.72 vs 14.23: v5q);
 # session 36 Q4_K v5qx with gate_up's row in two pieces (triton_decode_q8.SPLIT_FORMATS) 12.43 / 12.54 vs v5q 12.75 /
-# 12.67 (interleaved in one process; v5qx in one piece 13.79 / 13.89)
-DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5qx", "Q6_K": "v5q", "MXFP4": "v5pdl",
+# 12.67 (interleaved in one process; v5qx in one piece 13.79 / 13.89); session 38, Q4_K's scales as two words a load
+# (quant.repack): v5q at gate_up (32, 0, 8) in two pieces 11.91 / 11.93 vs v5qx 12.36-12.48 (its 32 rows: 12.41-14.53)
+DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
                    "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
 VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx")
 
