@@ -56,7 +56,10 @@ def test_decode_attention_matches_the_twin(h, hkv, dh, rot, pos, norm, c_core, s
     scale = 1 / math.sqrt(dh)
     want = attention_twin(qkv, qw, kw, 1e-6, cos, sin, pos, ref, h, hkv, scale)
     got = cpu.decode_attention(qkv, qw, kw, 1e-6, cos, sin, pos, ours.k, ours.v, h, hkv, scale)
-    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    # sharp scores (~40x larger) carry the dot products' float32 rounding, which differs with the summation order
+    # (torch's GEMM against the C loops), ~40x larger into the softmax weights: 2.4e-5 on a 0.73 output on a Xeon
+    tol = 1e-5 if sharp == 1 else 1e-4
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol)
     assert torch.allclose(ours.k[:pos + 1], ref.k[:pos + 1], rtol=1e-5, atol=1e-6)
     assert torch.equal(ours.v[:pos + 1], ref.v[:pos + 1])
     assert not ours.k[pos + 1:].any()               # nothing written past the token's row
