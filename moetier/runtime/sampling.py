@@ -257,7 +257,8 @@ class DeviceDraw:
         torch.cuda.current_stream(self.x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         graph.register_generator_state(self.s.gen)
-        with torch.inference_mode(), torch.cuda.graph(graph):
+        # thread_local: a tier's worker thread may use CUDA meanwhile (a global capture would fail its calls)
+        with torch.inference_mode(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._draw()
         self.s.gen.set_state(state)         # the warm-up's and the capture's draws are not the sequence's
         self.graph, self.out = graph, out
