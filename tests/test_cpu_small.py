@@ -181,3 +181,42 @@ def test_eager_blocks_are_their_separate_calls(tmp_path, monkeypatch, qtype):
     want = logits()
     assert calls == {"moe_block": len(toks) * len(experts), "attn_block": len(toks) * len(experts)}
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "BF16", "Q4_K_M"])
+def test_eager_layers_in_one_call_are_the_block_calls(tmp_path, monkeypatch, qtype):
+    """runtime.cpu_step.EagerLayers (every layer's two block calls from one C call) gives the modules' logits bit for
+    bit, token after token; a layer whose MoE half stops (NaN router weights: the C router refuses) is finished by the
+    modules, with the layers after it; the engine's eager decode takes it (decode_path "eager", the same tokens as with
+    MOETIER_CPU_LAYERS=0)."""
+    from moetier.runtime.cpu_step import EagerLayers
+    kw = dict(hidden_size=256, moe_intermediate_size=256, head_dim=64) if qtype == "Q4_K_M" else {}
+    path = quantize(build_qwen3_moe(tmp_path / "model", **kw), qtype, tmp_path / f"m-{qtype}.gguf")
+    eng = Engine.load(path, EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
+    done = eng.complete(prompt_ids=[5, 6, 7], max_tokens=6, params=SamplingParams(temperature=0.0), ignore_eos=True)
+    assert done.stats["decode_path"] == "eager"
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, eng.args.vocab_size, (9,), generator=g)
+    toks = torch.randint(0, eng.args.vocab_size, (8,), generator=g).tolist()
+
+    def logits(layers: bool):
+        c, out = eng.new_session(max_context=64).cache, []
+        with torch.inference_mode():
+            eng.model(prompt, c)
+            step = EagerLayers.get(eng.model, c) if layers else None
+            assert (step is not None) == layers
+            out += [step(t) if layers else eng.model(torch.tensor([t]), c, last_only=True)[-1] for t in toks]
+        assert c.length == len(prompt) + len(toks)
+        return torch.stack(out)
+    assert torch.equal(logits(True), logits(False))
+    router = eng.model.model.layers[1].mlp.gate.weight
+    keep = router.clone()
+    router[0, 0] = float("nan")
+    calls = counted(monkeypatch, moe_block="moe_block")
+    got, want = logits(True), logits(False)
+    router.copy_(keep)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert calls["moe_block"] > 0
+    monkeypatch.setenv("MOETIER_CPU_LAYERS", "0")
+    again = eng.complete(prompt_ids=[5, 6, 7], max_tokens=6, params=SamplingParams(temperature=0.0), ignore_eos=True)
+    assert again.token_ids == done.token_ids

@@ -162,6 +162,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_moe_block.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, c_int, c_int, ptr, ptr, i64,
                                       i64, ptr, i64, i64, i64, c_int, ptr, c_int]
     lib.moetier_rms_norm.restype = None
+    lib.moetier_layers.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, ptr, ptr, c_int, i64, c_int, ptr]
     return lib
 
 

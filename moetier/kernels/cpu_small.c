@@ -360,3 +360,45 @@ int moetier_attn_block(const float *hv, const float *nw, float eps, int d, int t
     free(x);
     return rc;
 }
+
+/* One decoder layer's two block calls' arguments, fixed for a session (runtime.cpu_step builds them once): the
+ * attention half's (moetier_attn_block's, without h, the rope tables, the position and the output) and the MoE half's
+ * (moetier_moe_block's, without h, a and the output). Field order and types: cpu_step.AttnArgs / MoeArgs. */
+typedef struct {
+    const float *nw; const uint8_t *w[3]; const uint8_t *wo; const float *qw, *kw; float *kc, *vc;
+    int64_t s[3], n[3], o_stride;
+    int t[3], ot, q8, nh, hkv, dh;
+    float eps, qk_eps, scale;
+} attn_args;
+typedef struct {
+    const float *nw, *rw; const uint8_t *gate, *up, *down;
+    int64_t g_estride, g_rstride, d_estride, d_rstride, I;
+    int e, k, normalize, gq, dq, q8;
+    float eps;
+} moe_args;
+
+/* The decoder layers of one eager CPU token (every layer an attention half and an MoE half that take one C call
+ * each): h [d] in, the last layer's output out (h is overwritten: the layers' residual stream). a [d] and tmp [d]:
+ * scratch. Returns 0, or 1 + 2 i + half at the first half that did not complete (the layer's h in h, its attention
+ * output in a when half = 1), its code in *rc: the caller finishes that layer and the rest with its modules. The
+ * same arithmetic as the calls one by one (the module path's Python costs ~45 us a layer on the dev box). */
+int moetier_layers(int n, const attn_args *A, const moe_args *M, float *h, float *a, float *tmp, int d,
+                   const float *cs, const float *sn, int rot, int64_t pos, int nthreads, int *rc) {
+    for (int i = 0; i < n; i++) {
+        const attn_args *p = &A[i];
+        *rc = moetier_attn_block(h, p->nw, p->eps, d, p->t[0], p->w[0], p->s[0], p->n[0], p->t[1], p->w[1], p->s[1],
+                                 p->n[1], p->t[2], p->w[2], p->s[2], p->n[2], p->ot, p->wo, p->o_stride, p->q8, p->qw,
+                                 p->kw, p->qk_eps, cs, sn, rot, pos, p->kc, p->vc, p->nh, p->hkv, p->dh, p->scale, a,
+                                 nthreads);
+        if (*rc)
+            return 1 + 2 * i;
+        const moe_args *m = &M[i];
+        *rc = moetier_moe_block(h, a, m->nw, m->eps, d, m->rw, m->e, m->k, m->normalize, m->gq, m->dq, m->gate, m->up,
+                                m->g_estride, m->g_rstride, m->down, m->d_estride, m->d_rstride, m->I, m->q8, tmp,
+                                nthreads);
+        if (*rc)
+            return 2 + 2 * i;
+        memcpy(h, tmp, sizeof(float) * (size_t)d);
+    }
+    return 0;
+}

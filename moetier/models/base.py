@@ -39,6 +39,10 @@ class Block(nn.Module):
                 a = self.self_attn(x, rope, kv, start, pre=pre)
             else:
                 a = self.self_attn(norm(h), rope, kv, start)
+        return self.mlp_half(h, a)
+
+    def mlp_half(self, h, a):
+        """h + a + mlp(norm(h + a)): the layer after its attention (runtime.cpu_step finishes a layer with it)."""
         norm = self.post_attention_layernorm
         fused = getattr(self.mlp, "add_norm_forward", None)
         out = fused(h, a, norm) if fused is not None else None

@@ -294,7 +294,8 @@ class Engine:
             first = True
             every = 0 if session.cache.can_truncate else self.config.snapshot_every
             step = self._decode_step(session)
-            path = "eager" if step is None else "cuda-graph" if self.device.startswith("cuda") else "cpu-compiled"
+            path = "eager" if step is None else getattr(step, "decode_path", None) or (
+                "cuda-graph" if self.device.startswith("cuda") else "cpu-compiled")
             for ev in generate_stream(self.model, session.cache, ids, ids[cached:], sampler, max_tokens, eos,
                                       detok, stops, logprobs, cancel, self.prefill_chunk, cached,
                                       logits_processor, step, every,
@@ -330,7 +331,8 @@ class Engine:
                 return lambda tok: cpu_step(cache, tok)[-1]
         if self.device == "cpu":
             cpu_compile.eager_blocks(self.model)    # the eager step reads the GGML blocks too
-            return None
+            from .cpu_step import EagerLayers
+            return EagerLayers.get(self.model, session.cache)     # its layers in one C call (None: the modules)
         if not (self.device.startswith("cuda") and self.config.cuda_graphs) \
                 or self.config.kv_offload:  # offloaded KV is written on the host: not capturable
             return None
