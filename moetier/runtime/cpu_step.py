@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import cpu as cpu_kernels
 from ..kernels import small_ops
-from ..models.base import Block
+from ..models.base import Block, CausalLM
 from ..models.layers import Attention, RMSNorm, SoftmaxMoE, SoftmaxRouter
 
 _p, _i64, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -109,8 +109,8 @@ class EagerLayers:
         if got is not None and got.model is model \
                 and all(kv.k is k and kv.v is v for kv, (k, v) in zip(cache.layers, got.kv)):
             return got
-        if model.rope is None or cpu_kernels.backend() != "c":
-            return None
+        if type(model).forward is not CausalLM.forward or model.rope is None or cpu_kernels.backend() != "c":
+            return None     # (a model's own forward: its token is not embed -> layers -> norm -> lm_head)
         layers = model.model.layers
         h = torch.zeros(1, model.args.hidden_size)
         attn, moe, keep = [], [], []
