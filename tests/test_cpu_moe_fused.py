@@ -400,6 +400,7 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
     cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
     ours, ref = Engine.load(path, cfg), Engine.load(path, cfg)
+    monkeypatch.setenv("MOETIER_CPU_LAYERS", "0")   # the modules' calls, counted (cpu_step: test_cpu_small)
     float_bytes = bytes_per_token(ours, 16)["dense"]
     calls = []
     inner, inner_attn = cpu.qlinear_op, cpu.attn_block   # _on_blocks' call (x, blocks, qtype, q8); a block's
@@ -479,6 +480,7 @@ def test_eager_decode_of_a_16_bit_checkpoint_reads_16_bit_copies(tmp_path, monke
     tiny_checkpoint(tmp_path, Qwen3MoeForCausalLM, cfg, scale=4.0, init=round16)
     conf = EngineConfig(device="cpu", dtype="float32", threads=1, progress=False, max_context=128, cpu_compile="off")
     ours, ref = Engine.load(tmp_path, conf), Engine.load(tmp_path, conf)
+    monkeypatch.setenv("MOETIER_CPU_LAYERS", "0")   # the modules' calls, counted (cpu_step: test_cpu_small)
     calls, moe = [], []
     inner, inner_attn, inner_moe = cpu.qlinear_op, cpu.attn_block, cpu.moe_block
     monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))
