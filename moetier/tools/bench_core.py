@@ -352,7 +352,6 @@ def bench_config(engine, model_path: Path, prompt_lens: list[int], gen: int, war
     """repeat: decode at the first prompt length this many times in all; decode_tok_s is then their
     median, decode_tok_s_runs every figure (a shared machine varies +-15% between runs)."""
     vocab = engine.args.vocab_size
-
     params = sample_params(engine) if mode == "sample" else GREEDY
 
     def request(n: int, g: int, seed: int) -> dict:
