@@ -10,8 +10,8 @@ trained model's: top-p alone keeps more tokens here than it would there), and th
     python bench/bench_sampling.py [--vocab 8192,151936] [--rounds 3] [--calls 50] [--threads 1] [--device cuda]
 
 --device cuda: the logits on the GPU, us a call each, its token read back (the sync a decode step has anyway): the
-CUDA sampler (runtime.sampling.DeviceDraw: one graph replay, "cuda_sampler_us"), the same without its graph
-("cuda_eager_us"), the masks and torch.multinomial it replaced ("cuda_masks_multinomial_us"), and the CPU sampler on the
+CUDA sampler (runtime.sampling.DeviceDraw: one graph replay, "cuda_sampler_us"), its MOETIER_SAMPLER=triton form
+("cuda_triton_us"; "triton_path": whether those parameters take it), the default without its graph ("cuda_eager_us"), the masks and torch.multinomial it replaced ("cuda_masks_multinomial_us"), and the CPU sampler on the
 logits copied to the host, the copy included ("host_sampler_us").
 """
 from __future__ import annotations
@@ -101,14 +101,20 @@ def on_cuda(a) -> int:
             eager = make("cuda")
             eager(logits)
             os.environ.pop("MOETIER_SAMPLER_GRAPH")
-            t = {k: [] for k in ("graph", "eager", "old", "host")}
+            os.environ["MOETIER_SAMPLER"] = "triton"
+            tri = make("cuda")
+            tri(logits)
+            os.environ.pop("MOETIER_SAMPLER")
+            t = {k: [] for k in ("graph", "triton", "eager", "old", "host")}
             for _ in range(a.rounds):
                 t["graph"].append(timed(lambda: graph(logits), a.calls))
+                t["triton"].append(timed(lambda: tri(logits), a.calls))
                 t["eager"].append(timed(lambda: eager(logits), a.calls))
                 t["old"].append(timed(lambda: baseline(old, logits), a.calls))
                 t["host"].append(timed(lambda: host(logits.cpu()), a.calls))
             best = {k: min(x) for k, x in t.items()}
             out.append({"vocab": v, "params": name, "cuda_sampler_us": round(best["graph"], 1),
+                        "cuda_triton_us": round(best["triton"], 1), "triton_path": tri._graph.seed is not None,
                         "cuda_eager_us": round(best["eager"], 1), "cuda_masks_multinomial_us": round(best["old"], 1),
                         "host_sampler_us": round(best["host"], 1),
                         "masks_over_graph": round(best["old"] / best["graph"], 2)})

@@ -9,6 +9,7 @@ constexpr) show up before a device call.
                                      # (with and without the add + norm; with x's int8 copy), hint and wait_add
                                      # (with the next layer's norm) kernels; the PDL ones again for sm_80 with PDL
                                      # off (Ampere / Ada have no griddepcontrol)
+    python bench/compile_check.py --sampler   # kernels.triton_sample (MOETIER_SAMPLER=triton)
 """
 from __future__ import annotations
 
@@ -184,5 +185,31 @@ def main() -> int:
     return 1 if bad else 0
 
 
+def sampler() -> int:
+    """kernels.triton_sample's two kernels (MOETIER_SAMPLER=triton) at the shapes a 151,936-token vocabulary gives
+    them (the largest sort: 8,192 int64 keys in one program), each filter combination; `--sampler`."""
+    from moetier.kernels import triton_sample as ts
+    prep = {"x_ptr": "*fp32", "seen_ptr": "*i1", "cnt_ptr": "*fp32", "out_ptr": "*fp32", "pmax_ptr": "*fp32",
+            "psum_ptr": "*fp64", "V": "i32", "t": "fp32", "rep": "fp32", "freq": "fp32", "pres": "fp32"}
+    draw = {"val_ptr": "*fp32", "col_ptr": "*i64", "pmax_ptr": "*fp32", "psum_ptr": "*fp64", "seed_ptr": "*i64",
+            "out_ptr": "*i64", "R": "i32", "M": "i32", "V": "i32", "top_k": "i32", "top_p": "fp32",
+            "log_min_p": "fp32", "KC": "i32"}
+    runs = [(f"sample prep {cols}", ts._prep, {"HAS_REP": True, "HAS_FP": True, "COLS": cols}, prep)
+            for cols in (ts.COLS_TOPK, ts.COLS_TOPP)]
+    for topk, topp, minp, block, rb in ((True, True, False, 2048, 128), (False, True, False, 8192, 32),
+                                        (True, False, True, 4096, 128)):
+        runs.append((f"sample draw k{topk:d} p{topp:d} m{minp:d}", ts._draw,
+                     {"COLS": ts.COLS_TOPK if topk else ts.COLS_TOPP, "HAS_TOPK": topk, "HAS_TOPP": topp,
+                      "HAS_MINP": minp, "BLOCK": block, "RB": rb, "num_warps": 8}, draw))
+    bad = 0
+    for name, fn, const, types in runs:
+        err = compile_for_sm90(fn, {k: v for k, v in const.items() if k != "num_warps"}, types)
+        print(name, "ok" if err is None else err)
+        bad += err is not None
+    return 1 if bad else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--sampler"]:
+        sys.exit(sampler())
     sys.exit(main())

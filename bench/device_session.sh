@@ -230,7 +230,7 @@ for step in $STEPS; do
                                             # g8base: neither; g8ab: default / neither / default / neither in one
                                             # process, --compare's MOETIER_* switches; g8ab3: its first three;
                                             # allsample / g8sample: --decode sample, allsample0 without the
-                                            # sampler's graph)
+                                            # sampler's graph, allsampletri with MOETIER_SAMPLER=triton)
       case $P in
       g9) bench proof48_g9 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 9GiB ;;
       g8) bench proof48_g8 ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB ;;
@@ -279,6 +279,8 @@ for step in $STEPS; do
           --compare "off:MOETIER_ADD_NORM_Q8=0" --compare "default2:" --compare "off2:MOETIER_ADD_NORM_Q8=0" ;;
       allsample) bench proof48_allsample ${P48SECS:-150} $M --prompt-len 512 --gen 48 --decode sample ;;
       allsample0) MOETIER_SAMPLER_GRAPH=0 bench proof48_allsample0 ${P48SECS:-150} $M --prompt-len 512 --gen 48 \
+        --decode sample ;;
+      allsampletri) MOETIER_SAMPLER=triton bench proof48_allsampletri ${P48SECS:-150} $M --prompt-len 512 --gen 48 \
         --decode sample ;;
       g8sample) bench proof48_g8sample ${P48SECS:-150} $M --prompt-len 512 --gen 48 --gpu-mem 8GiB --decode sample ;;
       allold) MOETIER_ROUTER_ADD_NORM=0 bench proof48_allold ${P48SECS:-150} $M --prompt-len 512 --gen 48 ;;

@@ -66,3 +66,15 @@ def test_kernel_regs_counts_programs_per_sm_as_sm90_allocates_registers():
     assert kr.occupancy(72, 4, 256) == (7, "registers")
     assert kr.occupancy(32, 1, 0) == (32, "programs") and kr.occupancy(24, 4, 0) == (16, "warps")
     assert kr.occupancy(32, 1, 100 << 10) == (2, "shared")
+
+
+def test_sampler_kernels_compile_for_sm90():
+    """kernels.triton_sample's two kernels (MOETIER_SAMPLER=triton) compile for sm_90 (bench/compile_check.py
+    --sampler: the shapes a 151,936-token vocabulary gives them, each filter combination)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "compile_check.py"), "--sampler"], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.count(" ok") == 5, r.stdout + r.stderr

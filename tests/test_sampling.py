@@ -258,20 +258,22 @@ def test_device_draw_greedy_with_penalties_and_no_candidate():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sampler", ["torch", "triton"])
 @pytest.mark.parametrize("graph", ["1", "0"])
-def test_cuda_sampler_graph_draws(monkeypatch, graph):
-    """The CUDA Sampler (one graph replay a token, or eager device_draw): tokens inside the filters, frequencies,
-    the same seed the same tokens, penalties read from the sampler's live state, and a clear error when no token can
-    be drawn."""
+def test_cuda_sampler_graph_draws(monkeypatch, graph, sampler):
+    """The CUDA Sampler (one graph replay a token, or eager; device_draw's torch ops, or MOETIER_SAMPLER=triton's
+    kernels): tokens inside the filters, frequencies, the same seed the same tokens, penalties read from the sampler's
+    live state, and a clear error when no token can be drawn."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     monkeypatch.setenv("MOETIER_SAMPLER_GRAPH", graph)
+    monkeypatch.setenv("MOETIER_SAMPLER", sampler)
     x = logits(13, v=5000).cuda()
     p = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=5)
     a, b = Sampler(p, 5000, "cuda", [1, 2, 3]), Sampler(p, 5000, "cuda", [1, 2, 3])
     ta = [a(x) for _ in range(2000)]
     assert ta[:50] == [b(x) for _ in range(50)]
-    assert (a._graph.graph is not None) == (graph == "1")
+    assert (a._graph.graph is not None) == (graph == "1") and (a._graph.seed is not None) == (sampler == "triton")
     y = filter_logits(apply_penalties(x, a.seen, a.counts, p) / 0.7, 40, 0.9)
     assert set(ta) <= kept(y.cpu())
     want = torch.softmax(y.double(), -1).cpu()
@@ -313,3 +315,48 @@ def test_device_draw_on_a_large_vocabulary(kw):
     want = torch.softmax(y.double(), -1)
     got = torch.bincount(toks, minlength=20000).double() / len(toks)
     assert (got - want).abs().max() < 4 * math.sqrt(want.max() / len(toks)) + 2e-3
+
+
+@pytest.mark.parametrize("v,kw", [(300, dict(top_k=5)), (64, dict(top_p=0.9)),
+                                  (64, dict(top_k=10, top_p=0.6, repetition_penalty=1.3, frequency_penalty=0.2))])
+def test_triton_draw_samples_inside_the_filters_with_their_probabilities(monkeypatch, v, kw):
+    """kernels.triton_sample (MOETIER_SAMPLER=triton's draw; Triton's interpreter here, small sorts: it is slow)
+    over rows of 64 / 16 logits (several rows, as 151,936 logits make): tokens inside filter_logits' sets of the
+    penalised, tempered logits, 160 draws' frequencies against the softmax over them; the counter advances a draw."""
+    from moetier.kernels import triton_sample
+    from moetier.runtime.sampling import _penalties_dense
+    monkeypatch.setattr(triton_sample, "COLS_TOPK", 64 if v == 300 else 16)
+    monkeypatch.setattr(triton_sample, "COLS_TOPP", 16)
+    x = logits(18, v=v)
+    p = SamplingParams(temperature=0.8, **kw)
+    seen = torch.zeros(v, dtype=torch.bool)
+    seen[::7] = True
+    counts = (torch.arange(v) % 3).float()
+    seed = torch.tensor([5], dtype=torch.int64)
+    toks = torch.stack([triton_sample.triton_draw(x, seen, counts, p, seed, 16) for _ in range(160)])
+    assert toks[:, 1:].eq(1).all() and int(seed) == 165
+    y = filter_logits(_penalties_dense(x, seen, counts, p) / 0.8, p.top_k, p.top_p, p.min_p)
+    assert set(toks[:, 0].tolist()) <= kept(y)
+    want = torch.softmax(y.double(), -1)
+    got = torch.bincount(toks[:, 0], minlength=v).double() / len(toks)
+    assert (got - want).abs().max() < 4 * math.sqrt(want.max() / len(toks)) + 2e-3
+
+
+def test_triton_draw_flags_a_partial_nucleus_and_repeats_a_seed():
+    """Top-p alone over flat logits whose 16 largest hold less than p: the flag is 0 (DeviceDraw then draws over all
+    V); the same counter, the same token; min-p with top-k; what `supported` leaves to device_draw."""
+    from moetier.kernels import triton_sample
+    x = logits(19, v=300)
+    z = (torch.zeros(300, dtype=torch.bool), torch.zeros(300))
+    p, sharp = SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.3, top_p=0.9)
+    assert triton_sample.triton_draw(x, *z, p, torch.tensor([1]), 16)[2] == 0     # 35 tokens reach 0.9
+    a = triton_sample.triton_draw(x, *z, sharp, torch.tensor([77]), 16)
+    assert a[2] == 1 and torch.equal(a, triton_sample.triton_draw(x, *z, sharp, torch.tensor([77]), 16))
+    q = SamplingParams(temperature=0.5, top_k=40, min_p=0.2)
+    y = filter_logits(x / 0.5, 40, 1.0, 0.2)
+    toks = {int(triton_sample.triton_draw(x, *z, q, torch.tensor([s]), 256)[0]) for s in range(20)}
+    assert toks <= kept(y)
+    assert not triton_sample.supported(SamplingParams(temperature=0.7), 300)
+    assert not triton_sample.supported(SamplingParams(temperature=0.7, min_p=0.1), 300)
+    assert not triton_sample.supported(SamplingParams(temperature=0.7, top_k=64), 300)
+    assert triton_sample.supported(SamplingParams(temperature=0.7, top_k=20, top_p=0.8), 151936)

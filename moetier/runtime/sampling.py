@@ -235,9 +235,13 @@ class DeviceDraw:
     GPU work: 601 against 617 tok/s, session 38)."""
 
     def __init__(self, sampler: "Sampler", vocab: int):
+        from ..kernels import triton_sample
         self.s = sampler
         self.x = torch.empty(vocab, dtype=torch.float32, device=sampler.device)
         self.graph = self.out = None
+        self.seed = None        # MOETIER_SAMPLER=triton: kernels.triton_sample's draw, its counter seeded from gen
+        if os.environ.get("MOETIER_SAMPLER") == "triton" and triton_sample.supported(sampler.p, vocab):
+            self.seed = torch.randint(0, 1 << 62, (1,), generator=sampler.gen, device=sampler.device)
         if os.environ.get("MOETIER_SAMPLER_GRAPH", "1") != "0":
             try:
                 self._capture()
@@ -246,11 +250,15 @@ class DeviceDraw:
                 self.graph = self.out = None
 
     def _draw(self) -> torch.Tensor:
+        if self.seed is not None:
+            from ..kernels.triton_sample import triton_draw
+            return triton_draw(self.x, self.s.seen, self.s.counts, self.s.p, self.seed, DEVICE_NUCLEUS)
         return device_draw(self.x, self.s.seen, self.s.counts, self.s.p, self.s.gen)
 
     def _capture(self) -> None:
         self.x.normal_()
         state = self.s.gen.get_state()
+        seed = None if self.seed is None else self.seed.clone()
         side = torch.cuda.Stream(self.x.device)
         side.wait_stream(torch.cuda.current_stream(self.x.device))
         with torch.inference_mode(), torch.cuda.stream(side):   # warm-up: lazy initialisations stay out of the graph
@@ -262,6 +270,8 @@ class DeviceDraw:
         with torch.inference_mode(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             out = self._draw()
         self.s.gen.set_state(state)         # the warm-up's and the capture's draws are not the sequence's
+        if seed is not None:
+            self.seed.copy_(seed)
         self.graph, self.out = graph, out
 
     def __call__(self, logits: torch.Tensor) -> int:
