@@ -94,6 +94,8 @@ def test_penalties_match_definitions(how):
             v = v / 1.3 if v > 0 else v * 1.3
         v -= 0.25 * counts[i].item() + 0.5 * (counts[i].item() > 0)
         assert out[i].item() == pytest.approx(v, abs=1e-5)
+    # the CPU's (numpy on float32) and CUDA's (torch over the vocabulary) the same bits
+    assert torch.equal(sampling._penalties_sparse(x, seen, counts, p), sampling._penalties_dense(x, seen, counts, p))
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
@@ -360,3 +362,22 @@ def test_triton_draw_flags_a_partial_nucleus_and_repeats_a_seed():
     assert not triton_sample.supported(SamplingParams(temperature=0.7, min_p=0.1), 300)
     assert not triton_sample.supported(SamplingParams(temperature=0.7, top_k=64), 300)
     assert triton_sample.supported(SamplingParams(temperature=0.7, top_k=20, top_p=0.8), 151936)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=40, top_p=0.9), dict(top_k=20), dict(top_k=30, min_p=0.05),
+                                dict(top_k=50, top_p=0.6, min_p=0.01)])
+def test_cpu_top_k_draw_samples_the_filters_sets(kw):
+    """The CPU sampler's top-k path in numpy (_top_k_draw): 3,000 draws inside filter_logits' set with the softmax's
+    frequencies over it; a tie at the k-th leaves it to candidates (None)."""
+    from moetier.runtime.sampling import _top_k_draw
+    x = logits(20, v=2000) / 0.7
+    p = SamplingParams(temperature=0.7, **kw)
+    g = torch.Generator().manual_seed(2)
+    toks = torch.tensor([_top_k_draw(x, p, g) for _ in range(3000)])
+    y = filter_logits(x, p.top_k, p.top_p, p.min_p)
+    assert set(toks.tolist()) <= kept(y)
+    want = torch.softmax(y.double(), -1)
+    got = torch.bincount(toks, minlength=2000).double() / len(toks)
+    assert (got - want).abs().max() < 4 * math.sqrt(want.max() / len(toks)) + 2e-3
+    tied = torch.randint(0, 5, (2000,), generator=torch.Generator().manual_seed(1)).float()
+    assert _top_k_draw(tied, p, g) is None
