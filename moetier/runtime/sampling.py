@@ -252,7 +252,7 @@ class DeviceDraw:
     GPU work: 601 against 617 tok/s, session 38)."""
 
     def __init__(self, sampler: "Sampler", vocab: int):
-        from ..kernels import triton_sample
+        from ..kernels import triton_sample        # (here: a CPU engine never imports Triton for its sampler)
         self.s = sampler
         self.x = torch.empty(vocab, dtype=torch.float32, device=sampler.device)
         self.graph = self.out = None
