@@ -249,8 +249,18 @@ class Attention(nn.Module):
         the qkv GEMV, decode_attention, the o GEMV) where the engine gave this module its GEMVs' blocks
         (cpu_token_planes, runtime.cpu_compile): eagerly, and as the op moetier::attn_block while the compiled CPU
         step is traced (small_ops.TRACE_BLOCKS); None otherwise (Block norms and calls forward)."""
+        args = self.token_block(h, norm, kv, start) if rope is not None else None
+        if args is None:
+            return None
+        p, qw, kw, eps = args
+        return small_ops.attn_block(h, norm.weight, norm.eps, p, qw, kw, eps, rope, start, kv, self.h, self.hkv,
+                                    self.scale)
+
+    def token_block(self, h: torch.Tensor, norm: nn.Module, kv: KVCache, start) -> tuple | None:
+        """(planes, q norm weight, k norm weight, their eps) of norm_token's one C call for this token, or None where
+        it makes none (runtime.cpu_step builds a session's calls from it)."""
         planes = self.__dict__.get("cpu_token_planes")
-        if planes is None or rope is None or type(norm) is not RMSNorm or type(self).forward is not Attention.forward:
+        if planes is None or type(norm) is not RMSNorm or type(self).forward is not Attention.forward:
             return None
         p = planes(h)
         if p is None:
@@ -262,9 +272,7 @@ class Attention(nn.Module):
                                                       start):
             return None
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        eps = self.q_norm.eps if self.qk_norm else 0.0
-        return small_ops.attn_block(h, norm.weight, norm.eps, p, qw, kw, eps, rope, start, kv, self.h, self.hkv,
-                                    self.scale)
+        return p, qw, kw, self.q_norm.eps if self.qk_norm else 0.0
 
     def q8_input(self, x: torch.Tensor) -> bool:
         """forward takes `pre`, x's int8 copy, for its qkv GEMVs (Block then norms and quantizes in one launch)."""
@@ -612,8 +620,7 @@ class SoftmaxMoE(nn.Module):
         out = routed(h, a, norm, gate) if routed is not None else None
         if out is not None:
             return out
-        planes = getattr(self.experts, "cpu_token_planes", None)
-        planes = planes(h) if planes is not None and not h.is_cuda else None
+        planes = self.token_planes(h)
         if planes is not None:           # an eager CPU token: router, experts and the residual add in one C call
             return small_ops.moe_block(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize, planes)
         out = small_ops.router_topk_add_norm(h, a, norm.weight, norm.eps, gate.weight, gate.k, gate.normalize)
@@ -621,6 +628,12 @@ class SoftmaxMoE(nn.Module):
             return None
         s, x, ids, w = out
         return small_ops.add_norm_q8(s, self.experts(x, ids, w), self.next_input())
+
+    def token_planes(self, h: torch.Tensor) -> tuple | None:
+        """The experts' planes of add_norm_forward's one C call for an eager CPU token (their cpu_token_planes), or
+        None (runtime.cpu_step builds a session's calls from them)."""
+        planes = getattr(self.experts, "cpu_token_planes", None)
+        return planes(h) if planes is not None and not h.is_cuda else None
 
     def next_input(self) -> tuple[nn.Module, nn.Module] | None:
         """(input norm, attention) of the decoder block after this one (next_block), or None (the last block)."""

@@ -38,24 +38,18 @@ class MoeArgs(ctypes.Structure):
 
 def _attn_args(block, kv, h, keep: list) -> AttnArgs | None:
     """The attention half's arguments where Attention.norm_token would make its C call for this session's tokens
-    (every check but the position's, which EagerLayers.__call__ makes a token), else None."""
+    (Attention.token_block's checks at position 0; EagerLayers.__call__ checks the position's bound a token)."""
     attn, norm = block.self_attn, block.input_layernorm
-    planes = attn.__dict__.get("cpu_token_planes")
-    if planes is None or type(attn).forward is not Attention.forward or type(norm) is not RMSNorm:
+    args = attn.token_block(h, norm, kv, 0) if type(attn).forward is Attention.forward else None
+    if args is None or len(args[0][0]) > 3 or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32:
         return None
-    p = planes(h)
-    if p is None or not small_ops.attn_block_ok(h, norm.weight, kv, attn.window, attn.sinks, attn.h, attn.dh, 0):
-        return None
-    parts, ot, wo, q8 = p
-    if len(parts) > 3 or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32:
-        return None
-    qw, kw = ((attn.q_norm.weight.float().contiguous(), attn.k_norm.weight.float().contiguous()) if attn.qk_norm
-              else (None, None))
-    keep += [p, qw, kw, norm.weight]
+    (parts, ot, wo, q8), qw, kw, qk_eps = args
+    qw, kw = (None if w is None else w.float().contiguous() for w in (qw, kw))
+    keep += [args, qw, kw]
     a = AttnArgs(nw=norm.weight.data_ptr(), wo=wo.data_ptr(), qw=qw.data_ptr() if qw is not None else None,
                  kw=kw.data_ptr() if kw is not None else None, kc=kv.k.data_ptr(), vc=kv.v.data_ptr(),
                  o_stride=wo.stride(0), ot=ot, q8=int(q8), nh=attn.h, hkv=attn.hkv, dh=kv.k.shape[-1],
-                 eps=norm.eps, qk_eps=attn.q_norm.eps if attn.qk_norm else 0.0, scale=attn.scale)
+                 eps=norm.eps, qk_eps=qk_eps, scale=attn.scale)
     for i, (t, w) in enumerate(parts):
         a.t[i], a.w[i], a.s[i], a.n[i] = t, w.data_ptr(), w.stride(0), w.shape[0]
     return a
@@ -67,12 +61,11 @@ def _moe_args(block, h, keep: list) -> MoeArgs | None:
     mlp, norm = block.mlp, block.post_attention_layernorm
     if type(mlp) is not SoftmaxMoE or type(mlp.gate) is not SoftmaxRouter or type(norm) is not RMSNorm:
         return None
-    gate, experts = mlp.gate, mlp.experts
-    planes = getattr(experts, "cpu_token_planes", None)
-    if planes is None or getattr(experts, "add_norm_routed", None) is not None \
+    gate = mlp.gate
+    if getattr(mlp.experts, "add_norm_routed", None) is not None \
             or not small_ops.router_add_norm_ok(h, h, norm.weight, gate.weight, gate.k):
         return None
-    p = planes(h)
+    p = mlp.token_planes(h)
     if p is None:
         return None
     gq, dq, g, u, d, q8 = p
