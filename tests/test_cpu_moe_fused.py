@@ -122,8 +122,9 @@ def test_exact_blocks_finds_the_stored_format():
 def test_compiled_step_on_quantized_gguf(tmp_path, qtype):
     """A GGUF file with --cpu-compile on keeps its experts packed, multiplies its other Q8_0/Q4_0 weights
     on quantized copies, decodes through the AOT step, and follows the same file with its experts
-    dequantized (eager, float activations) up to the int8 activations (Q8_ACTIVATIONS)."""
-    path = quantize(build_qwen3_moe(tmp_path / "model"), qtype, tmp_path / f"m-{qtype}.gguf")
+    dequantized (eager, float activations) up to the int8 activations (Q8_ACTIVATIONS). --pure: llama.cpp's Q4_0 mix
+    would store this 8-expert model's attn_k / attn_v as Q8_0."""
+    path = quantize(build_qwen3_moe(tmp_path / "model"), qtype, tmp_path / f"m-{qtype}.gguf", pure=True)
     fast = compiled_follows_eager(path)
     assert any(isinstance(m, QuantExperts) for m in fast.model.modules())
     assert getattr(fast.model.lm_head, "weight_q", None) is not None       # its quantized copy
@@ -278,7 +279,7 @@ def test_block_ops_are_the_c_calls(tmp_path):
     """moetier::attn_block / moe_block (what the compiled step calls): their Python kernels and cpu_ops.cpp's C++
     ones give cpu.attn_block / moe_block's outputs and cache rows bit for bit, at a 0-d position tensor."""
     import shutil
-    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m.gguf")
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m.gguf", pure=True)
     eng = Engine.load(path, EngineConfig(device="cpu", threads=1, progress=False, max_context=64, cpu_compile="off"))
     eng.complete(prompt_ids=[5, 6, 7], max_tokens=2, params=SamplingParams(temperature=0), ignore_eos=True)
     blk = eng.model.model.layers[0]
@@ -397,7 +398,7 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     multiply on its blocks too, and its experts on their copies interleaved by 8 (cpu_compile.eager_blocks): the
     logits follow the float copies' up to the int8 activations, and the bench's byte count is the blocks'."""
     from moetier.tools.bench_core import bytes_per_token
-    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf", pure=True)
     cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
     ours, ref = Engine.load(path, cfg), Engine.load(path, cfg)
     monkeypatch.setenv("MOETIER_CPU_LAYERS", "0")   # the modules' calls, counted (cpu_step: test_cpu_small)
@@ -536,7 +537,7 @@ def test_prefill_multiplies_q4_0_blocks_through_qgemm(tmp_path, monkeypatch):
     GGUF file's Q4_0 projections multiply the prompt's rows on their blocks (cpu.qgemm: stacked q/k/v and o, every
     layer, and the lm_head); the logits stay those of the float prefill up to the int8 activations. Off: the float
     GEMMs, no qgemm."""
-    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf", pure=True)
     cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
     calls, inner = [], cpu.qgemm
     monkeypatch.setattr(cpu, "qgemm", lambda *a, **k: calls.append(a[2].shape) or inner(*a, **k))
@@ -589,7 +590,7 @@ def test_moe_tokens_on_experts_interleaved_by_8(qtype):
 def test_x8_experts_follow_ram_or_the_asking_process(tmp_path, monkeypatch):
     """The experts' x8 copies are made where MemAvailable holds twice the experts, or as the process whose background
     build this is decided (cpu_compile.x8_decided): the package key names them, so both processes must agree."""
-    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf")
+    path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf", pure=True)
     model = Engine.load(path, EngineConfig(device="cpu", threads=1, progress=False, max_context=64,
                                            cpu_compile="off")).model
     experts = [m for m in model.modules() if isinstance(m, QuantExperts)]

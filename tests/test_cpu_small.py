@@ -152,7 +152,8 @@ def test_eager_blocks_are_their_separate_calls(tmp_path, monkeypatch, qtype):
     """An eager CPU token of a GGUF file (packed experts; BF16: float32 weights on their 16-bit copies) makes each
     block's attention half (cpu.attn_block: norm, qkv, attention, o) and MoE half (cpu.moe_block: router, experts,
     residual add) in one C call each, with the logits of the separate calls (the planes hidden) bit for bit."""
-    # Q4_K_M: 256-wide rows, so q / k take Q4_K and v Q6_K in some layers (three GEMV parts there)
+    # Q4_K_M: 256-wide rows, so q / k take Q4_K and v Q6_K in some layers (three GEMV parts there); Q4_0: llama.cpp's
+    # mix keeps an 8-expert model's attn_k / attn_v in Q8_0 (three parts: q Q4_0, k, v)
     kw = dict(hidden_size=256, moe_intermediate_size=256, head_dim=64) if qtype == "Q4_K_M" else {}
     path = quantize(build_qwen3_moe(tmp_path / "model", **kw), qtype, tmp_path / f"m-{qtype}.gguf")
     eng = Engine.load(path, EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
@@ -162,7 +163,7 @@ def test_eager_blocks_are_their_separate_calls(tmp_path, monkeypatch, qtype):
     x = torch.randn(1, eng.args.hidden_size)
     assert all(m.cpu_token_planes(x) is not None for m in experts + attns)
     parts = [len(m.cpu_token_planes(x)[0]) for m in attns]                 # q/k/v stacked, or three of their own
-    assert parts == [3 if qtype == "Q4_K_M" else 1] * len(attns)
+    assert parts == [3 if qtype in ("Q4_K_M", "Q4_0") else 1] * len(attns)
     calls = counted(monkeypatch, moe_block="moe_block", attn_block="attn_block")
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, eng.args.vocab_size, (9,), generator=g)

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 
 from helpers import max_rel_err, ours_logits, tiny_checkpoint
-from moetier.commands.quantize import quantize, tensor_type
+from moetier.commands.quantize import quantize
 from moetier.errors import CheckpointError
 from moetier.weights.loader import load_model
 
@@ -166,6 +167,11 @@ def test_other_architectures_roundtrip(arch, tmp_path):
     assert max_rel_err(got, want) <= 1e-6
 
 
+def tensor_type(name, shape, ftype, n_layer, n_expert, names=(), **kw):
+    from moetier.quant.mixes import Mix
+    return Mix(ftype, n_layer, n_expert, names=[*names, name, "output.weight"], **kw).tensor_type(name, shape)
+
+
 def test_mix_types_follow_llama_cpp():
     n = 48
     assert tensor_type("output.weight", (320, 256), "Q4_K_M", n, 128) == "Q6_K"
@@ -178,6 +184,68 @@ def test_mix_types_follow_llama_cpp():
     # rows that 256 does not divide fall back as llama.cpp does: Q4_K -> Q5_0, then F16
     assert tensor_type("blk.7.ffn_up_exps.weight", (8, 32, 64), "Q4_K_M", n, 8) == "Q5_0"
     assert tensor_type("blk.7.ffn_up_exps.weight", (8, 32, 48), "Q4_K_M", n, 8) == "F16"
+
+
+@pytest.mark.parametrize("ftype,name,shape,want", [
+    # llama-quantize's Qwen3-30B-A3B files (48 layers, 128 experts, 32 / 4 heads): the tensors the mixes move
+    ("Q4_0", "output.weight", (151936, 2048), "Q6_K"), ("Q4_0", "token_embd.weight", (151936, 2048), "Q4_0"),
+    ("Q3_K_M", "blk.2.ffn_down_exps.weight", (128, 2048, 768), "Q5_K"),
+    ("Q3_K_M", "blk.3.ffn_down_exps.weight", (128, 2048, 768), "Q4_K"),
+    ("Q3_K_M", "blk.1.attn_v.weight", (512, 2048), "Q5_K"), ("Q3_K_M", "blk.2.attn_v.weight", (512, 2048), "Q4_K"),
+    ("Q3_K_M", "blk.9.attn_output.weight", (2048, 4096), "Q4_K"),
+    ("Q2_K", "blk.9.ffn_down_exps.weight", (128, 2048, 768), "Q3_K"),
+    ("Q2_K", "blk.9.attn_v.weight", (512, 2048), "Q4_K"),
+    ("IQ3_XXS", "blk.9.attn_q.weight", (4096, 2048), "IQ2_S"),
+    ("IQ3_XXS", "token_embd.weight", (151936, 2048), "IQ3_S"),
+    ("IQ3_XXS", "blk.5.ffn_down_exps.weight", (128, 2048, 768), "Q4_K"),
+    ("IQ3_XXS", "blk.6.ffn_down_exps.weight", (128, 2048, 768), "Q3_K"),
+    ("IQ3_XXS", "output.weight", (151936, 2048), "Q5_K"),
+    ("IQ2_XXS", "blk.5.ffn_down_exps.weight", (128, 2048, 768), "Q2_K"),
+    ("IQ2_XXS", "blk.6.ffn_down_exps.weight", (128, 2048, 768), "IQ2_XXS"),
+    ("IQ1_M", "blk.9.attn_output.weight", (2048, 4096), "IQ2_XXS"),
+    ("IQ1_M", "token_embd.weight", (151936, 2048), "Q2_K"),
+    ("IQ3_M", "blk.9.attn_v.weight", (512, 2048), "Q4_K"),
+    ("IQ3_M", "blk.9.ffn_up_exps.weight", (128, 768, 2048), "IQ3_S"),
+    ("MXFP4_MOE", "blk.9.ffn_up_exps.weight", (128, 768, 2048), "MXFP4"),
+    ("MXFP4_MOE", "blk.9.attn_q.weight", (4096, 2048), "Q8_0"), ("MXFP4_MOE", "output.weight", (151936, 2048), "Q8_0"),
+])
+def test_file_type_mixes(ftype, name, shape, want):
+    names = [f"blk.{i}.{t}.weight" for i in range(48) for t in ("attn_v", "ffn_down_exps")]
+    assert tensor_type(name, shape, ftype, 48, 128, names, n_gqa=8) == want
+
+
+def test_imatrix_changes_the_mix_and_the_low_bit_types_need_one(qwen_dir, tmp_path):
+    """An importance matrix (llama.cpp's GGUF form, written here) reaches the quantizer per expert; IQ2_XXS refuses to
+    run without one; with one, the file loads and its Q4_0 rows differ from the reference quantizer's."""
+    pytest.importorskip("libgguf")
+    import gguf
+    from moetier.errors import UserError
+    from moetier.weights.gguf import GGUFFile
+    d = build_qwen3_moe(tmp_path / "wide", hidden_size=256, moe_intermediate_size=256, intermediate_size=256,
+                        num_attention_heads=4, head_dim=64)
+    with pytest.raises(UserError, match="needs an importance matrix"):
+        quantize(d, "IQ2_XXS", tmp_path / "no.gguf")
+    plain = GGUFFile(quantize(d, "Q4_0", tmp_path / "plain.gguf"))
+    g = np.random.default_rng(0)
+    w = gguf.GGUFWriter(tmp_path / "imatrix.gguf", "imatrix")
+    w.add_type("imatrix")
+    for n in plain.keys():
+        shape = plain.shape(n)
+        if len(shape) >= 2 and "norm" not in n and "gate_inp" not in n:
+            mats = shape[0] if len(shape) == 3 else 1
+            w.add_tensor(n + ".in_sum2", (g.random((mats, shape[-1])) * 10 + 0.1).astype(np.float32))
+            w.add_tensor(n + ".counts", np.full((mats, 1), 10.0, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    weighted = GGUFFile(quantize(d, "Q4_0", tmp_path / "weighted.gguf", imatrix=tmp_path / "imatrix.gguf"))
+    name = "blk.0.ffn_gate_exps.weight"
+    assert weighted.qtype(name) == plain.qtype(name) == 2
+    assert not torch.equal(weighted.raw(name), plain.raw(name))
+    assert (weighted.tensor(name) - plain.tensor(name)).abs().max() < 0.5 * plain.tensor(name).abs().max()
+    iq2 = GGUFFile(quantize(d, "IQ2_XXS", tmp_path / "iq2.gguf", imatrix=tmp_path / "imatrix.gguf"))
+    assert iq2.qtype("blk.1.ffn_up_exps.weight") == 16 and iq2.qtype("blk.0.attn_v.weight") == 12  # IQ2_XXS, Q4_K
 
 
 def test_k_quant_mix_loads(qwen_dir, tmp_path):

@@ -313,7 +313,7 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
     from moetier.commands.quantize import quantize
     model = build_qwen3_moe(tmp_path / "model", hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
                             num_hidden_layers=4, mlp_only_layers=[1], num_experts=16, num_experts_per_tok=4)
-    path = quantize(model, qtype, tmp_path / f"m-{qtype}.gguf")
+    path = quantize(model, qtype, tmp_path / f"m-{qtype}.gguf", pure=True)
     prompt = torch.randint(0, 300, (96,), generator=torch.Generator().manual_seed(3)).tolist()
     pl = make_placement(path, EngineConfig(max_context=CTX + 64, ram_mem=1 << 34, gpu_mem=1 << 34), "cuda",
                         torch.bfloat16, CTX + 64)
@@ -368,7 +368,7 @@ def wide_q4_0(tmp_path):
     from moetier.commands.quantize import quantize
     model = build_qwen3_moe(tmp_path / "model", hidden_size=1024, moe_intermediate_size=256, intermediate_size=512,
                             num_hidden_layers=3, num_experts=16, num_experts_per_tok=4)
-    return quantize(model, "Q4_0", tmp_path / "m.gguf")
+    return quantize(model, "Q4_0", tmp_path / "m.gguf", pure=True)     # lm_head Q4_0 too (no mix)
 
 
 def tiered_logprobs(path, **kw) -> tuple[list, dict]:

@@ -117,7 +117,7 @@ def test_graph_prefill_gives_the_eager_tokens(tmp_path, fmt, monkeypatch):
     path = model
     if fmt != "bf16":
         from moetier.commands.quantize import quantize
-        path = quantize(model, fmt, tmp_path / f"m-{fmt}.gguf")
+        path = quantize(model, fmt, tmp_path / f"m-{fmt}.gguf", pure=True)
     monkeypatch.setenv("MOETIER_PREFILL_GRAPH_MAX", "256")
     eng = Engine.load(path, EngineConfig(progress=False, device="cuda", dtype="bfloat16", max_context=320))
     pg = eng._prefill_graphs()

@@ -2,11 +2,13 @@
 llama.cpp loads (its tensor names, metadata and tokenizer keys).
 
 Tensors stream one at a time (read lazily, quantized, written), so memory stays near one layer's
-experts. Legacy types (Q8_0, Q4_0, F16, BF16) use gguf-py's numpy quantizers; K/i-quant mixes
-(Q4_K_M ...) use the `libgguf` package (ggml's reference quantizers) and llama.cpp's mix rules.
+experts. Which tensor takes which type follows llama-quantize's mixes (quant/mixes.py). Q8_0, Q4_0, F16
+and BF16 rows use gguf-py's numpy quantizers; the K- and i-quants, and any rows with an importance matrix
+(--imatrix), the `libgguf` package (ggml's quantizers).
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
@@ -15,23 +17,27 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UserError
+from ..quant.mixes import FILE_TYPES, Mix
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q4_K_S", "Q5_K_M", "Q6_K", "IQ4_XS"]
-FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
-             "IQ4_XS": 30, "BF16": 32}   # llama_ftype
-MIX_DEFAULT = {"Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "IQ4_XS": "IQ4_XS"}
-# a 256-block type on rows it does not divide -> llama.cpp's fallback (then F16 if that fails too)
-FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+TYPES = list(FILE_TYPES)
+log = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("quantize", help="write a GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_K_M ...) from a model",
+    p = sub.add_parser("quantize", help="write a GGUF (F32/F16/BF16/Q8_0/Q4_0/Q4_K_M/IQ3_XXS ...) from a model",
                        description="Convert SRC (a Hugging Face model directory or a GGUF file) into a GGUF file "
-                                   "of the chosen type that both moetier and llama.cpp load. Norms, routers and "
-                                   "biases stay F32, as llama.cpp keeps them. K-quant mixes need `pip install libgguf`.")
+                                   "of the chosen type that both moetier and llama.cpp load, with llama-quantize's "
+                                   "per-tensor mixes. Norms, routers and biases stay F32, as llama.cpp keeps them. "
+                                   "K- and i-quants need `pip install libgguf`.")
     p.add_argument("src", metavar="SRC", help="model directory (config.json + *.safetensors) or .gguf file")
     p.add_argument("--type", "-t", dest="qtype", default="Q8_0", type=str.upper, choices=TYPES,
-                   help="storage type (default Q8_0); Q4_K_M etc. are llama.cpp's per-tensor mixes")
+                   help="file type, as llama-quantize names them (default Q8_0): " + ", ".join(TYPES))
+    p.add_argument("--imatrix", default=None, metavar="FILE",
+                   help="importance matrix (llama-imatrix's .gguf or legacy .dat): better low-bit quants; required "
+                        "for IQ1_S, IQ2_XXS, IQ2_XS")
+    p.add_argument("--pure", action="store_true",
+                   help="every quantized tensor in the type's default format, no per-tensor mix "
+                        "(llama-quantize --pure)")
     p.add_argument("--out", "-o", default=None, metavar="FILE.gguf", help="output file (default: next to SRC)")
     p.add_argument("--split-max-tensors", type=int, default=0, metavar="N",
                    help="write a split set (-00001-of-0000N.gguf) with at most N tensors per file")
@@ -39,7 +45,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    out = quantize(args.src, args.qtype, args.out, split_max_tensors=args.split_max_tensors, progress=True)
+    out = quantize(args.src, args.qtype, args.out, split_max_tensors=args.split_max_tensors, progress=True,
+                   imatrix=args.imatrix, pure=args.pure)
     print(out)
     return 0
 
@@ -49,64 +56,32 @@ def _gtype(name: str):
     return GGMLQuantizationType[name]
 
 
-def use_more_bits(layer: int, n_layer: int) -> bool:
-    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
-
-
-def tensor_type(name: str, shape: tuple, ftype: str, n_layer: int, n_expert: int) -> str:
-    """The storage type of one GGUF tensor, following llama.cpp (convert_hf_to_gguf.py for plain
-    types, llama-quant.cpp's llama_tensor_get_type for the K mixes)."""
-    keep_f32 = ("_norm.weight", "ffn_gate_inp.", "exp_probs_b", "attn_sinks")
-    if len(shape) < 2 or not name.endswith(".weight") or any(k in name for k in keep_f32):
-        return "F32"
-    t = MIX_DEFAULT.get(ftype, ftype)
-    if ftype in MIX_DEFAULT:
-        m = re.match(r"^blk\.(\d+)\.", name)
-        layer = int(m[1]) if m else None
-        more = layer is not None and use_more_bits(layer, n_layer)
-        if name == "output.weight":
-            t = "Q6_K"
-        elif "attn_v.weight" in name:
-            if n_expert == 8:
-                t = "Q8_0"
-            elif ftype in ("Q4_K_M", "Q5_K_M") and more:
-                t = "Q6_K"
-            elif ftype == "Q4_K_S" and layer < 4:
-                t = "Q5_K"
-        elif "attn_k.weight" in name and n_expert == 8:
-            t = "Q8_0"
-        elif "ffn_down" in name:
-            if ftype in ("Q4_K_M", "Q5_K_M") and more:
-                t = "Q6_K"
-            elif ftype in ("Q4_K_S", "IQ4_XS") and layer < n_layer // 8:
-                t = "Q5_K"
-        elif "attn_output.weight" in name and n_expert == 8 and ftype in ("Q4_K_M", "Q4_K_S", "IQ4_XS"):
-            t = "Q5_K"
-    from gguf import GGML_QUANT_SIZES
-    if shape[-1] % GGML_QUANT_SIZES[_gtype(t)][0]:
-        t = FALLBACK.get(t, t)
-        if shape[-1] % GGML_QUANT_SIZES[_gtype(t)][0]:
-            t = "F16"
-    return t
-
-
-def encode(t: torch.Tensor, qtype: str) -> np.ndarray:
-    """float tensor -> the stored array (float32 / float16, or uint8 [..., bytes per row])."""
+def encode(t: torch.Tensor, qtype: str, importance: np.ndarray | None = None) -> np.ndarray:
+    """float tensor -> the stored array (float32 / float16, or uint8 [..., bytes per row]). `importance`: the
+    tensor's imatrix entry ([K], or [E * K] for experts [E, N, K]: one K-slice per expert, as llama-quantize)."""
     a = t.detach().float().contiguous().numpy()
     if qtype == "F32":
         return a
     if qtype == "F16":
         return a.astype(np.float16)
     from gguf.quants import quantize
-    try:
-        return quantize(a, _gtype(qtype))
-    except NotImplementedError:
-        pass
+    if importance is None or qtype == "BF16":
+        try:
+            return quantize(a, _gtype(qtype))
+        except NotImplementedError:
+            pass
     try:
         import libgguf
     except ImportError:
         raise UserError(f"quantizing to {qtype} needs ggml's quantizers: pip install libgguf") from None
-    return libgguf.quantize_rows(a, int(_gtype(qtype)))
+    if importance is None:
+        return libgguf.quantize_rows(a, int(_gtype(qtype)))
+    k = a.shape[-1]
+    mats = a.reshape(-1, *a.shape[-2:]) if a.ndim == 3 else a[None]
+    parts = [libgguf.quantize_rows(np.ascontiguousarray(m), int(_gtype(qtype)),
+                                   imatrix=importance[i * k:(i + 1) * k] if importance.size > k else importance)
+             for i, m in enumerate(mats)]
+    return np.stack(parts).reshape(*a.shape[:-1], -1)
 
 
 # ---------------------------------------------------------------- sources: (metadata, tensor groups)
@@ -187,8 +162,9 @@ def default_out(src: Path, qtype: str) -> Path:
 
 
 def quantize(src: str | Path, qtype: str = "Q8_0", out: str | Path | None = None, split_max_tensors: int = 0,
-             progress: bool = False) -> Path:
-    """Write SRC as a GGUF of `qtype`; -> the output path (the first part of a split set)."""
+             progress: bool = False, imatrix: str | Path | None = None, pure: bool = False) -> Path:
+    """Write SRC as a GGUF of file type `qtype` (FILE_TYPES: llama-quantize's names and mixes; `pure`: no mix);
+    `imatrix`: llama-imatrix's file. -> the output path (the first part of a split set)."""
     from gguf import GGML_QUANT_VERSION, GGUFWriter
     from ..weights.gguf import is_gguf
     src = Path(src).expanduser()
@@ -202,30 +178,81 @@ def quantize(src: str | Path, qtype: str = "Q8_0", out: str | Path | None = None
     if out.resolve() == src.resolve():
         raise UserError(f"--out {out} is the source file; choose another name")
     arch = meta["general.architecture"]
+    importance = load_imatrix(imatrix) if imatrix else None
+    mix = Mix(qtype, n_layer, n_expert, _n_gqa(meta, arch), [n for names, _, _ in groups for n in names],
+              has_imatrix=importance is not None)
+    plan = []
+    for names, shapes, produce in groups:
+        kinds = [mix.tensor_type(n, s, pure) for n, s in zip(names, shapes)]
+        for n, s, k in zip(names, shapes, kinds):
+            _check_importance(mix, n, s, k, importance)
+        plan.append((names, shapes, produce, kinds))
     w = GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
     for key, value in meta.items():
         if key not in ("general.architecture", "general.file_type", "general.quantization_version",
                        "general.alignment"):
             _add_kv(w, key, value, (types or {}).get(key))
-    w.add_file_type(FILE_TYPE[qtype])
+    w.add_file_type(FILE_TYPES[qtype][0])
     w.add_quantization_version(GGML_QUANT_VERSION)
-    plan = []
-    for names, shapes, produce in groups:
-        kinds = [tensor_type(n, s, qtype, n_layer, n_expert) for n, s in zip(names, shapes)]
+    for names, shapes, _, kinds in plan:
         for n, s, k in zip(names, shapes, kinds):
             w.add_tensor_info(n, s, np.dtype(np.float32), _nbytes(s, k), raw_dtype=_gtype(k))
-        plan.append((produce, kinds))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     bar = _bar(len(plan), f"quantizing to {qtype}", progress)
-    for produce, kinds in plan:
-        for t, k in zip(produce(), kinds):
-            w.write_tensor_data(encode(t, k))
+    for names, _, produce, kinds in plan:
+        for n, t, k in zip(names, produce(), kinds):
+            w.write_tensor_data(encode(t, k, importance.get(n) if importance else None))
         bar.update(1)
     bar.close()
     w.close()
     return w.format_shard_names(out)[0] if split_max_tensors else out
+
+
+def _n_gqa(meta: dict, arch: str) -> int:
+    """Query heads per KV head (llama.cpp's n_gqa; per-layer lists: the first layer's)."""
+    first = (lambda v: (v[0] if v else 0) if isinstance(v, (list, tuple)) else (v or 0))
+    heads, kv = first(meta.get(f"{arch}.attention.head_count")), first(meta.get(f"{arch}.attention.head_count_kv"))
+    return heads // kv if heads and kv else 1
+
+
+def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
+    """llama-imatrix's file (GGUF or the legacy .dat) -> {GGUF tensor name: mean squared activation per input
+    column, [K] or, for experts, [E * K]}."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"--imatrix {path}: no such file")
+    try:
+        import libgguf
+    except ImportError:
+        raise UserError("reading an importance matrix needs ggml's quantizers: pip install libgguf") from None
+    try:
+        data = libgguf.load_imatrix(path)
+    except (ValueError, OSError, EOFError) as e:
+        raise UserError(f"--imatrix {path}: not an importance matrix llama.cpp writes ({e})") from None
+    for name, v in data.items():
+        if not np.isfinite(v).all():
+            raise UserError(f"--imatrix {path}: {name} holds non-finite values; compute the matrix again")
+    return data
+
+
+def _check_importance(mix: Mix, name: str, shape: tuple, qtype: str, importance: dict | None) -> None:
+    """llama-quantize's rules: a matrix entry must match the tensor's K (x experts); a type that needs one and
+    has none is an error (ggml's IQ1_S / IQ2_XXS / IQ2_XS quantizers cannot run without it) or a warning
+    (llama.cpp refuses IQ3_XXS / IQ2_S / IQ1_M and Q2_K_S's Q2_K without one; ggml's quantizers run)."""
+    v = importance.get(name) if importance else None
+    want = shape[-1] * (shape[0] if len(shape) == 3 else 1)
+    if v is not None and v.size != want and name != "token_embd.weight":
+        raise UserError(f"the importance matrix has {v.size} values for {name}, which needs {want} "
+                        f"({shape[-1]} columns x {want // shape[-1]} matrices): it was computed for another model")
+    if v is None and mix.requires_imatrix(name, qtype):
+        msg = f"{name} as {qtype} needs an importance matrix (--imatrix FILE from llama-imatrix)"
+        if qtype in ("IQ1_S", "IQ2_XXS", "IQ2_XS"):
+            raise UserError(f"{msg}: ggml cannot quantize to {qtype} without one")
+        if not getattr(mix, "_warned", False):
+            log.warning("%s; quantizing without one, as llama.cpp would refuse to: expect lower quality", msg)
+            mix._warned = True
 
 
 def _nbytes(shape: tuple, qtype: str) -> int:
