@@ -31,7 +31,8 @@ from moetier.weights.loader import load_model
 
 CTX, PROMPT, SPLIT, N_GREEDY = 64, 24, 12, 12
 TOL = 1e-5                  # max |logit diff| / max |logit|; measured <= 1.4e-6 (C kernels vs torch)
-KINDS = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K_S": "Q4_K"}   # file type -> the experts' GGML type
+KINDS = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K_S": "Q4_K", "MXFP4_MOE": "MXFP4",
+         "IQ3_XXS": "IQ3_XXS"}   # file type -> the experts' GGML type (IQ3_XXS --pure: ffn_down IQ3_XXS too)
 MODEL = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
          "mlp_only_layers": [1], "num_experts": 8, "num_experts_per_tok": 2}     # MoE layers 0, 2, 3
 
@@ -46,7 +47,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(KINDS))
 def gguf(request, model_dir):
-    out = quantize(model_dir, request.param, model_dir.parent / f"m-{request.param}.gguf")
+    out = quantize(model_dir, request.param, model_dir.parent / f"m-{request.param}.gguf",
+                   pure=request.param == "IQ3_XXS")
     dense, _, _ = load_model(out)
     tokens = torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(3))
     return out, tokens, logits(dense, tokens), greedy_tokens(dense, tokens[:SPLIT].tolist(), N_GREEDY)
@@ -106,7 +108,8 @@ def test_ram_bank_only_and_few_fast_slots(gguf, no_mmap_experts):
 
 
 def test_streaming_from_a_split_file(gguf, model_dir, no_mmap_experts, tmp_path):
-    split = quantize(model_dir, _file_type(gguf[0]), tmp_path / "s.gguf", split_max_tensors=8)
+    split = quantize(model_dir, _file_type(gguf[0]), tmp_path / "s.gguf", split_max_tensors=8,
+                     pure=_file_type(gguf[0]) == "IQ3_XXS")
     assert "-00001-of-" in split.name
     no_mmap_experts()
     fixed, eb, _ = sizes(split)
@@ -167,7 +170,7 @@ def test_float_gguf_is_bit_identical(model_dir, tmp_path, ftype):
 
 
 def test_unsupported_expert_type_is_a_user_error(model_dir, tmp_path):
-    out = quantize(model_dir, "IQ4_XS", tmp_path / "m-iq4xs.gguf")     # no CPU kernel (Q4_K_M: tests/test_gguf_mixed.py)
+    out = quantize(model_dir, "IQ4_XS", tmp_path / "m-iq4xs.gguf")     # no GPU kernel (Q4_K_M: tests/test_gguf_mixed.py)
     with pytest.raises(UserError, match="IQ4_XS"):
         Engine.load(out, EngineConfig(progress=False, max_context=CTX, ram_mem=1 << 30))
 
@@ -196,7 +199,9 @@ def test_plan_reads_only_gguf_headers(gguf, monkeypatch, tmp_path, capsys):
     kind = KINDS[_file_type(gguf[0])]
     from moetier.quant.formats import get_format
     raw = get_format(kind).nbytes((3 * 256, 256))          # gate + up + down rows of one expert
-    fast = raw if kind != "Q4_K" else raw + 3 * 256 * 4      # Q4_K planes: sc, mn unpacked (+4 B per row of 256)
+    # the fast tier's planes (quant.repack): Q4_K's sc, mn unpacked (+4 B per row of 256); IQ3_XXS's scales a byte and
+    # signs 4 bytes per 32 (106 B per 256 against 98)
+    fast = raw + 3 * 256 * {"Q4_K": 4, "IQ3_XXS": 8}.get(kind, 0)
     rc = main(["plan", str(gguf[0]), "--gpu-mem", f"{10 * fast}", "--ram-mem", "1GiB", "--ctx", str(CTX), "--json"])
     p = json.loads(capsys.readouterr().out)
     assert rc == 0 and not p["problems"] and p["storage_dtype"] == kind
@@ -244,6 +249,9 @@ def test_interleaved_bank_is_undone_for_every_other_reader(gguf):
     tiers, lay = eng.tiers, eng.tiers.layout
     bank = [b.clone() for b in tiers.bank.slots]
     x8 = interleave_bank(tiers, "0")
+    if lay.qtype == "IQ3_XXS":                              # no interleaved layout: the bank stays as the file has it
+        assert not x8 and all(torch.equal(a, b) for a, b in zip(bank, tiers.bank.slots))
+        return
     assert {n for n, _ in x8} == {"gate_up_proj", "down_proj"} and tiers.fast.x8 is x8
     assert any(not torch.equal(a, b) for a, b in zip(bank, tiers.bank.slots))          # the rows moved
     li, e = 0, int(tiers.bank.where[0].argmax())

@@ -301,7 +301,7 @@ def test_router_add_norm_in_one_launch_changes_no_bit(tmp_path, monkeypatch, dty
     assert seen["1"]["router"] > 0 and seen["1"]["ring"] > 0 and seen["0"] == {"router": 0, "ring": 0}, seen
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "MXFP4_MOE", "IQ3_XXS"])
 def test_gguf_tiers_on_cuda(tmp_path, qtype):
     """GGUF experts kept in their format in the tiers on CUDA: repacked on the device when admitted,
     hits by the Triton kernels (decode) or dequantized grouped GEMMs (prefill rows >= DEQUANT_ROWS),
@@ -332,7 +332,8 @@ def test_gguf_tiers_on_cuda(tmp_path, qtype):
             # misses reading them through the undo, gives the first tokens again (later ones may differ: the warm
             # cache splits hits and misses otherwise, and the GPU and the CPU round int8 activations in other orders)
             share = eng.tiers.pl.pcie_share > 0
-            assert {n for n, _ in eng.tiers.bank.x8} == (set() if share else {"gate_up_proj", "down_proj"}), name
+            x8 = set() if share or qtype == "IQ3_XXS" else {"gate_up_proj", "down_proj"}    # IQ3_XXS: no x8 layout
+            assert {n for n, _ in eng.tiers.bank.x8} == x8, name
             assert not (share and name == "few_slots"), name      # --pcie-share 0 there: the interleaved bank
             again = eng.complete(prompt_ids=prompt, max_tokens=N_GREEDY, params=SamplingParams(temperature=0),
                                  ignore_eos=True)

@@ -26,7 +26,8 @@ from ..weights.loader import NamedCheckpoint
 ALIGN = 64          # param offsets inside an expert buffer (SIMD loads, dtype views)
 EXPERT_ALIGN = 4096  # expert buffer size (O_DIRECT reads land on page boundaries)
 EXPERT_PARAM = re.compile(r"\.experts\.[A-Za-z_]+$")
-GGUF_EXPERT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")   # kept as stored
+# kept as stored: the formats with both GPU (kernels.ops.KERNEL_FORMATS) and CPU (kernels.cpu.FAST_TYPES) kernels
+GGUF_EXPERT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS")
 
 
 def round_up(n: int, a: int) -> int:
