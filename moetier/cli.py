@@ -9,7 +9,7 @@ from . import __version__
 from .errors import UserError
 
 # command -> module under moetier.commands (in help order; each module has add_parser + main)
-ORDER = ["run", "chat", "serve", "plan", "profile", "bench", "verify", "quantize", "synth"]
+ORDER = ["run", "chat", "serve", "plan", "profile", "bench", "verify", "quantize", "imatrix", "synth"]
 
 
 def commands() -> list[str]:
