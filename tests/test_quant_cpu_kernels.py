@@ -162,7 +162,8 @@ def test_build_key_covers_included_files(tmp_path, monkeypatch):
     assert first != second and second.exists()
 
 
-Q8_TYPES = ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]   # moetier_matvec_q8's integer row kernels
+Q8_TYPES = ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
+            "IQ2_S"]   # moetier_matvec_q8's integer row kernels
 
 
 def assert_q8_close(y: torch.Tensor, ref: torch.Tensor):
