@@ -12,6 +12,8 @@ Two views, because the dev box is shared (other processes often keep both cores 
   wall       threads=N, wall clock, best round (contention only ever slows a round down).
              Yardstick: the best of the N-thread sums in the same rounds.
 
+  F32        the float32 rows (torch.mv, torch's threads): what a format without C kernels runs on, its experts
+             dequantized at load (compare us_per_matrix).
   --q8       activations rounded to int8 per 32 values (cpu.matvec(q8=True): the integer kernels of
              cpu.MOE_Q8_TYPES, float ones for the rest), one matrix per call.
 
@@ -36,7 +38,7 @@ from moetier.quant.formats import get_format
 SHAPES = [(768, 2048), (2048, 768)]            # (N, K): a gate/up and a down projection
 TYPES = ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"]
 FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],   # scale fields kept finite
-                "MXFP4": [], "IQ3_XXS": [0]}
+                "MXFP4": [], "IQ3_XXS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0]}
 E8M0_OFFSETS = {"MXFP4": [0]}           # shared exponent bytes kept near 2^0
 
 
@@ -46,6 +48,9 @@ def weight_bank(qtype: str, gib: float, rng, shape=SHAPES[0]) -> torch.Tensor:
     fmt = get_format(qtype)
     per_matrix = fmt.nbytes(shape)
     n_mat = int(np.ceil(gib * 2**30 / per_matrix))
+    if qtype == "F32":                    # finite floats (random bytes hold NaNs and subnormals)
+        tile = rng.standard_normal(2**22, dtype=np.float32)
+        return torch.from_numpy(np.resize(tile, n_mat * per_matrix // 4).view(np.uint8).reshape(n_mat, per_matrix))
     tile = rng.integers(0, 256, size=(2**24 // fmt.type_size, fmt.type_size), dtype=np.uint8)
     for off in FP16_OFFSETS[qtype]:
         d = rng.uniform(0.5, 1.0, size=tile.shape[0]).astype(np.float16)
@@ -70,6 +75,14 @@ def kernel_pass(qtype, bank, shape, threads, batch, q8=False):
     mats = [m.view(n, -1) for m in bank]
     x = torch.randn(batch, k)
     y = torch.empty(batch, n)
+    if qtype == "F32":                    # torch's float32 GEMV / GEMM, as DenseExperts runs dequantized experts
+        mats = [m.view(torch.float32) for m in mats]
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return timed(lambda: [torch.mv(w, x[i % batch], out=y[i % batch]) for i, w in enumerate(mats)])
+        finally:
+            torch.set_num_threads(before)
     if batch == 1:
         return timed(lambda: [cpu.matvec(qtype, w, x[0], out=y[0], threads=threads, q8=q8) for w in mats])
     groups = [mats[i:i + batch] for i in range(0, len(mats) - batch + 1, batch)]

@@ -177,6 +177,37 @@ def test_iq4_files_pack(tmp_path):
     assert experts and all({m.fmt, m.down_fmt} <= {"IQ4_NL", "IQ4_XS"} for m in experts)
 
 
+IQ2_MODEL = {"hidden_size": 256, "moe_intermediate_size": 256, "mlp_only_layers": []}
+IQ2_EXPERTS = [("IQ2_XXS", "IQ2_XS"), ("IQ2_S", "IQ2_S")]       # (gate / up, down) of layer 0, layer 1
+
+
+@needs_c
+def test_iq2_files_pack(tmp_path, monkeypatch):
+    """A file with its experts in IQ2 formats (IQ2_XXS / IQ2_XS in layer 0, IQ2_S in layer 1) and attn_q / attn_k as
+    IQ2_S (llama.cpp's IQ3_XXS mixes store them so), the rest Q8_0: the experts pack in their formats (QuantExperts,
+    not dequantized at load), q / k multiply on their IQ2_S blocks in the compiled step, and it follows eager decode of
+    the file with its experts dequantized."""
+    from moetier.commands import quantize as qcmd
+
+    def iq2_mix(name, shape, ftype, n_layer, n_expert):
+        if len(shape) < 2 or not name.endswith(".weight") or "_norm" in name or "ffn_gate_inp" in name:
+            return "F32"
+        if "_exps" in name:
+            gate_up, down = IQ2_EXPERTS[int(name.split(".")[1])]
+            return down if "ffn_down" in name else gate_up
+        return "IQ2_S" if "attn_q." in name or "attn_k." in name else "Q8_0"
+
+    monkeypatch.setattr(qcmd, "tensor_type", iq2_mix)
+    path = quantize(build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, **IQ2_MODEL), "Q8_0",
+                    tmp_path / "m-IQ2.gguf")
+    fast = compiled_follows_eager(path, kl_max=0.05)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    assert [(m.fmt, m.down_fmt) for m in experts] == IQ2_EXPERTS
+    for layer in fast.model.model.layers:
+        att = layer.self_attn
+        assert att.q_proj._quant_copies == att.k_proj._quant_copies == {"weight": get_format("IQ2_S").type_id}
+
+
 @needs_c
 def test_compiled_step_on_k_quant_gguf(tmp_path):
     """Q4_K_M keeps the lm_head as Q6_K, attn_q and the dense MLP as Q4_K/Q6_K, attn_k/v as Q8_0 (tiny rows),

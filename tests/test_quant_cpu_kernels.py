@@ -92,7 +92,7 @@ def test_shape_errors_are_explained():
         cpu.matvec("Q8_0", raw, x, out=torch.empty(4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "MXFP4", "IQ3_XXS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
 def test_dequantize_rows_is_bit_exact(qtype):
     """The C dequantizer (CPU prefill of packed experts) equals quant.dequantize and gguf-py's
     dequantizer bit for bit; leading dims, odd row counts; Q4_K goes through torch."""
@@ -110,19 +110,23 @@ def test_dequantize_rows_is_bit_exact(qtype):
     assert torch.equal(cpu.dequantize_rows(qtype, raw[1]), dequantize(raw[1], fmt, (37, 512)))
 
 
-@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS"])
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
 def test_codebook_kernels_see_every_table_entry(qtype):
-    """Rows built so every MXFP4 nibble / IQ3_XXS grid row and sign pattern occurs (random floats
-    rarely reach all 256 grid rows), with random scales; the C matvec against the torch twin."""
+    """Rows built so every MXFP4 nibble / IQ3_XXS / IQ2 grid row and sign pattern occurs (random floats
+    rarely reach all 256 grid rows), with random scales; the C matvec against the torch twin and its dequantizer
+    bit for bit (where it has one)."""
     raw, x = table_rows(qtype)
     ref = expert_matvec(qtype, repack(qtype, raw), x)
     y = torch.full((64,), float("nan"))
     assert_close(cpu.matvec(qtype, raw, x, out=y, threads=2), ref)
+    if qtype in cpu.DEQUANT_TYPES:
+        from moetier.quant.formats import dequantize
+        assert torch.equal(cpu.dequantize_rows(qtype, raw), dequantize(raw, qtype, (64, x.numel())))
 
 
 @pytest.mark.parametrize("q8", [False, True])
 @pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS", ("IQ3_XXS", "Q6_K"), ("Q4_0", "MXFP4"), ("Q4_K", "Q6_K"), "Q5_K",
-                                   "BF16", "F16"])
+                                   "IQ2_XXS", ("IQ2_XS", "IQ2_S"), "BF16", "F16"])
 def test_moe_tokens_codebook_formats(qtype, q8):
     """The one-call MoE layer (decode) reads MXFP4 / IQ3_XXS experts (and 16-bit float ones: float activations
     either way) through the same row kernels; with q8 x and the activation are rounded to int8 per 32 values (integer
@@ -162,7 +166,8 @@ def test_build_key_covers_included_files(tmp_path, monkeypatch):
     assert first != second and second.exists()
 
 
-Q8_TYPES = ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]   # moetier_matvec_q8's integer row kernels
+Q8_TYPES = ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
+            "IQ2_S"]   # moetier_matvec_q8's integer row kernels
 
 
 def assert_q8_close(y: torch.Tensor, ref: torch.Tensor):
@@ -195,14 +200,37 @@ def test_other_c_builds_matvec_q8(qtype, other_build):
     assert_q8_close(matvec_q8(other_build, qtype, raw, x, 2), ref)
 
 
+IQ2_GRID_ROWS = {"IQ2_XXS": 256, "IQ2_XS": 512, "IQ2_S": 1024}
+
+
+def iq2_every_grid_row(qtype: str, blocks: torch.Tensor) -> None:
+    """Random-byte IQ2 super-blocks [n, type_size] (every sign pattern and scale) -> group g of the n * 32 holds grid
+    row g % rows (IQ2_XXS: index bytes of each pair; IQ2_XS: the low 9 bits of each u16; IQ2_S: qs and its qh bits)."""
+    idx = torch.arange(blocks.shape[0] * 32) % IQ2_GRID_ROWS[qtype]
+    if qtype == "IQ2_XXS":
+        blocks[:, 2:66].view(-1, 8, 2, 4)[:, :, 0] = idx.to(torch.uint8).view(-1, 8, 4)
+    elif qtype == "IQ2_XS":
+        q = blocks[:, 2:66].contiguous().view(torch.int16).int() & 0xFE00 | idx.int().view(-1, 32)
+        blocks[:, 2:66] = q.to(torch.int16).view(torch.uint8)
+    else:
+        blocks[:, 2:34] = (idx & 255).to(torch.uint8).view(-1, 32)
+        hi = (idx >> 8).view(-1, 8, 4) << torch.tensor([0, 2, 4, 6])
+        blocks[:, 66:74] = hi.sum(-1).to(torch.uint8)
+
+
 def table_rows(qtype: str, seed: int = 5):
-    """64 rows of 4 blocks in which every MXFP4 nibble / IQ3_XXS grid row and sign pattern occurs, random scales."""
+    """64 rows of 4 blocks in which every MXFP4 nibble / IQ3_XXS or IQ2 grid row and sign pattern occurs, random
+    scales."""
     from moetier.quant.formats import get_format
     fmt = get_format(qtype)
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (64, 4 * fmt.type_size), dtype=torch.uint8, generator=g)
     if qtype == "MXFP4":
         raw.view(-1, 17)[:, 0] = torch.randint(118, 136, (raw.numel() // 17,), dtype=torch.uint8, generator=g)
+    elif qtype in IQ2_GRID_ROWS:
+        blocks = raw.view(-1, fmt.type_size)
+        blocks[:, :2] = (torch.rand(blocks.shape[0], 1, generator=g) * 2 - 1).half().view(torch.uint8)
+        iq2_every_grid_row(qtype, blocks)
     else:
         blocks = raw.view(-1, 98)
         blocks[:, :2] = torch.rand(blocks.shape[0], 1, generator=g).half().view(torch.uint8)
@@ -210,13 +238,29 @@ def table_rows(qtype: str, seed: int = 5):
     return raw, torch.randn(4 * fmt.block_size, generator=g)
 
 
-@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS"])
+@pytest.mark.parametrize("qtype", ["MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
 def test_codebook_q8_kernels_see_every_table_entry(qtype, other_build):
     """Every grid row / sign pattern / nibble through the integer kernels: the native build and haswell's AVX2."""
     raw, x = table_rows(qtype)
     ref = expert_matvec(qtype, repack(qtype, raw), x)
     for lib in (cpu._lib, other_build):
         assert_q8_close(matvec_q8(lib, qtype, raw, x, 2), ref)
+
+
+@pytest.mark.parametrize("qtype", ["IQ2_XXS", "IQ2_XS", "IQ2_S"])
+def test_iq2_q8_native_matches_avx2_exactly(qtype, tmp_path):
+    """The IQ2 int8 kernels: the native build (dpbusd where it has AVX-512 VNNI) against haswell's maddubs sums, every
+    grid row, sign pattern and scale, odd row count and 3 super-blocks a row: the same int32 sums (43 x 127 pairs
+    cannot saturate int16), so equal up to float rounding."""
+    if cpu.backend() != "c" or platform.machine() != "x86_64":
+        pytest.skip("needs gcc on x86-64")
+    if not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
+        pytest.skip("this CPU has no AVX2/FMA/F16C")
+    avx2 = cpu.open_library(cpu.build_library(tmp_path, march="haswell"))
+    raw, x = table_rows(qtype, seed=12)
+    raw, x = raw[:63, :3 * raw.shape[1] // 4], x[:768] * 10          # large x: int8 values near +-127
+    y_native, y_avx2 = (matvec_q8(lib, qtype, raw, x, 1) for lib in (cpu._lib, avx2))
+    torch.testing.assert_close(y_native, y_avx2, rtol=1e-5, atol=1e-5 * y_avx2.abs().max().item())
 
 
 @pytest.mark.parametrize("n,nsb", [(64, 4), (37, 3), (5, 8)])

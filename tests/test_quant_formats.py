@@ -19,7 +19,7 @@ from moetier.quant.repack import REPACKED, dequantize_repacked, repack
 # byte offsets of the fp16 scale fields inside one block
 FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-               "IQ2_XXS": [0], "IQ2_XS": [0], "IQ3_XXS": [0], "IQ3_S": [0], "IQ4_NL": [0],
+               "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0], "IQ4_NL": [0],
                "IQ4_XS": [0]}
 SHAPES = [(7, 256), (3, 5, 512), (1, 768)]          # odd row counts, several blocks per row
 

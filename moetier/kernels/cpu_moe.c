@@ -155,12 +155,14 @@ static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx
 }
 
 #include "cpu_iq_q8.c"
+#include "cpu_iq2_q8.c"
 #include "cpu_kq_q8.c"
 
 /* types with an int8-activation row kernel (moe_row_q8) */
 static inline int moe_q8_type(int qtype) {
     return qtype == Q4_0 || qtype == Q8_0 || qtype == MXFP4 || qtype == IQ3_XXS || qtype == Q4_K || qtype == Q5_K
-           || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL;
+           || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL || qtype == IQ2_XXS || qtype == IQ2_XS
+           || qtype == IQ2_S;
 }
 
 /* one row of a moe_q8_type . q8 x (qx [K], dx / sx [K/32]) */
@@ -176,6 +178,9 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
     case Q4_K: return moe_row_q4_k_q8(w, qx, dx, sx, K / 256);
     case Q5_K: return moe_row_q5_k_q8(w, qx, dx, sx, K / 256);
     case Q6_K: return moe_row_q6_k_q8(w, qx, dx, K / 256);
+    case IQ2_XXS: return moe_row_iq2_xxs_q8(w, qx, dx, K / 256);
+    case IQ2_XS: return moe_row_iq2_xs_q8(w, qx, dx, K / 256);
+    case IQ2_S: return moe_row_iq2_s_q8(w, qx, dx, K / 256);
     default: return moe_row_iq3_xxs_q8(w, qx, dx, K / 256);
     }
 }

@@ -51,6 +51,7 @@ _FORMATS = [
     QuantFormat("IQ3_XXS", 18, 256, 98, iquants.dequant_iq3_xxs),
     QuantFormat("IQ4_NL", 20, 32, 18, iquants.dequant_iq4_nl),
     QuantFormat("IQ3_S", 21, 256, 110, iquants.dequant_iq3_s),
+    QuantFormat("IQ2_S", 22, 256, 82, iquants.dequant_iq2_s),
     QuantFormat("IQ4_XS", 23, 256, 136, iquants.dequant_iq4_xs),
     QuantFormat("BF16", 30, 1, 2, legacy.dequant_bf16),
     QuantFormat("MXFP4", 39, 32, 17, iquants.dequant_mxfp4),

@@ -1,5 +1,6 @@
 """Codebook formats: MXFP4, IQ4_NL, IQ4_XS (16-entry value tables) and IQ3_S, IQ3_XXS,
-IQ2_XS, IQ2_XXS (lattice grids of 4 or 8 values per index, plus 7-bit sign patterns).
+IQ2_S, IQ2_XS, IQ2_XXS (lattice grids of 4 or 8 values per index, plus sign patterns: 7-bit indices, or
+IQ2_S / IQ3_S's explicit sign bits).
 
 The grids and value tables are taken from gguf-py's quants module at first use (they are
 data, not code); `dequant_*` maps `[n, type_size]` uint8 -> `[n, block_size]` float32,
@@ -33,11 +34,15 @@ def _values(cls):
 
 def c_tables() -> dict[str, np.ndarray]:
     """The value tables the C kernels need (kernels/cpu.py writes them into a header at build
-    time): mxfp4_values int8 [16], iq3xxs_grid uint8 [256, 4], iq_ksigns uint8 [128] (bit j set:
-    value j of 8 is negated), taken from the same tables the dequantizers use."""
+    time): mxfp4_values int8 [16], iq3xxs_grid uint8 [256, 4], iq2xxs_grid / iq2xs_grid / iq2s_grid
+    uint8 [256 / 512 / 1024, 8], iq_ksigns uint8 [128] (bit j set: value j of 8 is negated), taken
+    from the same tables the dequantizers use."""
     signs = (_ksigns_bits() < 0).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)   # [128, 8]
     return {"mxfp4_values": _values(gq.MXFP4)().to(torch.int8).numpy(),
             "iq3xxs_grid": _grid(gq.IQ3_XXS).to(torch.uint8).numpy(),
+            "iq2xxs_grid": _grid(gq.IQ2_XXS).to(torch.uint8).numpy(),
+            "iq2xs_grid": _grid(gq.IQ2_XS).to(torch.uint8).numpy(),
+            "iq2s_grid": _grid(gq.IQ2_S).to(torch.uint8).numpy(),
             "iq_ksigns": signs.sum(-1, dtype=torch.uint8).numpy()}
 
 
@@ -104,6 +109,18 @@ def dequant_iq2_xs(b: torch.Tensor) -> torch.Tensor:
     db = (d * (0.5 + sc.float()) * 0.25).view(n, 16, 1, 1)
     signs = _lookup("ksigns", _ksigns_bits, qs >> 9).view(n, 16, 2, 8)
     grid = _lookup("iq2xs", lambda: _grid(gq.IQ2_XS), qs & 511).view(n, 16, 2, 8)
+    return (db * grid * signs).reshape(n, 256)
+
+
+def dequant_iq2_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, qs, sg, qh = f16(b[:, :2]), b[:, 2:34], b[:, 34:66], b[:, 66:74]   # 32 index bytes, 32 sign bytes
+    sc = shifts(b[:, 74:82].unsqueeze(-1), [0, 4], 0x0F).reshape(n, 16)   # per 16 values
+    db = (d * (0.5 + sc.float()) * 0.25).view(n, 16, 1, 1)
+    signs = shifts(sg.unsqueeze(-1), list(range(8)), 1).view(n, 16, 2, 8)
+    signs = torch.where(signs == 0, 1.0, -1.0)
+    hi = shifts(qh.unsqueeze(-1), [0, 2, 4, 6], 0x03).reshape(n, 32)      # index bits 8-9
+    grid = _lookup("iq2s", lambda: _grid(gq.IQ2_S), qs.int() | (hi.int() << 8)).view(n, 16, 2, 8)
     return (db * grid * signs).reshape(n, 256)
 
 
