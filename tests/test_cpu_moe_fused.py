@@ -36,7 +36,7 @@ def random_route(t, e=6, k=2, d=256, seed=1):
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K", ("Q5_1", "Q6_K")])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K", ("Q5_1", "Q6_K"), ("Q2_K", "Q3_K")])
 @pytest.mark.parametrize("t", [1, 3])
 def test_moe_tokens_matches_twin(qtype, t):
     gate, up, down = random_layer(qtype)
@@ -47,7 +47,7 @@ def test_moe_tokens_matches_twin(qtype, t):
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q2_K", "Q3_K"])
 def test_moe_tokens_int8_activations_close(qtype):
     """q8: x and the activation rounded to int8 per 32 values (llama.cpp's way): ~1% relative error."""
     gate, up, down = random_layer(qtype)
@@ -174,6 +174,25 @@ def test_iq4_files_pack(tmp_path):
     fast = compiled_follows_eager(path, kl_max=0.05)
     experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
     assert experts and all({m.fmt, m.down_fmt} <= {"IQ4_NL", "IQ4_XS"} for m in experts)
+
+
+@needs_c
+def test_q2_k_q3_k_experts_pack(tmp_path, monkeypatch):
+    """Experts stored as Q2_K (gate / up) and Q3_K (down), llama.cpp's Q2_K / Q3_K_M files' expert types, the rest as
+    Q4_K_M: they pack (QuantExperts in the file's formats, their int8 row kernels), and the compiled step follows eager
+    decode on the dequantized experts (peaked distributions, as test_q5_1_fallbacks_pack)."""
+    import moetier.commands.quantize as quantize_mod
+    mix = quantize_mod.tensor_type
+
+    def low_bit_experts(name, shape, ftype, n_layer, n_expert):
+        low = {"ffn_gate_exps.": "Q2_K", "ffn_up_exps.": "Q2_K", "ffn_down_exps.": "Q3_K"}
+        return next((t for part, t in low.items() if part in name), None) or mix(name, shape, ftype, n_layer, n_expert)
+    monkeypatch.setattr(quantize_mod, "tensor_type", low_bit_experts)
+    model = build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, **K_QUANT_MODEL)
+    path = quantize(model, "Q4_K_M", tmp_path / "m-Q2_K.gguf")
+    fast = compiled_follows_eager(path, kl_max=0.05)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all((m.fmt, m.down_fmt) == ("Q2_K", "Q3_K") for m in experts)
 
 
 @needs_c
