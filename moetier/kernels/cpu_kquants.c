@@ -282,12 +282,16 @@ static inline vi vand(vi v, int m) { return _mm512_and_si512(v, _mm512_set1_epi3
 static inline vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
 static inline vi vsub1(vi v, int c) { return _mm512_sub_epi32(v, _mm512_set1_epi32(c)); }
 static inline vi vsll(vi v, int s) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(s)); }
+static inline vf kq_vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline void kq_vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
 #elif defined(VW)
 static inline vi vsrl(vi v, int s) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(s)); }
 static inline vi vand(vi v, int m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
 static inline vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
 static inline vi vsub1(vi v, int c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
 static inline vi vsll(vi v, int s) { return _mm256_sll_epi32(v, _mm_cvtsi32_si128(s)); }
+static inline vf kq_vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline void kq_vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
 #endif
 
 static float row_q2_k(const uint8_t *w, const float *x, int64_t nsb) {
@@ -374,14 +378,20 @@ static float row_q3_k(const uint8_t *w, const float *x, int64_t nsb) {
     return acc_s;
 }
 
-/* dequantizers, the torch twin's float ops in its order (quant/kquants.py): bit-exact */
+/* dequantizers, the torch twin's float ops in its order (quant/kquants.py): bit-exact (dl q - ml as dl q + (-ml)) */
 static void dequant_q2_k(const uint8_t *w, float *o) {
     const float d = fp16_to_f32(w + 80), dmin = fp16_to_f32(w + 82);
     for (int g = 0; g < 8; g++)
         for (int u = 0; u < 2; u++) {
             const float dl = d * (float)(w[2 * g + u] & 15), ml = dmin * (float)(w[2 * g + u] >> 4);
             const uint8_t *qs = w + 16 + 32 * (g >> 2) + 16 * u;
-            for (int l = 0; l < 16; l++) o[32 * g + 16 * u + l] = dl * (float)((qs[l] >> (2 * (g & 3))) & 3) - ml;
+            float *og = o + 32 * g + 16 * u;
+#ifdef VW
+            for (int l = 0; l < 16; l += VW)
+                kq_vstore(og + l, vadd(kq_vmul(vset1(dl), vcvt(vand(vsrl(vbytes_u8(qs + l), 2 * (g & 3)), 3))), vset1(-ml)));
+#else
+            for (int l = 0; l < 16; l++) og[l] = dl * (float)((qs[l] >> (2 * (g & 3))) & 3) - ml;
+#endif
         }
 }
 
@@ -393,7 +403,15 @@ static void dequant_q3_k(const uint8_t *w, float *o) {
         for (int u = 0; u < 2; u++) {
             const float dl = d * (float)sc[2 * g + u];
             const uint8_t *qs = w + 32 + 32 * (g >> 2) + 16 * u, *hm = w + 16 * u;
+            float *og = o + 32 * g + 16 * u;
+#ifdef VW
+            for (int l = 0; l < 16; l += VW) {
+                const vi q = vor(vand(vsrl(vbytes_u8(qs + l), 2 * (g & 3)), 3), vsll(vand(vsrl(vbytes_u8(hm + l), g), 1), 2));
+                kq_vstore(og + l, kq_vmul(vset1(dl), vcvt(vsub1(q, 4))));
+            }
+#else
             for (int l = 0; l < 16; l++)
-                o[32 * g + 16 * u + l] = dl * (float)((int)((qs[l] >> (2 * (g & 3))) & 3) + 4 * ((hm[l] >> g) & 1) - 4);
+                og[l] = dl * (float)((int)((qs[l] >> (2 * (g & 3))) & 3) + 4 * ((hm[l] >> g) & 1) - 4);
+#endif
         }
 }
