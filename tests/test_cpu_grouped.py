@@ -18,9 +18,9 @@ from moetier.quant.pack import quantize as pack
 
 needs_c = pytest.mark.skipif(cpu.backend() != "c", reason="the C kernels did not build")
 FORMATS = ["Q4_0", "Q8_0", "Q5_1", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", ("Q4_K", "Q6_K"), ("Q4_0", "Q8_0"),
-           ("Q8_0", "Q6_K"), "IQ2_XXS", ("IQ2_XS", "IQ2_S")]
+           ("Q8_0", "Q6_K"), "IQ2_XXS", ("IQ2_XS", "IQ2_S"), "Q2_K", ("Q3_K", "Q5_K")]
 Q8_FORMATS = ["Q4_0", "Q8_0", "Q5_1", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", ("Q4_0", "Q6_K"), "Q4_K", "Q6_K", ("Q4_K", "Q6_K"),
-              "IQ2_XXS", ("IQ2_XS", "IQ2_S")]
+              "IQ2_XXS", ("IQ2_XS", "IQ2_S"), "Q2_K", "Q3_K", ("Q2_K", "Q3_K")]
 
 
 def sizes(qtype):

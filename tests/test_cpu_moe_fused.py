@@ -36,7 +36,7 @@ def random_route(t, e=6, k=2, d=256, seed=1):
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K", ("Q5_1", "Q6_K")])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K", ("Q5_1", "Q6_K"), ("Q2_K", "Q3_K")])
 @pytest.mark.parametrize("t", [1, 3])
 def test_moe_tokens_matches_twin(qtype, t):
     gate, up, down = random_layer(qtype)
@@ -47,7 +47,7 @@ def test_moe_tokens_matches_twin(qtype, t):
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q2_K", "Q3_K"])
 def test_moe_tokens_int8_activations_close(qtype):
     """q8: x and the activation rounded to int8 per 32 values (llama.cpp's way): ~1% relative error."""
     gate, up, down = random_layer(qtype)
@@ -187,9 +187,11 @@ def test_iq2_files_pack(tmp_path, monkeypatch):
     IQ2_S (llama.cpp's IQ3_XXS mixes store them so), the rest Q8_0: the experts pack in their formats (QuantExperts,
     not dequantized at load), q / k multiply on their IQ2_S blocks in the compiled step, and it follows eager decode of
     the file with its experts dequantized."""
-    from moetier.commands import quantize as qcmd
+    from moetier.commands.imatrix import compute
+    from moetier.quant.mixes import Mix
+    from test_gguf import TEXT
 
-    def iq2_mix(name, shape, ftype, n_layer, n_expert):
+    def iq2_mix(self, name, shape, pure=False):
         if len(shape) < 2 or not name.endswith(".weight") or "_norm" in name or "ffn_gate_inp" in name:
             return "F32"
         if "_exps" in name:
@@ -197,15 +199,28 @@ def test_iq2_files_pack(tmp_path, monkeypatch):
             return down if "ffn_down" in name else gate_up
         return "IQ2_S" if "attn_q." in name or "attn_k." in name else "Q8_0"
 
-    monkeypatch.setattr(qcmd, "tensor_type", iq2_mix)
-    path = quantize(build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, **IQ2_MODEL), "Q8_0",
-                    tmp_path / "m-IQ2.gguf")
+    model = build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, **IQ2_MODEL)
+    imatrix = compute(model, " ".join(TEXT * 8), tmp_path / "imatrix.gguf", chunk=32)   # IQ2_XXS / IQ2_XS need one
+    monkeypatch.setattr(Mix, "tensor_type", iq2_mix)
+    path = quantize(model, "Q8_0", tmp_path / "m-IQ2.gguf", imatrix=imatrix)
     fast = compiled_follows_eager(path, kl_max=0.05)
     experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
     assert [(m.fmt, m.down_fmt) for m in experts] == IQ2_EXPERTS
     for layer in fast.model.model.layers:
         att = layer.self_attn
         assert att.q_proj._quant_copies == att.k_proj._quant_copies == {"weight": get_format("IQ2_S").type_id}
+
+
+@needs_c
+def test_q2_k_q3_k_experts_pack(tmp_path):
+    """A Q2_K file: experts stored as Q2_K (gate / up) and Q3_K (down), as llama.cpp's Q2_K mix stores them: they
+    pack (QuantExperts in the file's formats, their int8 row kernels), and the compiled step follows eager decode on
+    the dequantized experts (peaked distributions, as test_q5_1_fallbacks_pack)."""
+    model = build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, **K_QUANT_MODEL)
+    path = quantize(model, "Q2_K", tmp_path / "m-Q2_K.gguf")      # llama.cpp's Q2_K mix: ffn_down in Q3_K
+    fast = compiled_follows_eager(path, kl_max=0.05)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all((m.fmt, m.down_fmt) == ("Q2_K", "Q3_K") for m in experts)
 
 
 @needs_c

@@ -62,7 +62,7 @@ def reference(x, ids, w, slots, gu, dn, act):
                                       ("Q5_K", False), ("Q6_K", False), ("Q4_K+Q6_K", False), ("Q4_0+Q6_K", True),
                                       ("MXFP4", False), ("IQ3_XXS", False), ("IQ3_XXS+Q4_K", False),
                                       ("MXFP4", True), ("IQ3_XXS", True), ("IQ3_XXS+Q4_K", True),
-                                      ("Q4_K+Q6_K", True), ("Q5_K", True)])
+                                      ("Q4_K+Q6_K", True), ("Q5_K", True), ("Q2_K+Q3_K", False), ("Q2_K+Q3_K", True)])
 @pytest.mark.parametrize("act", [Act(), Act("clamped_swiglu", 1.702, 0.3)])
 def test_miss_server_answers_every_layer(qtype, q8, act):
     """Float activations: float32 rounding of the reference. int8 activations (q8, one scale per 32

@@ -29,7 +29,7 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(37, 512), (129, 768), (1, 256)])
-@pytest.mark.parametrize("qtype", FAST + ["Q3_K"])      # Q3_K: the torch fallback path
+@pytest.mark.parametrize("qtype", FAST + ["Q4_1"])      # Q4_1: the torch fallback path
 def test_matvec_matches_reference(qtype, n, k, threads):
     raw, x, ref = case(qtype, n, k)
     y = torch.full((n,), float("nan"))
@@ -92,7 +92,8 @@ def test_shape_errors_are_explained():
         cpu.matvec("Q8_0", raw, x, out=torch.empty(4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K",
+                                   "Q3_K"])
 def test_dequantize_rows_is_bit_exact(qtype):
     """The C dequantizer (CPU prefill of packed experts) equals quant.dequantize and gguf-py's
     dequantizer bit for bit; leading dims, odd row counts; Q4_K goes through torch."""
@@ -166,8 +167,8 @@ def test_build_key_covers_included_files(tmp_path, monkeypatch):
     assert first != second and second.exists()
 
 
-Q8_TYPES = ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS",
-            "IQ2_S"]   # moetier_matvec_q8's integer row kernels
+Q8_TYPES = ["Q4_0", "Q5_1", "Q8_0", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ2_XXS", "IQ2_XS", "IQ2_S"]   # moetier_matvec_q8's integer row kernels
 
 
 def assert_q8_close(y: torch.Tensor, ref: torch.Tensor):
@@ -287,12 +288,12 @@ def test_iq3_xxs_q8_native_matches_avx2_exactly(n, nsb, tmp_path):
 
 
 
-K_SCALE_OFFSETS = {"Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}     # fp16 d / dmin fields
+K_SCALE_OFFSETS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}   # fp16 d / dmin
 
 
 def random_byte_rows(qtype: str, n: int = 37, nsb: int = 3, seed: int = 8):
-    """n rows of nsb K-quant super-blocks of random bytes (every qs / qh bit pattern, every 6-bit scale and min,
-    Q6_K's negative scales) with random finite fp16 d / dmin, and x."""
+    """n rows of nsb K-quant super-blocks of random bytes (every qs / qh / hmask bit pattern, every 4- or 6-bit scale and
+    min, Q3_K / Q6_K's negative scales) with random finite fp16 d / dmin, and x."""
     from moetier.quant.formats import get_format
     fmt = get_format(qtype)
     g = torch.Generator().manual_seed(seed)
@@ -305,7 +306,7 @@ def random_byte_rows(qtype: str, n: int = 37, nsb: int = 3, seed: int = 8):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_kernels_see_every_bit_pattern(qtype, threads, other_build):
     """Random-byte super-blocks (not only what the quantizer emits) through the native build (AVX-512 VBMI byte
     construction where the CPU has it) and the other builds (AVX2, scalar), odd row count, NaN-poisoned out;
@@ -316,6 +317,20 @@ def test_kquant_kernels_see_every_bit_pattern(qtype, threads, other_build):
         y = torch.full((raw.shape[0],), float("nan"))
         assert_close(cpu.matvec(qtype, raw, x, out=y, threads=threads, lib=lib), ref)
         assert_q8_close(matvec_q8(lib, qtype, raw, x, threads), ref)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_q23_k_four_rows_match_one_row(qtype, other_build):
+    """Q2_K / Q3_K int8 rows: the 4-row kernel (moe_rows_run_q8, the miss server's) gives each row's one-row result bit
+    for bit (the x side shared, the same int32 dots, scales and fma order), in the native and the other builds; the C
+    dequantizer reads every random byte pattern as the torch twin does, bit for bit."""
+    from moetier.quant.formats import dequantize, get_format
+    raw, x = random_byte_rows(qtype, n=13, nsb=2, seed=12)
+    for lib in (cpu._lib, other_build):
+        rows = matvec_q8(lib, qtype, raw, x, 1)
+        one = torch.cat([matvec_q8(lib, qtype, raw[i:i + 1], x, 1) for i in range(raw.shape[0])])
+        assert torch.equal(rows, one)
+    assert torch.equal(cpu.dequantize_rows(qtype, raw), dequantize(raw, get_format(qtype), (13, 512)))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -3,7 +3,7 @@
 Backend, chosen once at first use:
   "c"     cpu_kernels.c built with the system compiler (-O3 -march=native -fopenmp) into
           ~/.cache/moetier/kernels and called through ctypes (the GIL is released for the
-          whole call; OpenMP splits rows over threads). FAST_TYPES: Q8_0, Q4_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4,
+          whole call; OpenMP splits rows over threads). FAST_TYPES: Q8_0, Q4_0, Q5_1, Q2_K..Q6_K, MXFP4,
           IQ3_XXS, IQ4_XS / IQ4_NL, IQ2_XXS / IQ2_XS / IQ2_S
           (one compile unit: cpu_kernels.c #includes cpu_kquants.c, cpu_iquants.c, cpu_iq2.c, cpu_moe.c and the
           codebook header generated from moetier.quant's tables, iq_tables_header).
@@ -46,12 +46,12 @@ from .reference import expert_matvec
 
 log = logging.getLogger(__name__)
 
-FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS",
-              "IQ2_S"}
+FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL",
+              "IQ2_XXS", "IQ2_XS", "IQ2_S"}
 # 16-bit float rows the C matvec reads too (float32 products): the dense copies of weights that are exactly 16-bit
 # floats (runtime.cpu_compile.QUANT_COPY_TYPES); not kept from GGUF files (weights.loader._keep_blocks reads FAST_TYPES)
 HALF_TYPES = {"BF16", "F16"}
-DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S"}     # moetier_dequant (dequantize_rows)
+DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S"}   # moetier_dequant
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -338,8 +338,8 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
     return y + down_bias.float() if down_bias is not None else y
 
 
-MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ2_XS",
-                "IQ2_S"}   # q8=True: int8 activations for these
+MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS",
+                "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S"}   # q8=True: int8 activations for these
 
 
 def moe_tokens(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,

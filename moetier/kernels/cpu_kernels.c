@@ -7,8 +7,9 @@
  *   sum_j d (q_j - 8) x_j = d (sum_j q_j x_j - 8 sum_j x_j).
  * Accumulation is float32; results match dequantize-then-matmul to float32 rounding.
  * One compile unit in four files: this one (vocabulary, Q8_0 / Q4_0, entry points, dequantizer),
- * cpu_kquants.c (Q4_K / Q5_K / Q6_K), cpu_iquants.c (MXFP4 / IQ3_XXS, tables from the generated
- * cpu_iq_tables.h), cpu_iq2.c (IQ2_XXS / IQ2_XS / IQ2_S) and cpu_moe.c (one MoE layer per call, int8 activations), each #included here, as are
+ * cpu_kquants.c (Q2_K / Q3_K / Q4_K / Q5_K / Q6_K), cpu_iquants.c (MXFP4 / IQ3_XXS, tables from the generated
+ * cpu_iq_tables.h), cpu_iq2.c (IQ2_XXS / IQ2_XS / IQ2_S) and cpu_moe.c (one MoE layer per call, int8 activations),
+ * each #included here, as are
  * cpu_grouped.c (the prefill's expert-major tiles) and cpu_small.c (a decode token's attention and router).
  */
 #include <stdint.h>
@@ -313,13 +314,13 @@ static float row_half(int bf, const uint16_t *w, const float *x, int64_t K) {
 }
 
 /* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N). Type ids: GGML's ---- */
-enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18,
-       IQ4_NL = 20, IQ2_S = 22, IQ4_XS = 23, MXFP4 = 39 };
+enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16,
+       IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ2_S = 22, IQ4_XS = 23, MXFP4 = 39 };
 
 int moetier_supported(int qtype) {
     switch (qtype) {
-    case Q8_0: case Q4_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS: case IQ4_NL: case IQ4_XS:
-    case MXFP4: case IQ2_XXS: case IQ2_XS: case IQ2_S: return 1;
+    case Q8_0: case Q4_0: case Q5_1: case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS:
+    case IQ4_NL: case IQ4_XS: case MXFP4: case IQ2_XXS: case IQ2_XS: case IQ2_S: return 1;
     default: return 0;
     }
 }
@@ -334,6 +335,8 @@ static int64_t block_bytes(int qtype) {
     case Q8_0: return 34;
     case Q4_0: return 18;
     case Q5_1: return 24;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
@@ -367,6 +370,8 @@ static float row_dot(int qtype, const uint8_t *w, const float *x, const float *x
     case Q8_0: return row_q8_0(w, x, K / 32);
     case Q4_0: return row_q4_0(w, x, xs, K / 32);
     case Q5_1: return row_q5_1(w, x, xs, K / 32);
+    case Q2_K: return row_q2_k(w, x, K / 256);
+    case Q3_K: return row_q3_k(w, x, K / 256);
     case Q4_K: return row_q4_k(w, x, xs, K / 256);
     case Q5_K: return row_q5_k(w, x, xs, K / 256);
     case Q6_K: return row_q6_k(w, x, K / 256);
@@ -462,17 +467,19 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
     case IQ2_S: for (int64_t b = 0; b < K / 256; b++) dequant_iq2_s(r + 82 * b, o + 256 * b); break;
     case IQ4_XS: for (int64_t b = 0; b < K / 256; b++) dequant_iq4_xs(r + 136 * b, o + 256 * b); break;
     case IQ4_NL: for (int64_t b = 0; b < K / 32; b++) dequant_iq4_nl(r + 18 * b, o + 32 * b); break;
+    case Q2_K: for (int64_t b = 0; b < K / 256; b++) dequant_q2_k(r + 84 * b, o + 256 * b); break;
+    case Q3_K: for (int64_t b = 0; b < K / 256; b++) dequant_q3_k(r + 110 * b, o + 256 * b); break;
     default: break;
     }
 }
 
 /* Rows of GGML blocks -> float32, bit-exact with the torch dequantizer (one multiply per value):
- * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0, MXFP4, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S.
- * 0, or -1 (type / K). */
+ * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0, MXFP4, IQ3_XXS, Q2_K, Q3_K, IQ2_XXS,
+ * IQ2_XS, IQ2_S. 0, or -1 (type / K). */
 int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, float *out,
                     int nthreads) {
-    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != IQ2_XXS && qtype != IQ2_XS
-         && qtype != IQ2_S) || K % block_elems(qtype)) return -1;
+    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != Q2_K && qtype != Q3_K
+         && qtype != IQ2_XXS && qtype != IQ2_XS && qtype != IQ2_S) || K % block_elems(qtype)) return -1;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) dequant_row(qtype, w + n * row_stride, out + n * K, K);
     return 0;

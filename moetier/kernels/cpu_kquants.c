@@ -1,4 +1,4 @@
-/* K-quant row kernels (Q4_K, Q5_K, Q6_K): part of cpu_kernels.c, which #includes this file after
+/* K-quant row kernels (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): part of cpu_kernels.c, which #includes this file after
  * its SIMD vocabulary (vf / vi, vq5f / vq6f), fp16_to_f32 and PREFETCH; not compiled on its own. */
 
 /* ---- Q4_K: 144-byte super-blocks of 256 {fp16 d, fp16 dmin, u8 scales[12], u8 qs[128]};
@@ -256,3 +256,162 @@ static float row_q6_k(const uint8_t *w, const float *x, int64_t nsb) {
     return acc_s;
 }
 #endif
+
+/* ---- Q2_K / Q3_K (llama.cpp's Q2_K and Q3_K_S/M/L files): 256 values in 16 sub-blocks of 16, 2-bit quants in
+ * qs[64]; value 128 h + 32 j + l (h < 2, j < 4, l < 32) is q = (qs[32 h + l] >> 2 j) & 3 of sub-block
+ * i = 8 h + 2 j + l / 16. Group g = 4 h + j (32 values) holds sub-blocks 2 g, 2 g + 1.
+ * Q2_K: 84 bytes {u8 scales[16], u8 qs[64], fp16 d, fp16 dmin}, value d (scales[i] & 15) q - dmin (scales[i] >> 4).
+ * Q3_K: 110 bytes {u8 hmask[32], u8 qs[64], u8 scales[12], fp16 d}, value d (sc_i - 32) (q + 4 hbit - 4), hbit =
+ * bit g of hmask[l], sc_i 6 bits (q3_k_scales). ---- */
+static inline void q3_k_scales(const uint8_t *s, int8_t *sc) {     /* 12 bytes -> 16 scales, 32 taken off */
+    uint32_t a[3], o[4];
+    memcpy(a, s, 12);
+    const uint32_t m4 = 0x0F0F0F0Fu, m2 = 0x03030303u;
+    o[0] = (a[0] & m4) | (a[2] & m2) << 4;                  /* i < 4: low nibble of s[i], bits 0-1 of s[8 + i] */
+    o[1] = (a[1] & m4) | (a[2] >> 2 & m2) << 4;             /* 4-7: low nibble of s[i], bits 2-3 of s[4 + i] */
+    o[2] = (a[0] >> 4 & m4) | (a[2] >> 4 & m2) << 4;        /* 8-11: high nibble of s[i - 8], bits 4-5 */
+    o[3] = (a[1] >> 4 & m4) | (a[2] >> 6 & m2) << 4;        /* 12-15: high nibble of s[i - 8], bits 6-7 */
+    uint8_t u[16];
+    memcpy(u, o, 16);
+    for (int i = 0; i < 16; i++) sc[i] = (int8_t)(u[i] - 32);
+}
+
+#if VW == 16
+static inline vi vsrl(vi v, int s) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(s)); }
+static inline vi vand(vi v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+static inline vi vor(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vsub1(vi v, int c) { return _mm512_sub_epi32(v, _mm512_set1_epi32(c)); }
+static inline vi vsll(vi v, int s) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(s)); }
+static inline vf kq_vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline void kq_vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+#elif defined(VW)
+static inline vi vsrl(vi v, int s) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(s)); }
+static inline vi vand(vi v, int m) { return _mm256_and_si256(v, _mm256_set1_epi32(m)); }
+static inline vi vor(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi vsub1(vi v, int c) { return _mm256_sub_epi32(v, _mm256_set1_epi32(c)); }
+static inline vi vsll(vi v, int s) { return _mm256_sll_epi32(v, _mm_cvtsi32_si128(s)); }
+static inline vf kq_vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline void kq_vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+#endif
+
+static float row_q2_k(const uint8_t *w, const float *x, int64_t nsb) {
+    float acc_s = 0.f, off_s = 0.f;
+#ifdef VW
+    vf acc = vzero(), off = vzero();                    /* d sc q x, dmin mn x */
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 84, x += 256) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        const float d = fp16_to_f32(w + 80), dmin = fp16_to_f32(w + 82);
+        const uint8_t *sc = w;
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *qs = w + 16 + 32 * (g >> 2);
+            const float *xg = x + 32 * g;
+            const int sh = 2 * (g & 3);
+#ifdef VW
+            vf s[2] = {vzero(), vzero()}, t[2] = {vzero(), vzero()};      /* per sub-block: q x, x */
+            for (int l = 0; l < 32; l += VW) {
+                const vf xv = vload(xg + l);
+                s[l / 16] = vfma(vcvt(vand(vsrl(vbytes_u8(qs + l), sh), 3)), xv, s[l / 16]);
+                t[l / 16] = vadd(t[l / 16], xv);
+            }
+            for (int u = 0; u < 2; u++) {
+                acc = vfma(vset1(d * (float)(sc[2 * g + u] & 15)), s[u], acc);
+                off = vfma(vset1(dmin * (float)(sc[2 * g + u] >> 4)), t[u], off);
+            }
+#else
+            for (int u = 0; u < 2; u++) {
+                float s = 0.f, t = 0.f;
+                for (int l = 16 * u; l < 16 * u + 16; l++) {
+                    s += (float)((qs[l] >> sh) & 3) * xg[l];
+                    t += xg[l];
+                }
+                acc_s += d * (float)(sc[2 * g + u] & 15) * s;
+                off_s += dmin * (float)(sc[2 * g + u] >> 4) * t;
+            }
+#endif
+        }
+    }
+#ifdef VW
+    acc_s = vsum(acc);
+    off_s = vsum(off);
+#endif
+    return acc_s - off_s;
+}
+
+static float row_q3_k(const uint8_t *w, const float *x, int64_t nsb) {
+    float acc_s = 0.f;
+#ifdef VW
+    vf acc = vzero();
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 110, x += 256) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        const float d = fp16_to_f32(w + 108);
+        int8_t sc[16];
+        q3_k_scales(w + 96, sc);
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *qs = w + 32 + 32 * (g >> 2), *hm = w;
+            const float *xg = x + 32 * g;
+            const int sh = 2 * (g & 3);
+#ifdef VW
+            vf s[2] = {vzero(), vzero()};
+            for (int l = 0; l < 32; l += VW) {
+                const vi q = vor(vand(vsrl(vbytes_u8(qs + l), sh), 3), vsll(vand(vsrl(vbytes_u8(hm + l), g), 1), 2));
+                s[l / 16] = vfma(vcvt(vsub1(q, 4)), vload(xg + l), s[l / 16]);
+            }
+            acc = vfma(vset1(d * (float)sc[2 * g]), s[0], acc);
+            acc = vfma(vset1(d * (float)sc[2 * g + 1]), s[1], acc);
+#else
+            for (int u = 0; u < 2; u++) {
+                float s = 0.f;
+                for (int l = 16 * u; l < 16 * u + 16; l++)
+                    s += (float)((int)((qs[l] >> sh) & 3) + 4 * ((hm[l] >> g) & 1) - 4) * xg[l];
+                acc_s += d * (float)sc[2 * g + u] * s;
+            }
+#endif
+        }
+    }
+#ifdef VW
+    acc_s = vsum(acc);
+#endif
+    return acc_s;
+}
+
+/* dequantizers, the torch twin's float ops in its order (quant/kquants.py): bit-exact (dl q - ml as dl q + (-ml)) */
+static void dequant_q2_k(const uint8_t *w, float *o) {
+    const float d = fp16_to_f32(w + 80), dmin = fp16_to_f32(w + 82);
+    for (int g = 0; g < 8; g++)
+        for (int u = 0; u < 2; u++) {
+            const float dl = d * (float)(w[2 * g + u] & 15), ml = dmin * (float)(w[2 * g + u] >> 4);
+            const uint8_t *qs = w + 16 + 32 * (g >> 2) + 16 * u;
+            float *og = o + 32 * g + 16 * u;
+#ifdef VW
+            for (int l = 0; l < 16; l += VW)
+                kq_vstore(og + l, vadd(kq_vmul(vset1(dl), vcvt(vand(vsrl(vbytes_u8(qs + l), 2 * (g & 3)), 3))), vset1(-ml)));
+#else
+            for (int l = 0; l < 16; l++) og[l] = dl * (float)((qs[l] >> (2 * (g & 3))) & 3) - ml;
+#endif
+        }
+}
+
+static void dequant_q3_k(const uint8_t *w, float *o) {
+    const float d = fp16_to_f32(w + 108);
+    int8_t sc[16];
+    q3_k_scales(w + 96, sc);
+    for (int g = 0; g < 8; g++)
+        for (int u = 0; u < 2; u++) {
+            const float dl = d * (float)sc[2 * g + u];
+            const uint8_t *qs = w + 32 + 32 * (g >> 2) + 16 * u, *hm = w + 16 * u;
+            float *og = o + 32 * g + 16 * u;
+#ifdef VW
+            for (int l = 0; l < 16; l += VW) {
+                const vi q = vor(vand(vsrl(vbytes_u8(qs + l), 2 * (g & 3)), 3), vsll(vand(vsrl(vbytes_u8(hm + l), g), 1), 2));
+                kq_vstore(og + l, kq_vmul(vset1(dl), vcvt(vsub1(q, 4))));
+            }
+#else
+            for (int l = 0; l < 16; l++)
+                og[l] = dl * (float)((int)((qs[l] >> (2 * (g & 3))) & 3) + 4 * ((hm[l] >> g) & 1) - 4);
+#endif
+        }
+}

@@ -157,12 +157,13 @@ static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx
 #include "cpu_iq_q8.c"
 #include "cpu_iq2_q8.c"
 #include "cpu_kq_q8.c"
+#include "cpu_kq23_q8.c"
 
 /* types with an int8-activation row kernel (moe_row_q8) */
 static inline int moe_q8_type(int qtype) {
     return qtype == Q4_0 || qtype == Q8_0 || qtype == MXFP4 || qtype == IQ3_XXS || qtype == Q4_K || qtype == Q5_K
-           || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL || qtype == IQ2_XXS || qtype == IQ2_XS
-           || qtype == IQ2_S;
+           || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL || qtype == Q2_K || qtype == Q3_K
+           || qtype == IQ2_XXS || qtype == IQ2_XS || qtype == IQ2_S;
 }
 
 /* one row of a moe_q8_type . q8 x (qx [K], dx / sx [K/32]) */
@@ -178,6 +179,8 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
     case Q4_K: return moe_row_q4_k_q8(w, qx, dx, sx, K / 256);
     case Q5_K: return moe_row_q5_k_q8(w, qx, dx, sx, K / 256);
     case Q6_K: return moe_row_q6_k_q8(w, qx, dx, K / 256);
+    case Q2_K: return moe_row_q2_k_q8(w, qx, dx, K / 256);
+    case Q3_K: return moe_row_q3_k_q8(w, qx, dx, K / 256);
     case IQ2_XXS: return moe_row_iq2_xxs_q8(w, qx, dx, K / 256);
     case IQ2_XS: return moe_row_iq2_xs_q8(w, qx, dx, K / 256);
     case IQ2_S: return moe_row_iq2_s_q8(w, qx, dx, K / 256);
@@ -396,7 +399,7 @@ static void moe_rows4_run_mxfp4_q8(const uint8_t *w, int64_t rs, const int8_t *q
 
 /* out[i] = row w + i rs . q8 x for i < n (a run of rows of one matrix, prefetch bounded by pf_end): Q4_0 / Q8_0 4
  * rows per call (moe_rows4_run_q8, or its AVX-512 twin), MXFP4 likewise (moe_rows4_run_mxfp4_q8), Q4_K / Q6_K (and
- * Q5_K with AVX-512) likewise (cpu_kq_q8.c, AVX2 or AVX-512 VNNI), the tail and the other types one row per call
+ * Q5_K with AVX-512) likewise (cpu_kq_q8.c, AVX2 or AVX-512 VNNI), Q2_K / Q3_K (cpu_kq23_q8.c), the tail and the other types one row per call
  * (moe_row_q8). Every path is bit-identical to moe_row_q8 row by row. */
 static void moe_rows_run_q8(int qtype, const uint8_t *w, int64_t rs, int64_t n, const int8_t *qx, const float *dx,
                             const float *sx, int64_t K, const uint8_t *pf_end, float *out) {
@@ -415,6 +418,10 @@ static void moe_rows_run_q8(int qtype, const uint8_t *w, int64_t rs, int64_t n, 
 #endif
     else if (qtype == Q6_K)
         for (; i + 4 <= n; i += 4) MOE_ROWS4_RUN_Q6_K(w + i * rs, rs, qx, dx, K / 256, pf_end, out + i);
+    else if (qtype == Q3_K)
+        for (; i + 4 <= n; i += 4) moe_rows4_run_q3_k_q8(w + i * rs, rs, qx, dx, K / 256, pf_end, out + i);
+    else if (qtype == Q2_K)
+        for (; i + 4 <= n; i += 4) moe_rows4_run_q2_k_q8(w + i * rs, rs, qx, dx, K / 256, pf_end, out + i);
     for (; i < n; i++) out[i] = moe_row_q8(qtype, w + i * rs, qx, dx, sx, K);
 }
 #endif
