@@ -285,3 +285,18 @@ def test_errors_name_the_problem(qwen_dir, tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="bad.gguf"):
         load_model(bad)
+
+
+@pytest.mark.parametrize("qtype", ["Q3_K", "IQ3_XXS", "IQ4_NL"])
+def test_threaded_quantizer_writes_the_serial_bytes(qtype):
+    """`moetier quantize --threads`: ggml's quantizers on row chunks (experts with an importance matrix each) in
+    threads give the serial result byte for byte."""
+    pytest.importorskip("libgguf")
+    from moetier.commands.quantize import encode
+    g = torch.Generator().manual_seed(5)
+    for shape in [(4, 40, 256), (37, 512)]:
+        t = torch.randn(*shape, generator=g)
+        imp = torch.rand((shape[0] if len(shape) == 3 else 1) * shape[-1], generator=g).numpy() + 0.1
+        for importance in (None, imp):
+            one, many = encode(t, qtype, importance, threads=1), encode(t, qtype, importance, threads=3)
+            assert one.shape == many.shape and np.array_equal(one, many)

@@ -9,6 +9,7 @@ and BF16 rows use gguf-py's numpy quantizers; the K- and i-quants, and any rows 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pure", action="store_true",
                    help="every quantized tensor in the type's default format, no per-tensor mix "
                         "(llama-quantize --pure)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="threads for ggml's quantizers (default: every CPU)")
     p.add_argument("--out", "-o", default=None, metavar="FILE.gguf", help="output file (default: next to SRC)")
     p.add_argument("--split-max-tensors", type=int, default=0, metavar="N",
                    help="write a split set (-00001-of-0000N.gguf) with at most N tensors per file")
@@ -46,7 +49,7 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     out = quantize(args.src, args.qtype, args.out, split_max_tensors=args.split_max_tensors, progress=True,
-                   imatrix=args.imatrix, pure=args.pure)
+                   imatrix=args.imatrix, pure=args.pure, threads=args.threads)
     print(out)
     return 0
 
@@ -56,9 +59,10 @@ def _gtype(name: str):
     return GGMLQuantizationType[name]
 
 
-def encode(t: torch.Tensor, qtype: str, importance: np.ndarray | None = None) -> np.ndarray:
+def encode(t: torch.Tensor, qtype: str, importance: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
     """float tensor -> the stored array (float32 / float16, or uint8 [..., bytes per row]). `importance`: the
-    tensor's imatrix entry ([K], or [E * K] for experts [E, N, K]: one K-slice per expert, as llama-quantize)."""
+    tensor's imatrix entry ([K], or [E * K] for experts [E, N, K]: one K-slice per expert, as llama-quantize).
+    ggml's quantizers run on `threads` threads (row chunks; libgguf releases the GIL)."""
     a = t.detach().float().contiguous().numpy()
     if qtype == "F32":
         return a
@@ -74,14 +78,28 @@ def encode(t: torch.Tensor, qtype: str, importance: np.ndarray | None = None) ->
         import libgguf
     except ImportError:
         raise UserError(f"quantizing to {qtype} needs ggml's quantizers: pip install libgguf") from None
-    if importance is None:
-        return libgguf.quantize_rows(a, int(_gtype(qtype)))
-    k = a.shape[-1]
+    tid, k = int(_gtype(qtype)), a.shape[-1]
+    if tid not in _WARM:            # ggml builds an i-quant's search tables on first use: once, before any thread
+        libgguf.quantize_rows(np.ascontiguousarray(a.reshape(-1, k)[:1]), tid,
+                              imatrix=None if importance is None else importance[:k])
+        _WARM.add(tid)
     mats = a.reshape(-1, *a.shape[-2:]) if a.ndim == 3 else a[None]
-    parts = [libgguf.quantize_rows(np.ascontiguousarray(m), int(_gtype(qtype)),
-                                   imatrix=importance[i * k:(i + 1) * k] if importance.size > k else importance)
-             for i, m in enumerate(mats)]
-    return np.stack(parts).reshape(*a.shape[:-1], -1)
+    jobs = []                                           # (rows [n, K], importance [K] or None)
+    for i, m in enumerate(mats):
+        imp = None if importance is None else importance[i * k:(i + 1) * k] if importance.size > k else importance
+        step = max(1, -(-m.shape[0] // max(1, threads // len(mats))))
+        jobs += [(m[r:r + step], imp) for r in range(0, m.shape[0], step)]
+    run = (lambda job: libgguf.quantize_rows(np.ascontiguousarray(job[0]), tid, imatrix=job[1]))
+    if threads > 1 and len(jobs) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(min(threads, len(jobs))) as pool:
+            parts = list(pool.map(run, jobs))
+    else:
+        parts = [run(j) for j in jobs]
+    return np.concatenate(parts).reshape(*a.shape[:-1], -1)
+
+
+_WARM: set[int] = set()
 
 
 # ---------------------------------------------------------------- sources: (metadata, tensor groups)
@@ -162,9 +180,11 @@ def default_out(src: Path, qtype: str) -> Path:
 
 
 def quantize(src: str | Path, qtype: str = "Q8_0", out: str | Path | None = None, split_max_tensors: int = 0,
-             progress: bool = False, imatrix: str | Path | None = None, pure: bool = False) -> Path:
+             progress: bool = False, imatrix: str | Path | None = None, pure: bool = False,
+             threads: int | None = None) -> Path:
     """Write SRC as a GGUF of file type `qtype` (FILE_TYPES: llama-quantize's names and mixes; `pure`: no mix);
-    `imatrix`: llama-imatrix's file. -> the output path (the first part of a split set)."""
+    `imatrix`: llama-imatrix's file; `threads`: ggml's quantizers' threads (default: every CPU).
+    -> the output path (the first part of a split set)."""
     from gguf import GGML_QUANT_VERSION, GGUFWriter
     from ..weights.gguf import is_gguf
     src = Path(src).expanduser()
@@ -179,6 +199,7 @@ def quantize(src: str | Path, qtype: str = "Q8_0", out: str | Path | None = None
         raise UserError(f"--out {out} is the source file; choose another name")
     arch = meta["general.architecture"]
     importance = load_imatrix(imatrix) if imatrix else None
+    threads = threads or os.cpu_count() or 1
     mix = Mix(qtype, n_layer, n_expert, _n_gqa(meta, arch), [n for names, _, _ in groups for n in names],
               has_imatrix=importance is not None)
     plan = []
@@ -203,7 +224,7 @@ def quantize(src: str | Path, qtype: str = "Q8_0", out: str | Path | None = None
     bar = _bar(len(plan), f"quantizing to {qtype}", progress)
     for names, _, produce, kinds in plan:
         for n, t, k in zip(names, produce(), kinds):
-            w.write_tensor_data(encode(t, k, importance.get(n) if importance else None))
+            w.write_tensor_data(encode(t, k, importance.get(n) if importance else None, threads))
         bar.update(1)
     bar.close()
     w.close()
