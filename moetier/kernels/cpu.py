@@ -46,10 +46,12 @@ from .reference import expert_matvec
 log = logging.getLogger(__name__)
 
 FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL"}
+FAST_TYPES |= {"IQ3_S", "IQ1_S", "IQ1_M"}
 # 16-bit float rows the C matvec reads too (float32 products): the dense copies of weights that are exactly 16-bit
 # floats (runtime.cpu_compile.QUANT_COPY_TYPES); not kept from GGUF files (weights.loader._keep_blocks reads FAST_TYPES)
 HALF_TYPES = {"BF16", "F16"}
 DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS"}     # moetier_dequant (dequantize_rows)
+DEQUANT_TYPES |= {"IQ3_S", "IQ1_S", "IQ1_M"}
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -88,6 +90,10 @@ def iq_tables_header() -> str:
                     [f"{float(v)}f" for v in t["mxfp4_values"]], 16)
             + array("uint8_t iq3xxs_grid[256][4] __attribute__((aligned(4)))",
                     [brace(str(v) for v in r) for r in t["iq3xxs_grid"]], 8)
+            + array("uint8_t iq3s_grid[512][4] __attribute__((aligned(4)))",
+                    [brace(str(v) for v in r) for r in t["iq3s_grid"]], 8)
+            + array("int8_t iq1s_grid[2048][8] __attribute__((aligned(8)))",
+                    [brace(str(v) for v in r) for r in t["iq1s_grid"]], 4)
             + array("uint8_t iq_ksigns[128]", [str(v) for v in t["iq_ksigns"]], 16)
             + "/* iq_ksigns[i] bit j -> the float sign bit of lane j */\n"
             + array("uint32_t iq_sign_bits[128][8] __attribute__((aligned(32)))", signs, 2)
@@ -333,6 +339,7 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
 
 
 MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL"}   # q8=True: int8 activations for these
+MOE_Q8_TYPES |= {"IQ3_S", "IQ1_S", "IQ1_M"}
 
 
 def moe_tokens(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,

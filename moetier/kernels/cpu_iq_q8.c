@@ -162,3 +162,105 @@ static float moe_row_iq3_xxs_q8(const uint8_t *w, const int8_t *qx, const float 
     return 0.25f * hsum8(_mm256_add_ps(acc0, acc1));
 }
 #endif
+
+/* ---- IQ3_S: a sub-block's 8 grid rows (9-bit indices: qs bytes | qh bits << 8) are one gather of 8 u32 (32
+ * unsigned levels 1..15); its 32 sign bits become +-1 bytes applied to x (sign_epi8); u8 x s8 dot; scale
+ * d (1 + 2 sc) dx per sub-block ---- */
+static inline __m256i iq3_s_q8_dot(const uint8_t *qs, uint32_t qh, const uint8_t *sg, const int8_t *y) {
+    const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
+                                        _mm256_set1_epi32(0x100));                   /* bit l of qh at bit 8 of lane l */
+    const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
+    const __m256i grid = _mm256_i32gather_epi32((const int *)iq3s_grid, idx, 4);
+    uint32_t s;
+    memcpy(&s, sg, 4);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201LL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)s),              /* byte j: sign byte j / 8 */
+                                               _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    const __m256i ys = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), _mm256_or_si256(neg, _mm256_set1_epi8(1)));
+    return moe_dot_u8s8(grid, ys);
+}
+
+static float moe_row_iq3_s_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 110, qx += 256, dx += 8) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        const float d = fp16_to_f32(w);
+        for (int s = 0; s < 8; s += 2) {
+            const __m256i p0 = iq3_s_q8_dot(w + 2 + 8 * s, w[66 + s], w + 74 + 4 * s, qx + 32 * s);
+            const __m256i p1 = iq3_s_q8_dot(w + 10 + 8 * s, w[67 + s], w + 78 + 4 * s, qx + 32 * s + 32);
+            const uint8_t sc = w[106 + s / 2];
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * (float)(1 + 2 * (sc & 15)) * dx[s]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * (float)(1 + 2 * (sc >> 4)) * dx[s + 1]), acc1);
+        }
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+/* ---- IQ1_S / IQ1_M: each index picks 8 int8 weights 8 (v + delta) from iq1_grid8 (cpu_iquants.c): two
+ * sub-blocks' 8 indices are one vector, two gathers of 4 u64 give their 2 x 32 weights; signed x signed through the
+ * sign trick (no weight is 0); the 1/8 folded into the scale. IQ1_M's per-16 scales 2 ls + 1 multiply the
+ * maddubs pair sums (madd: <= 2 x 2286 x 15, no overflow) before the per-32 dx. ---- */
+static inline __m256i iq1_q8_signed(__m256i w, const int8_t *y) {   /* |w| (u8) and y with w's signs */
+    return _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), w);
+}
+
+static float moe_row_iq1_s_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    const __m256i shift = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 50, qx += 256, dx += 8) {
+        PREFETCH(w);
+        const float d = 0.125f * fp16_to_f32(w);
+        uint16_t h[8];
+        memcpy(h, w + 34, 16);
+        for (int s = 0; s < 8; s += 2) {
+            /* lane 4 i + l: row qs[4 (s + i) + l] | ((h >> 3 l) & 7) << 8 | delta sign << 11, h = qh[s + i] */
+            const __m256i hv = _mm256_setr_epi32(h[s], h[s], h[s], h[s], h[s + 1], h[s + 1], h[s + 1], h[s + 1]);
+            const __m256i idx = _mm256_or_si256(
+                _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 4 * s))),
+                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(hv, shift), _mm256_set1_epi32(7)), 8)),
+                _mm256_srli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x8000)), 4));
+            const __m256i w0 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_castsi256_si128(idx), 8);
+            const __m256i w1 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_extracti128_si256(idx, 1), 8);
+            const __m256i p0 = moe_dot_u8s8(_mm256_abs_epi8(w0), iq1_q8_signed(w0, qx + 32 * s));
+            const __m256i p1 = moe_dot_u8s8(_mm256_abs_epi8(w1), iq1_q8_signed(w1, qx + 32 * s + 32));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(iq1_s_scale(d, h[s]) * dx[s]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(iq1_s_scale(d, h[s + 1]) * dx[s + 1]), acc1);
+        }
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+static inline __m256i iq1_m_q8_scales(uint16_t sc, int half) {    /* int16 lanes: 2 ls + 1 of values 0-15 | 16-31 */
+    const int lo = 2 * ((sc >> (6 * half)) & 7) + 1, hi = 2 * ((sc >> (6 * half + 3)) & 7) + 1;
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+
+static float moe_row_iq1_m_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 56, qx += 256, dx += 8) {
+        PREFETCH(w);
+        const float d = 0.125f * iq1_m_d(w);
+        uint16_t sc[4];
+        memcpy(sc, w + 48, 8);
+        for (int s = 0; s < 8; s += 2) {
+            /* lane l: row qs[4 s + l] | nibble l of the qh bytes 2 s .. 2 s + 3 << 8 (index bits 8-10, delta 11) */
+            uint32_t h;
+            memcpy(&h, w + 32 + 2 * s, 4);
+            const __m256i idx = _mm256_or_si256(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 4 * s))),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)h), shift), _mm256_set1_epi32(15)), 8));
+            const __m256i w0 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_castsi256_si128(idx), 8);
+            const __m256i w1 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_extracti128_si256(idx, 1), 8);
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), iq1_q8_signed(w0, qx + 32 * s)),
+                                                 iq1_m_q8_scales(sc[s / 2], 0));
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), iq1_q8_signed(w1, qx + 32 * s + 32)),
+                                                 iq1_m_q8_scales(sc[s / 2], 1));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * dx[s]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * dx[s + 1]), acc1);
+        }
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}

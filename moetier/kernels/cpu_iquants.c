@@ -140,3 +140,211 @@ static void dequant_iq3_xxs(const uint8_t *blk, float *o) {
         }
     }
 }
+
+/* ---- IQ3_S: 110-byte super-blocks of 256 {fp16 d, u8 qs[64], u8 qh[8], u8 signs[32], u8 scales[4]}; sub-block s
+ * (32 values) reads grid rows qs[8 s + l] | (bit l of qh[s]) << 8 of iq3s_grid (4 odd levels 1..15 each, l < 8),
+ * negates value j where bit j % 8 of signs[4 s + j / 8] is set, and scales by d (1 + 2 sc), sc the nibble s % 2 of
+ * scales[s / 2] ---- */
+static inline float iq3_s_scale(const uint8_t *w, int s) {
+    return fp16_to_f32(w) * (float)(1 + 2 * ((w[106 + s / 2] >> (4 * (s % 2))) & 15));
+}
+
+static inline uint32_t iq3_s_row(const uint8_t *w, int s, int l) {      /* grid row index of values 4 l .. 4 l + 3 */
+    return w[2 + 8 * s + l] | (uint32_t)((w[66 + s] >> l) & 1) << 8;
+}
+
+#ifdef IQ_AVX2
+/* 8 values: grid rows i0, i1, negated where bits of `signs` are set */
+static inline __m256 iq3_s_vals8(uint32_t i0, uint32_t i1, uint8_t signs) {
+    uint32_t g0, g1;
+    memcpy(&g0, iq3s_grid[i0], 4);
+    memcpy(&g1, iq3s_grid[i1], 4);
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)((uint64_t)g1 << 32 | g0))));
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(signs), bit), bit);
+    return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(neg, 31)));
+}
+#endif
+
+static float row_iq3_s(const uint8_t *w, const float *x, int64_t nsb) {
+#ifdef IQ_AVX2
+    __m256 acc = _mm256_setzero_ps();
+#else
+    float acc = 0.f;
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 110, x += 256) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        for (int s = 0; s < 8; s++) {
+            const float *xs = x + 32 * s;
+            const uint8_t *sg = w + 74 + 4 * s;
+#ifdef IQ_AVX2
+            __m256 s0 = _mm256_mul_ps(iq3_s_vals8(iq3_s_row(w, s, 0), iq3_s_row(w, s, 1), sg[0]), _mm256_loadu_ps(xs));
+            __m256 s1 = _mm256_mul_ps(iq3_s_vals8(iq3_s_row(w, s, 2), iq3_s_row(w, s, 3), sg[1]), _mm256_loadu_ps(xs + 8));
+            s0 = _mm256_fmadd_ps(iq3_s_vals8(iq3_s_row(w, s, 4), iq3_s_row(w, s, 5), sg[2]), _mm256_loadu_ps(xs + 16), s0);
+            s1 = _mm256_fmadd_ps(iq3_s_vals8(iq3_s_row(w, s, 6), iq3_s_row(w, s, 7), sg[3]), _mm256_loadu_ps(xs + 24), s1);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(iq3_s_scale(w, s)), _mm256_add_ps(s0, s1), acc);
+#else
+            float sum = 0.f;
+            for (int j = 0; j < 32; j++) {
+                const float v = iq3s_grid[iq3_s_row(w, s, j / 4)][j % 4];
+                sum += (sg[j / 8] >> (j % 8) & 1 ? -v : v) * xs[j];
+            }
+            acc += iq3_s_scale(w, s) * sum;
+#endif
+        }
+    }
+#ifdef IQ_AVX2
+    return hsum8(acc);
+#else
+    return acc;
+#endif
+}
+
+static void dequant_iq3_s(const uint8_t *blk, float *o) {
+    for (int s = 0; s < 8; s++) {
+        const float db = iq3_s_scale(blk, s);
+        for (int j = 0; j < 32; j++) {
+            const float v = db * (float)iq3s_grid[iq3_s_row(blk, s, j / 4)][j % 4];
+            o[32 * s + j] = blk[74 + 4 * s + j / 8] >> (j % 8) & 1 ? -v : v;
+        }
+    }
+}
+
+/* ---- IQ1_S / IQ1_M: a grid row of iq1s_grid (8 values in -1, 0, 1) per 11-bit index, shifted by delta = +-1/8.
+ * iq1_grid8[i | neg << 11]: row i as 8 int8 values 8 v + 1 (8 v - 1 where neg), so value 8 (v + delta) is one byte:
+ * the float rows and the int8 ones (cpu_iq_q8.c) read 8 weights per index from it, scaled by 1/8 once. ---- */
+static uint64_t iq1_grid8[4096] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void iq1_grid8_init(void) {
+    for (int i = 0; i < 4096; i++) {
+        uint64_t r = 0;
+        for (int j = 0; j < 8; j++) r |= (uint64_t)(uint8_t)(int8_t)(8 * iq1s_grid[i & 2047][j] + (i >> 11 ? -1 : 1)) << (8 * j);
+        iq1_grid8[i] = r;
+    }
+}
+
+/* IQ1_S: 50-byte super-blocks of 256 {fp16 d, u8 qs[32], u16 qh[8]}; sub-block s (32 values): rows qs[4 s + l] |
+ * ((qh[s] >> 3 l) & 7) << 8 (l < 4), delta negative where bit 15 of qh[s] is set, scale d (2 ((qh[s] >> 12) & 7) + 1) */
+static inline uint32_t iq1_s_row(uint32_t q, uint32_t h, int l) {    /* iq1_grid8 index: row | delta sign << 11 */
+    return q | ((h >> (3 * l)) & 7) << 8 | (h & 0x8000) >> 4;
+}
+
+static inline float iq1_s_scale(float d, uint32_t h) { return d * (float)(2 * ((h >> 12) & 7) + 1); }
+
+/* IQ1_M: 56-byte super-blocks of 256 {u8 qs[32], u8 qh[16], u16 sc[4]}; row l of 32 (8 values): qs[l] | (nibble
+ * l % 2 of qh[l / 2] & 7) << 8, delta negative where its bit 3 is set (so the nibble << 8 is the iq1_grid8 index's
+ * high part); values 16 t .. 16 t + 15 scaled by d (2 ((sc[t / 4] >> 3 (t % 4)) & 7) + 1), d the fp16 whose four
+ * nibbles are the top nibbles of sc[0 .. 4) */
+static inline float iq1_m_d(const uint8_t *w) {
+    uint16_t sc[4];
+    memcpy(sc, w + 48, 8);
+    const uint16_t h = (uint16_t)(sc[0] >> 12 | (sc[1] >> 8 & 0xF0) | (sc[2] >> 4 & 0xF00) | (sc[3] & 0xF000));
+    uint8_t b[2];
+    memcpy(b, &h, 2);
+    return fp16_to_f32(b);
+}
+
+static inline uint32_t iq1_m_row(const uint8_t *w, int l) { return w[l] | (uint32_t)((w[32 + l / 2] >> (4 * (l % 2))) & 15) << 8; }
+
+static inline int iq1_m_ls(const uint8_t *w, int t) {        /* 2 ls + 1 of values 16 t .. 16 t + 15 */
+    uint16_t s;
+    memcpy(&s, w + 48 + 2 * (t / 4), 2);
+    return 2 * ((s >> (3 * (t % 4))) & 7) + 1;
+}
+
+/* sum over 8 values of (8 v + delta sign) x, row index r of iq1_grid8 */
+static inline float iq1_dot8(uint32_t r, const float *x) {
+    const int8_t *v = (const int8_t *)&iq1_grid8[r];
+    float s = 0.f;
+    for (int j = 0; j < 8; j++) s += (float)v[j] * x[j];
+    return s;
+}
+
+#ifdef IQ_AVX2
+static inline __m256 iq1_vals8(uint32_t r) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&iq1_grid8[r])));
+}
+#endif
+
+static float row_iq1_s(const uint8_t *w, const float *x, int64_t nsb) {
+#ifdef IQ_AVX2
+    __m256 acc = _mm256_setzero_ps();
+#else
+    float acc = 0.f;
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 50, x += 256) {
+        PREFETCH(w);
+        const float d = 0.125f * fp16_to_f32(w);
+        for (int s = 0; s < 8; s++) {
+            uint16_t h;
+            memcpy(&h, w + 34 + 2 * s, 2);
+            const uint8_t *q = w + 2 + 4 * s;
+            const float *xs = x + 32 * s;
+#ifdef IQ_AVX2
+            __m256 s0 = _mm256_mul_ps(iq1_vals8(iq1_s_row(q[0], h, 0)), _mm256_loadu_ps(xs));
+            __m256 s1 = _mm256_mul_ps(iq1_vals8(iq1_s_row(q[1], h, 1)), _mm256_loadu_ps(xs + 8));
+            s0 = _mm256_fmadd_ps(iq1_vals8(iq1_s_row(q[2], h, 2)), _mm256_loadu_ps(xs + 16), s0);
+            s1 = _mm256_fmadd_ps(iq1_vals8(iq1_s_row(q[3], h, 3)), _mm256_loadu_ps(xs + 24), s1);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1_s_scale(d, h)), _mm256_add_ps(s0, s1), acc);
+#else
+            float sum = 0.f;
+            for (int l = 0; l < 4; l++) sum += iq1_dot8(iq1_s_row(q[l], h, l), xs + 8 * l);
+            acc += iq1_s_scale(d, h) * sum;
+#endif
+        }
+    }
+#ifdef IQ_AVX2
+    return hsum8(acc);
+#else
+    return acc;
+#endif
+}
+
+static float row_iq1_m(const uint8_t *w, const float *x, int64_t nsb) {
+#ifdef IQ_AVX2
+    __m256 acc = _mm256_setzero_ps();
+#else
+    float acc = 0.f;
+#endif
+    for (int64_t b = 0; b < nsb; b++, w += 56, x += 256) {
+        PREFETCH(w);
+        const float d = 0.125f * iq1_m_d(w);
+        for (int t = 0; t < 16; t++) {           /* 16 values: rows 2 t, 2 t + 1 */
+            const float *xs = x + 16 * t;
+#ifdef IQ_AVX2
+            const __m256 s = _mm256_fmadd_ps(iq1_vals8(iq1_m_row(w, 2 * t + 1)), _mm256_loadu_ps(xs + 8),
+                                             _mm256_mul_ps(iq1_vals8(iq1_m_row(w, 2 * t)), _mm256_loadu_ps(xs)));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)iq1_m_ls(w, t)), s, acc);
+#else
+            acc += d * (float)iq1_m_ls(w, t) * (iq1_dot8(iq1_m_row(w, 2 * t), xs) + iq1_dot8(iq1_m_row(w, 2 * t + 1), xs + 8));
+#endif
+        }
+    }
+#ifdef IQ_AVX2
+    return hsum8(acc);
+#else
+    return acc;
+#endif
+}
+
+/* value dl (v + delta), as gguf-py: dl = d (2 ls + 1), v + delta in float32 (exact) */
+static void dequant_iq1_s(const uint8_t *blk, float *o) {
+    const float d = fp16_to_f32(blk);
+    for (int s = 0; s < 8; s++) {
+        uint16_t h;
+        memcpy(&h, blk + 34 + 2 * s, 2);
+        const float dl = iq1_s_scale(d, h), delta = h & 0x8000 ? -0.125f : 0.125f;
+        for (int j = 0; j < 32; j++)
+            o[32 * s + j] = dl * ((float)iq1s_grid[blk[2 + 4 * s + j / 8] | ((h >> (3 * (j / 8))) & 7) << 8][j % 8] + delta);
+    }
+}
+
+static void dequant_iq1_m(const uint8_t *blk, float *o) {
+    const float d = iq1_m_d(blk);
+    for (int l = 0; l < 32; l++) {
+        const uint32_t r = iq1_m_row(blk, l);
+        const float dl = d * (float)iq1_m_ls(blk, l / 2), delta = r & 0x800 ? -0.125f : 0.125f;
+        for (int j = 0; j < 8; j++) o[8 * l + j] = dl * ((float)iq1s_grid[r & 2047][j] + delta);
+    }
+}

@@ -314,11 +314,13 @@ static float row_half(int bf, const uint16_t *w, const float *x, int64_t K) {
 /* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N). Type ids: GGML's ---- */
 enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ3_XXS = 18, IQ4_NL = 20, IQ4_XS = 23,
        MXFP4 = 39 };
+enum { IQ1_S = 19, IQ3_S = 21, IQ1_M = 29 };
 
 int moetier_supported(int qtype) {
     switch (qtype) {
     case Q8_0: case Q4_0: case Q5_1: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS: case IQ4_NL: case IQ4_XS:
     case MXFP4: return 1;
+    case IQ3_S: case IQ1_S: case IQ1_M: return 1;
     default: return 0;
     }
 }
@@ -337,6 +339,9 @@ static int64_t block_bytes(int qtype) {
     case Q5_K: return 176;
     case Q6_K: return 210;
     case IQ3_XXS: return 98;
+    case IQ3_S: return 110;
+    case IQ1_S: return 50;
+    case IQ1_M: return 56;
     case IQ4_XS: return 136;
     case IQ4_NL: return 18;
     case MXFP4: return 17;
@@ -367,6 +372,9 @@ static float row_dot(int qtype, const uint8_t *w, const float *x, const float *x
     case Q5_K: return row_q5_k(w, x, xs, K / 256);
     case Q6_K: return row_q6_k(w, x, K / 256);
     case IQ3_XXS: return row_iq3_xxs(w, x, K / 256);
+    case IQ3_S: return row_iq3_s(w, x, K / 256);
+    case IQ1_S: return row_iq1_s(w, x, K / 256);
+    case IQ1_M: return row_iq1_m(w, x, K / 256);
     case IQ4_XS: return row_iq4_xs(w, x, K / 256);
     case IQ4_NL: return row_iq4_nl(w, x, K / 32);
     case MXFP4: return row_mxfp4(w, x, K / 32);
@@ -450,6 +458,9 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
     case Q5_1: for (int64_t b = 0; b < K / 32; b++) dequant_q5_1(r + 24 * b, o + 32 * b); break;
     case MXFP4: for (int64_t b = 0; b < K / 32; b++) dequant_mxfp4(r + 17 * b, o + 32 * b); break;
     case IQ3_XXS: for (int64_t b = 0; b < K / 256; b++) dequant_iq3_xxs(r + 98 * b, o + 256 * b); break;
+    case IQ3_S: for (int64_t b = 0; b < K / 256; b++) dequant_iq3_s(r + 110 * b, o + 256 * b); break;
+    case IQ1_S: for (int64_t b = 0; b < K / 256; b++) dequant_iq1_s(r + 50 * b, o + 256 * b); break;
+    case IQ1_M: for (int64_t b = 0; b < K / 256; b++) dequant_iq1_m(r + 56 * b, o + 256 * b); break;
     case IQ4_XS: for (int64_t b = 0; b < K / 256; b++) dequant_iq4_xs(r + 136 * b, o + 256 * b); break;
     case IQ4_NL: for (int64_t b = 0; b < K / 32; b++) dequant_iq4_nl(r + 18 * b, o + 32 * b); break;
     default: break;
@@ -457,11 +468,12 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
 }
 
 /* Rows of GGML blocks -> float32, bit-exact with the torch dequantizer (one multiply per value):
- * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0, MXFP4, IQ3_XXS.
+ * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0, MXFP4, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M.
  * 0, or -1 (type / K). */
 int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, float *out,
                     int nthreads) {
-    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS) || K % block_elems(qtype)) return -1;
+    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != IQ3_S && qtype != IQ1_S
+         && qtype != IQ1_M) || K % block_elems(qtype)) return -1;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) dequant_row(qtype, w + n * row_stride, out + n * K, K);
     return 0;

@@ -160,7 +160,8 @@ static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx
 /* types with an int8-activation row kernel (moe_row_q8) */
 static inline int moe_q8_type(int qtype) {
     return qtype == Q4_0 || qtype == Q8_0 || qtype == MXFP4 || qtype == IQ3_XXS || qtype == Q4_K || qtype == Q5_K
-           || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL;
+           || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL
+           || qtype == IQ3_S || qtype == IQ1_S || qtype == IQ1_M;
 }
 
 /* one row of a moe_q8_type . q8 x (qx [K], dx / sx [K/32]) */
@@ -176,6 +177,9 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
     case Q4_K: return moe_row_q4_k_q8(w, qx, dx, sx, K / 256);
     case Q5_K: return moe_row_q5_k_q8(w, qx, dx, sx, K / 256);
     case Q6_K: return moe_row_q6_k_q8(w, qx, dx, K / 256);
+    case IQ3_S: return moe_row_iq3_s_q8(w, qx, dx, K / 256);
+    case IQ1_S: return moe_row_iq1_s_q8(w, qx, dx, K / 256);
+    case IQ1_M: return moe_row_iq1_m_q8(w, qx, dx, K / 256);
     default: return moe_row_iq3_xxs_q8(w, qx, dx, K / 256);
     }
 }
