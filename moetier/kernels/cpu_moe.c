@@ -178,7 +178,7 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
     case Q5_K: return moe_row_q5_k_q8(w, qx, dx, sx, K / 256);
     case Q6_K: return moe_row_q6_k_q8(w, qx, dx, K / 256);
     case IQ3_S: return moe_row_iq3_s_q8(w, qx, dx, K / 256);
-    case IQ1_S: return moe_row_iq1_s_q8(w, qx, dx, K / 256);
+    case IQ1_S: return moe_row_iq1_s_q8_sx(w, qx, dx, sx, K / 256);
     case IQ1_M: return moe_row_iq1_m_q8(w, qx, dx, K / 256);
     default: return moe_row_iq3_xxs_q8(w, qx, dx, K / 256);
     }
