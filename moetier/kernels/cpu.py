@@ -3,7 +3,8 @@
 Backend, chosen once at first use:
   "c"     cpu_kernels.c built with the system compiler (-O3 -march=native -fopenmp) into
           ~/.cache/moetier/kernels and called through ctypes (the GIL is released for the
-          whole call; OpenMP splits rows over threads). Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS
+          whole call; OpenMP splits rows over threads). FAST_TYPES: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS,
+          IQ3_S, IQ1_S, IQ1_M, ...
           (one compile unit: cpu_kernels.c #includes cpu_kquants.c, cpu_iquants.c, cpu_moe.c and the
           codebook header generated from moetier.quant's tables, iq_tables_header).
   "numba" the same loops in numba (parallel, nogil) when no compiler is found (Q8_0, Q4_0, Q4_K).
@@ -21,8 +22,8 @@ moetier::moe_tokens / moetier::qlinear so torch.export keeps them whole in the c
 their CPU kernels are Python until `load_native_ops()` swaps in cpu_ops.cpp (no Python per call).
 A decode token's small ops (tests/test_cpu_small.py; kernels/small_ops.py calls them for an eager CPU step):
 `decode_attention` (q / k norm, RoPE, cache write, attention) and `router_topk_add_norm`, in cpu_small.c.
-q8=True: Q4_0 / Q8_0 / MXFP4 / IQ3_XXS rows dot activations rounded to int8 per 32 values (llama.cpp's way;
-integer kernels in cpu_moe.c / cpu_iq_q8.c with AVX2, else the float ones).
+q8=True: MOE_Q8_TYPES rows (Q4_0 / Q8_0 / MXFP4 / IQ3_XXS / IQ3_S / IQ1_S / IQ1_M ...) dot activations rounded to
+int8 per 32 values (llama.cpp's way; integer kernels in cpu_moe.c / cpu_iq_q8.c with AVX2, else the float ones).
 """
 from __future__ import annotations
 

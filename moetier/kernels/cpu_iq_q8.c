@@ -1,4 +1,4 @@
-/* Codebook rows (MXFP4, IQ3_XXS) . int8 activations: part of cpu_moe.c, which #includes this file inside
+/* Codebook rows (MXFP4, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) . int8 activations: part of cpu_moe.c, which #includes this file inside
  * its MOE_Q8 block (after moe_dot_u8s8); not compiled on its own. x is llama.cpp's Q8_0 for activations
  * (qx int8 [K], dx [K/32] scales), as for Q4_0 / Q8_0; each 32-block's integer dot product is scaled once.
  * The float kernels in cpu_iquants.c stay the reference (and the path without AVX2). */

@@ -1,7 +1,8 @@
-/* Codebook row kernels (MXFP4, IQ3_XXS) and their block dequantizers: part of cpu_kernels.c, which
+/* Codebook row kernels (MXFP4, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) and their block dequantizers: part of cpu_kernels.c, which
  * #includes this file after its SIMD vocabulary, fp16_to_f32 and PREFETCH; not compiled on its own.
  * The value tables come from cpu_iq_tables.h, which kernels/cpu.py writes at build time from
- * moetier.quant.iquants (gguf-py's tables): mxfp4_values[16] (int8; and as float32), iq3xxs_grid[256][4], iq_ksigns[128]
+ * moetier.quant.iquants (gguf-py's tables): mxfp4_values[16] (int8; and as float32), iq3xxs_grid[256][4],
+ * iq3s_grid[512][4], iq1s_grid[2048][8], iq_ksigns[128]
  * and iq_sign_bits[128][8] (iq_ksigns expanded to float sign-bit masks for the SIMD path).
  * Float activations; the per-block scale multiplies each block's partial sum, as the K-quants. */
 #include "cpu_iq_tables.h"

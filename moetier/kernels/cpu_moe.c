@@ -3,8 +3,8 @@
 
 /* ---- one MoE layer for T tokens in one call (decode): y[t] = sum_j w[t, j] down_e(silu(gate_e x_t) * up_e x_t),
  * e = ids[t, j]. gate / up: expert e's rows at gate + e * g_estride (row r at + r * g_rstride), down likewise.
- * q8: Q4_0 / Q8_0 / MXFP4 / IQ3_XXS rows dot an int8 copy of the activations (llama.cpp's Q8_0 for x: integer
- * dot products, per-32 scales); else float activations as moetier_matvec. Its own names: doorbell.c has private
+ * q8: moe_q8_type rows (Q4_0 / Q8_0 / MXFP4 / IQ3_XXS / IQ3_S / IQ1_S / IQ1_M ...) dot an int8 copy of the
+ * activations (llama.cpp's Q8_0 for x: integer dot products, per-32 scales); else float activations as moetier_matvec. Its own names: doorbell.c has private
  * twins. ---- */
 #include <math.h>
 #if defined(__AVX2__) && defined(__FMA__)
