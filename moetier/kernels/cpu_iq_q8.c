@@ -167,18 +167,8 @@ static float moe_row_iq3_xxs_q8(const uint8_t *w, const int8_t *qx, const float 
  * unsigned levels 1..15); its 32 sign bits become +-1 bytes applied to x (sign_epi8); u8 x s8 dot; scale
  * d (1 + 2 sc) dx per sub-block ---- */
 static inline __m256i iq3_s_q8_dot(const uint8_t *qs, uint32_t qh, const uint8_t *sg, const int8_t *y) {
-    const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
-                                        _mm256_set1_epi32(0x100));                   /* bit l of qh at bit 8 of lane l */
-    const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
-    const __m256i grid = _mm256_i32gather_epi32((const int *)iq3s_grid, idx, 4);
-    uint32_t s;
-    memcpy(&s, sg, 4);
-    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201LL);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)s),              /* byte j: sign byte j / 8 */
-                                               _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    const __m256i ys = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), _mm256_or_si256(neg, _mm256_set1_epi8(1)));
-    return moe_dot_u8s8(grid, ys);
+    const __m256i ys = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), _mm256_or_si256(iq3_s_neg32(sg), _mm256_set1_epi8(1)));
+    return moe_dot_u8s8(iq3_s_grid32(qs, qh), ys);
 }
 
 static float moe_row_iq3_s_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
@@ -207,22 +197,16 @@ static inline __m256i iq1_q8_signed(__m256i w, const int8_t *y) {   /* |w| (u8) 
 }
 
 static float moe_row_iq1_s_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
-    const __m256i shift = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 50, qx += 256, dx += 8) {
         PREFETCH(w);
         const float d = 0.125f * fp16_to_f32(w);
         uint16_t h[8];
         memcpy(h, w + 34, 16);
+        const __m256i hq = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));
         for (int s = 0; s < 8; s += 2) {
-            /* lane 4 i + l: row qs[4 (s + i) + l] | ((h >> 3 l) & 7) << 8 | delta sign << 11, h = qh[s + i] */
-            const __m256i hv = _mm256_setr_epi32(h[s], h[s], h[s], h[s], h[s + 1], h[s + 1], h[s + 1], h[s + 1]);
-            const __m256i idx = _mm256_or_si256(
-                _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 4 * s))),
-                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(hv, shift), _mm256_set1_epi32(7)), 8)),
-                _mm256_srli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x8000)), 4));
-            const __m256i w0 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_castsi256_si128(idx), 8);
-            const __m256i w1 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_extracti128_si256(idx, 1), 8);
+            __m256i w0, w1;
+            iq1_weights64(iq1_s_idx8(w + 2, hq, s), &w0, &w1);
             const __m256i p0 = moe_dot_u8s8(_mm256_abs_epi8(w0), iq1_q8_signed(w0, qx + 32 * s));
             const __m256i p1 = moe_dot_u8s8(_mm256_abs_epi8(w1), iq1_q8_signed(w1, qx + 32 * s + 32));
             acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(iq1_s_scale(d, h[s]) * dx[s]), acc0);
@@ -238,7 +222,6 @@ static inline __m256i iq1_m_q8_scales(uint16_t sc, int half) {    /* int16 lanes
 }
 
 static float moe_row_iq1_m_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
-    const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; b++, w += 56, qx += 256, dx += 8) {
         PREFETCH(w);
@@ -246,14 +229,8 @@ static float moe_row_iq1_m_q8_avx2(const uint8_t *w, const int8_t *qx, const flo
         uint16_t sc[4];
         memcpy(sc, w + 48, 8);
         for (int s = 0; s < 8; s += 2) {
-            /* lane l: row qs[4 s + l] | nibble l of the qh bytes 2 s .. 2 s + 3 << 8 (index bits 8-10, delta 11) */
-            uint32_t h;
-            memcpy(&h, w + 32 + 2 * s, 4);
-            const __m256i idx = _mm256_or_si256(
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 4 * s))),
-                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)h), shift), _mm256_set1_epi32(15)), 8));
-            const __m256i w0 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_castsi256_si128(idx), 8);
-            const __m256i w1 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_extracti128_si256(idx, 1), 8);
+            __m256i w0, w1;
+            iq1_weights64(iq1_m_idx8(w, s), &w0, &w1);
             const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), iq1_q8_signed(w0, qx + 32 * s)),
                                                  iq1_m_q8_scales(sc[s / 2], 0));
             const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), iq1_q8_signed(w1, qx + 32 * s + 32)),
@@ -315,7 +292,6 @@ static float moe_row_iq3_s_q8(const uint8_t *w, const int8_t *qx, const float *d
 }
 
 static float moe_row_iq1_s_q8_sx(const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, int64_t nsb) {
-    const __m256i shift = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
     const __m512i zero = _mm512_setzero_si512();
     __m512 acc = _mm512_setzero_ps();
     __m256 off = _mm256_setzero_ps();       /* sum over sub-blocks of dl sx: 9 of it taken off at the end */
@@ -327,13 +303,7 @@ static float moe_row_iq1_s_q8_sx(const uint8_t *w, const int8_t *qx, const float
         off = _mm256_fmadd_ps(dl, _mm256_loadu_ps(sx), off);
         const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(dl, _mm256_loadu_ps(dx)));
         for (int r = 0; r < 4; r++) {
-            const __m256i hv = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r + 1, 2 * r + 1,
-                                                                                 2 * r + 1, 2 * r + 1));
-            const __m256i idx = _mm256_or_si256(
-                _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 2 + 8 * r))),
-                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(hv, shift), _mm256_set1_epi32(7)), 8)),
-                _mm256_srli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x8000)), 4));
-            const __m512i wq = _mm512_i32gather_epi64(idx, (const long long *)iq1_grid8u, 8);
+            const __m512i wq = _mm512_i32gather_epi64(iq1_s_idx8(w + 2, h, 2 * r), (const long long *)iq1_grid8u, 8);
             const __m512i p = _mm512_dpbusd_epi32(zero, wq, _mm512_loadu_si512((const void *)(qx + 64 * r)));
             const __m512i lane = _mm512_set_epi32(2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1,
                                                   2 * r + 1, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r);
@@ -344,7 +314,6 @@ static float moe_row_iq1_s_q8_sx(const uint8_t *w, const int8_t *qx, const float
 }
 
 static float moe_row_iq1_m_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
-    const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m512i word = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);     /* lane t: sc[t / 4] */
     const __m512i field = _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
     const __m512i half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);      /* lane t: dx[t / 2] */
@@ -358,11 +327,7 @@ static float moe_row_iq1_m_q8(const uint8_t *w, const int8_t *qx, const float *d
         const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_slli_epi32(ls, 1), _mm512_set1_epi32(1))),
             _mm512_mul_ps(_mm512_set1_ps(0.125f * iq1_m_d(w)), _mm512_permutexvar_ps(half, _mm512_castps256_ps512(_mm256_loadu_ps(dx)))));
         for (int r = 0; r < 4; r++) {       /* values 64 r .. 64 r + 63: rows 8 r .. 8 r + 7, scales 4 r .. 4 r + 3 */
-            uint32_t h;
-            memcpy(&h, w + 32 + 4 * r, 4);
-            const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8 * r))),
-                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)h), shift), _mm256_set1_epi32(15)), 8));
-            const __m512i wq = _mm512_i32gather_epi64(idx, (const long long *)iq1_grid8u, 8);
+            const __m512i wq = _mm512_i32gather_epi64(iq1_m_idx8(w, 2 * r), (const long long *)iq1_grid8u, 8);
             const __m512i y = _mm512_loadu_si512((const void *)(qx + 64 * r));
             const __m512i p = _mm512_dpbusd_epi32(_mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, nine, y)), wq, y);
             const __m512i lane = _mm512_setr_epi32(4 * r, 4 * r, 4 * r, 4 * r, 4 * r + 1, 4 * r + 1, 4 * r + 1, 4 * r + 1,

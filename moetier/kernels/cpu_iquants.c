@@ -155,15 +155,33 @@ static inline uint32_t iq3_s_row(const uint8_t *w, int s, int l) {      /* grid 
 }
 
 #ifdef IQ_AVX2
-/* 8 values: grid rows i0, i1, negated where bits of `signs` are set */
-static inline __m256 iq3_s_vals8(uint32_t i0, uint32_t i1, uint8_t signs) {
-    uint32_t g0, g1;
-    memcpy(&g0, iq3s_grid[i0], 4);
-    memcpy(&g1, iq3s_grid[i1], 4);
-    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)((uint64_t)g1 << 32 | g0))));
-    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(signs), bit), bit);
-    return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(neg, 31)));
+/* the 32 unsigned levels of a sub-block (grid rows of qs[0 .. 8) and qh's bits): one gather of 8 u32 (the int8 row's
+ * too, cpu_iq_q8.c) */
+static inline __m256i iq3_s_grid32(const uint8_t *qs, uint32_t qh) {
+    const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
+                                        _mm256_set1_epi32(0x100));                   /* bit l of qh at bit 8 of lane l */
+    const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)), hi);
+    return _mm256_i32gather_epi32((const int *)iq3s_grid, idx, 4);
+}
+
+/* 0xff where a sub-block's sign bit (sg[j / 8] bit j % 8) is set, else 0 */
+static inline __m256i iq3_s_neg32(const uint8_t *sg) {
+    uint32_t s;
+    memcpy(&s, sg, 4);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201LL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)s),              /* byte j: sign byte j / 8 */
+                                               _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+/* sum of 32 int8 weights (v) times x[0 .. 32), in two chains */
+static inline __m256 i8x32_dot(__m256i v, const float *x) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    __m256 s0 = _mm256_mul_ps(i8_to_f32(lo), _mm256_loadu_ps(x));
+    __m256 s1 = _mm256_mul_ps(i8_to_f32(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(x + 8));
+    s0 = _mm256_fmadd_ps(i8_to_f32(hi), _mm256_loadu_ps(x + 16), s0);
+    s1 = _mm256_fmadd_ps(i8_to_f32(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(x + 24), s1);
+    return _mm256_add_ps(s0, s1);
 }
 #endif
 
@@ -180,11 +198,9 @@ static float row_iq3_s(const uint8_t *w, const float *x, int64_t nsb) {
             const float *xs = x + 32 * s;
             const uint8_t *sg = w + 74 + 4 * s;
 #ifdef IQ_AVX2
-            __m256 s0 = _mm256_mul_ps(iq3_s_vals8(iq3_s_row(w, s, 0), iq3_s_row(w, s, 1), sg[0]), _mm256_loadu_ps(xs));
-            __m256 s1 = _mm256_mul_ps(iq3_s_vals8(iq3_s_row(w, s, 2), iq3_s_row(w, s, 3), sg[1]), _mm256_loadu_ps(xs + 8));
-            s0 = _mm256_fmadd_ps(iq3_s_vals8(iq3_s_row(w, s, 4), iq3_s_row(w, s, 5), sg[2]), _mm256_loadu_ps(xs + 16), s0);
-            s1 = _mm256_fmadd_ps(iq3_s_vals8(iq3_s_row(w, s, 6), iq3_s_row(w, s, 7), sg[3]), _mm256_loadu_ps(xs + 24), s1);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(iq3_s_scale(w, s)), _mm256_add_ps(s0, s1), acc);
+            const __m256i neg = iq3_s_neg32(sg), g = iq3_s_grid32(w + 2 + 8 * s, w[66 + s]);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(iq3_s_scale(w, s)), i8x32_dot(_mm256_sub_epi8(_mm256_xor_si256(g, neg), neg), xs),
+                                  acc);
 #else
             float sum = 0.f;
             for (int j = 0; j < 32; j++) {
@@ -263,8 +279,29 @@ static inline float iq1_dot8(uint32_t r, const float *x) {
 }
 
 #ifdef IQ_AVX2
-static inline __m256 iq1_vals8(uint32_t r) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)&iq1_grid8[r])));
+/* iq1_grid8 indices of sub-blocks s, s + 1 (lanes 4 i + l: row l of sub-block s + i); h: lane s = qh[s] */
+static inline __m256i iq1_s_idx8(const uint8_t *qs, __m256i h, int s) {
+    const __m256i hv = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 4 * s)));
+    const __m256i row = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(hv, _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9)),
+                                                           _mm256_set1_epi32(7)), 8);
+    return _mm256_or_si256(_mm256_or_si256(low, row), _mm256_srli_epi32(_mm256_and_si256(hv, _mm256_set1_epi32(0x8000)), 4));
+}
+
+/* iq1_grid8 indices of IQ1_M rows 4 s .. 4 s + 7 (sub-blocks s, s + 1): qs | qh nibble << 8 */
+static inline __m256i iq1_m_idx8(const uint8_t *w, int s) {
+    uint32_t h;
+    memcpy(&h, w + 32 + 2 * s, 4);
+    return _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 4 * s))),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)h),
+                                                                                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                                              _mm256_set1_epi32(15)), 8));
+}
+
+/* the 2 x 32 int8 weights of 8 indices (two sub-blocks) */
+static inline void iq1_weights64(__m256i idx, __m256i *w0, __m256i *w1) {
+    *w0 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_castsi256_si128(idx), 8);
+    *w1 = _mm256_i32gather_epi64((const long long *)iq1_grid8, _mm256_extracti128_si256(idx, 1), 8);
 }
 #endif
 
@@ -282,12 +319,10 @@ static float row_iq1_s(const uint8_t *w, const float *x, int64_t nsb) {
             memcpy(&h, w + 34 + 2 * s, 2);
             const uint8_t *q = w + 2 + 4 * s;
             const float *xs = x + 32 * s;
-#ifdef IQ_AVX2
-            __m256 s0 = _mm256_mul_ps(iq1_vals8(iq1_s_row(q[0], h, 0)), _mm256_loadu_ps(xs));
-            __m256 s1 = _mm256_mul_ps(iq1_vals8(iq1_s_row(q[1], h, 1)), _mm256_loadu_ps(xs + 8));
-            s0 = _mm256_fmadd_ps(iq1_vals8(iq1_s_row(q[2], h, 2)), _mm256_loadu_ps(xs + 16), s0);
-            s1 = _mm256_fmadd_ps(iq1_vals8(iq1_s_row(q[3], h, 3)), _mm256_loadu_ps(xs + 24), s1);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1_s_scale(d, h)), _mm256_add_ps(s0, s1), acc);
+#ifdef IQ_AVX2          /* 4 scalar row loads: 168 us a 768 x 2048 matrix (hot) against 200 through iq1_weights64's gathers */
+            const __m256i v = _mm256_set_epi64x((int64_t)iq1_grid8[iq1_s_row(q[3], h, 3)], (int64_t)iq1_grid8[iq1_s_row(q[2], h, 2)],
+                                                (int64_t)iq1_grid8[iq1_s_row(q[1], h, 1)], (int64_t)iq1_grid8[iq1_s_row(q[0], h, 0)]);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(iq1_s_scale(d, h)), i8x32_dot(v, xs), acc);
 #else
             float sum = 0.f;
             for (int l = 0; l < 4; l++) sum += iq1_dot8(iq1_s_row(q[l], h, l), xs + 8 * l);
@@ -311,16 +346,27 @@ static float row_iq1_m(const uint8_t *w, const float *x, int64_t nsb) {
     for (int64_t b = 0; b < nsb; b++, w += 56, x += 256) {
         PREFETCH(w);
         const float d = 0.125f * iq1_m_d(w);
+#ifdef IQ_AVX2
+        for (int s = 0; s < 8; s += 2) {         /* values 32 s .. 32 s + 63: scales 2 s .. 2 s + 3 per 16 */
+            __m256i wq[2];
+            iq1_weights64(iq1_m_idx8(w, s), wq, wq + 1);
+            for (int i = 0; i < 2; i++) {
+                const float *xs = x + 32 * (s + i);
+                const __m128i lo = _mm256_castsi256_si128(wq[i]), hi = _mm256_extracti128_si256(wq[i], 1);
+                const __m256 a = _mm256_fmadd_ps(i8_to_f32(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xs + 8),
+                                                 _mm256_mul_ps(i8_to_f32(lo), _mm256_loadu_ps(xs)));
+                const __m256 c = _mm256_fmadd_ps(i8_to_f32(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xs + 24),
+                                                 _mm256_mul_ps(i8_to_f32(hi), _mm256_loadu_ps(xs + 16)));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)iq1_m_ls(w, 2 * (s + i))), a, acc);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)iq1_m_ls(w, 2 * (s + i) + 1)), c, acc);
+            }
+        }
+#else
         for (int t = 0; t < 16; t++) {           /* 16 values: rows 2 t, 2 t + 1 */
             const float *xs = x + 16 * t;
-#ifdef IQ_AVX2
-            const __m256 s = _mm256_fmadd_ps(iq1_vals8(iq1_m_row(w, 2 * t + 1)), _mm256_loadu_ps(xs + 8),
-                                             _mm256_mul_ps(iq1_vals8(iq1_m_row(w, 2 * t)), _mm256_loadu_ps(xs)));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)iq1_m_ls(w, t)), s, acc);
-#else
             acc += d * (float)iq1_m_ls(w, t) * (iq1_dot8(iq1_m_row(w, 2 * t), xs) + iq1_dot8(iq1_m_row(w, 2 * t + 1), xs + 8));
-#endif
         }
+#endif
     }
 #ifdef IQ_AVX2
     return hsum8(acc);
