@@ -41,6 +41,8 @@ FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K
                 "Q6_K": [208],                                                                 # scale fields kept finite
                 "MXFP4": [], "IQ3_XXS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0]}
 E8M0_OFFSETS = {"MXFP4": [0]}           # shared exponent bytes kept near 2^0
+FP16_OFFSETS.update({"IQ3_S": [0], "IQ1_S": [0], "IQ1_M": [], "IQ4_XS": [0], "Q5_1": [0, 2], "F32": []})
+TOP_NIBBLE_FP16 = {"IQ1_M": 48}         # IQ1_M's d: the top nibbles of the 4 u16 scale words at this offset
 
 
 def weight_bank(qtype: str, gib: float, rng, shape=SHAPES[0]) -> torch.Tensor:
@@ -58,6 +60,11 @@ def weight_bank(qtype: str, gib: float, rng, shape=SHAPES[0]) -> torch.Tensor:
         tile[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
     for off in E8M0_OFFSETS.get(qtype, []):
         tile[:, off] = rng.integers(120, 136, size=tile.shape[0], dtype=np.uint8)
+    if qtype in TOP_NIBBLE_FP16:
+        off = TOP_NIBBLE_FP16[qtype]
+        d = rng.uniform(0.5, 1.0, size=tile.shape[0]).astype(np.float16).view(np.uint16)
+        for j in range(4):
+            tile[:, off + 2 * j + 1] = (tile[:, off + 2 * j + 1] & 0x0F) | ((d >> (4 * j)) & 0xF) << 4
     n_blocks = n_mat * per_matrix // fmt.type_size
     bank = np.resize(tile, (n_blocks, fmt.type_size))
     return torch.from_numpy(bank.reshape(n_mat, per_matrix))

@@ -224,6 +224,20 @@ def test_q2_k_q3_k_experts_pack(tmp_path):
 
 
 @needs_c
+def test_iq1_s_experts_pack(tmp_path, monkeypatch, qtype="IQ1_S"):
+    """A file whose experts are IQ1_S (the rest Q8_0, as unsloth's 1.58-bit MoE files keep attention in more bits;
+    rows of 256): the experts pack as IQ1_S, not dequantized to float32, and the compiled step follows eager decode on
+    the dequantized model (peaked distributions, as test_q5_1_fallbacks_pack). IQ3_S / IQ1_M: test_quant_experts."""
+    from moetier.commands import quantize as command
+    plain = command.tensor_type
+    monkeypatch.setattr(command, "tensor_type", lambda name, *a: qtype if "_exps." in name else plain(name, *a))
+    model = build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, hidden_size=256, moe_intermediate_size=256)
+    fast = compiled_follows_eager(quantize(model, "Q8_0", tmp_path / f"m-{qtype}.gguf"), kl_max=0.05)
+    experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
+    assert experts and all(m.fmt == m.down_fmt == qtype for m in experts)
+
+
+@needs_c
 def test_compiled_step_on_k_quant_gguf(tmp_path):
     """Q4_K_M keeps the lm_head as Q6_K, attn_q and the dense MLP as Q4_K/Q6_K, attn_k/v as Q8_0 (tiny rows),
     attn_output as Q5_1: the compiled step multiplies each on the file's own blocks (q/k/v differ, so they stay

@@ -57,6 +57,22 @@ def test_packed_gguf_matches_dequantized(qwen_dir, tmp_path, qtype):
     assert done.token_ids == want_ids[:4]
 
 
+@pytest.mark.parametrize("qtype", ["IQ3_S", "IQ1_S", "IQ1_M"])
+def test_low_bit_experts_pack(tmp_path, monkeypatch, qtype):
+    """Experts in IQ3_S / IQ1_S / IQ1_M (the rest of the file Q8_0; rows of 256) stay packed: eager prefill and
+    greedy decode as the file dequantized at load (float activations: summation order only)."""
+    from moetier.commands import quantize as command
+    plain = command.tensor_type
+    monkeypatch.setattr(command, "tensor_type", lambda name, *a: qtype if "_exps." in name else plain(name, *a))
+    model = build_qwen3_moe(tmp_path / "model", hidden_size=256, moe_intermediate_size=256)
+    path = quantize(model, "Q8_0", tmp_path / f"m-{qtype}.gguf")
+    packed, deq = engine(path, False), engine(path, True)
+    assert all(type(m) is QuantExperts and m.fmt == m.down_fmt == qtype for m in experts_of(packed.model))
+    assert max_rel_err(ours_logits(packed.model, TOKENS, 7), ours_logits(deq.model, TOKENS, 7)) <= LOGIT_TOL
+    prompt = TOKENS[:5].tolist()
+    assert greedy_tokens(packed.model, prompt, 12) == greedy_tokens(deq.model, prompt, 12)
+
+
 def test_gpt_oss_biases_and_clamp_through_the_engine(tmp_path):
     """gpt-oss: expert biases and the clamped SwiGLU on the packed path (Q8_0 needs 32-multiple rows)."""
     pytest.importorskip("moetier.models.gpt_oss")

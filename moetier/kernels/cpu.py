@@ -4,7 +4,7 @@ Backend, chosen once at first use:
   "c"     cpu_kernels.c built with the system compiler (-O3 -march=native -fopenmp) into
           ~/.cache/moetier/kernels and called through ctypes (the GIL is released for the
           whole call; OpenMP splits rows over threads). FAST_TYPES: Q8_0, Q4_0, Q5_1, Q2_K..Q6_K, MXFP4,
-          IQ3_XXS, IQ4_XS / IQ4_NL, IQ2_XXS / IQ2_XS / IQ2_S
+          IQ3_XXS, IQ3_S, IQ4_XS / IQ4_NL, IQ2_XXS / IQ2_XS / IQ2_S, IQ1_S / IQ1_M
           (one compile unit: cpu_kernels.c #includes cpu_kquants.c, cpu_iquants.c, cpu_iq2.c, cpu_moe.c and the
           codebook header generated from moetier.quant's tables, iq_tables_header).
   "numba" the same loops in numba (parallel, nogil) when no compiler is found (Q8_0, Q4_0, Q4_K).
@@ -23,7 +23,7 @@ their CPU kernels are Python until `load_native_ops()` swaps in cpu_ops.cpp (no 
 A decode token's small ops (tests/test_cpu_small.py; kernels/small_ops.py calls them for an eager CPU step):
 `decode_attention` (q / k norm, RoPE, cache write, attention) and `router_topk_add_norm`, in cpu_small.c.
 q8=True: MOE_Q8_TYPES rows dot activations rounded to int8 per 32 values (llama.cpp's way; integer kernels in
-cpu_moe.c / cpu_iq_q8.c / cpu_iq2_q8.c / cpu_kq_q8.c with AVX2, else the float ones).
+cpu_moe.c / cpu_iq_q8.c / cpu_iq2_q8.c / cpu_kq_q8.c / cpu_kq23_q8.c with AVX2, else the float ones).
 """
 from __future__ import annotations
 
@@ -46,12 +46,13 @@ from .reference import expert_matvec
 
 log = logging.getLogger(__name__)
 
-FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS", "IQ4_NL",
-              "IQ2_XXS", "IQ2_XS", "IQ2_S"}
+FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ3_S", "IQ4_XS",
+              "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
 # 16-bit float rows the C matvec reads too (float32 products): the dense copies of weights that are exactly 16-bit
 # floats (runtime.cpu_compile.QUANT_COPY_TYPES); not kept from GGUF files (weights.loader._keep_blocks reads FAST_TYPES)
 HALF_TYPES = {"BF16", "F16"}
-DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S"}   # moetier_dequant
+DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS", "IQ3_S", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
+                 "IQ1_M"}   # moetier_dequant (dequantize_rows)
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -94,6 +95,10 @@ def iq_tables_header() -> str:
             + "".join(array(f"uint64_t {g}[{len(t[g])}] __attribute__((aligned(64)))",
                             [f"0x{int.from_bytes(bytes(r.tolist()), 'little'):016x}ull" for r in t[g]], 4)
                       for g in ("iq2xxs_grid", "iq2xs_grid", "iq2s_grid"))
+            + array("uint8_t iq3s_grid[512][4] __attribute__((aligned(4)))",
+                    [brace(str(v) for v in r) for r in t["iq3s_grid"]], 8)
+            + array("int8_t iq1s_grid[2048][8] __attribute__((aligned(8)))",
+                    [brace(str(v) for v in r) for r in t["iq1s_grid"]], 4)
             + array("uint8_t iq_ksigns[128]", [str(v) for v in t["iq_ksigns"]], 16)
             + "/* iq_ksigns[i] bit j -> the float sign bit of lane j */\n"
             + array("uint32_t iq_sign_bits[128][8] __attribute__((aligned(32)))", signs, 2)
@@ -338,8 +343,8 @@ def expert_ffn_native(qtype, gate_up: torch.Tensor, down: torch.Tensor, x: torch
     return y + down_bias.float() if down_bias is not None else y
 
 
-MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ4_XS",
-                "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S"}   # q8=True: int8 activations for these
+MOE_Q8_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ3_S", "IQ4_XS",
+                "IQ4_NL", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}   # q8=True: int8 activations for these
 
 
 def moe_tokens(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,

@@ -1,4 +1,4 @@
-/* Codebook rows (MXFP4, IQ3_XXS) . int8 activations: part of cpu_moe.c, which #includes this file inside
+/* Codebook rows (MXFP4, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) . int8 activations: part of cpu_moe.c, which #includes this file inside
  * its MOE_Q8 block (after moe_dot_u8s8); not compiled on its own. x is llama.cpp's Q8_0 for activations
  * (qx int8 [K], dx [K/32] scales), as for Q4_0 / Q8_0; each 32-block's integer dot product is scaled once.
  * The float kernels in cpu_iquants.c stay the reference (and the path without AVX2). */
@@ -160,5 +160,192 @@ static float moe_row_iq3_xxs_q8(const uint8_t *w, const int8_t *qx, const float 
         }
     }
     return 0.25f * hsum8(_mm256_add_ps(acc0, acc1));
+}
+#endif
+
+/* ---- IQ3_S: a sub-block's 8 grid rows (9-bit indices: qs bytes | qh bits << 8) are one gather of 8 u32 (32
+ * unsigned levels 1..15); its 32 sign bits become +-1 bytes applied to x (sign_epi8); u8 x s8 dot; scale
+ * d (1 + 2 sc) dx per sub-block ---- */
+static inline __m256i iq3_s_q8_dot(const uint8_t *qs, uint32_t qh, const uint8_t *sg, const int8_t *y) {
+    const __m256i ys = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), _mm256_or_si256(iq3_s_neg32(sg), _mm256_set1_epi8(1)));
+    return moe_dot_u8s8(iq3_s_grid32(qs, qh), ys);
+}
+
+static float moe_row_iq3_s_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 110, qx += 256, dx += 8) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        const float d = fp16_to_f32(w);
+        for (int s = 0; s < 8; s += 2) {
+            const __m256i p0 = iq3_s_q8_dot(w + 2 + 8 * s, w[66 + s], w + 74 + 4 * s, qx + 32 * s);
+            const __m256i p1 = iq3_s_q8_dot(w + 10 + 8 * s, w[67 + s], w + 78 + 4 * s, qx + 32 * s + 32);
+            const uint8_t sc = w[106 + s / 2];
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * (float)(1 + 2 * (sc & 15)) * dx[s]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * (float)(1 + 2 * (sc >> 4)) * dx[s + 1]), acc1);
+        }
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+/* ---- IQ1_S / IQ1_M: each index picks 8 int8 weights 8 (v + delta) from iq1_grid8 (cpu_iquants.c): two
+ * sub-blocks' 8 indices are one vector, two gathers of 4 u64 give their 2 x 32 weights; signed x signed through the
+ * sign trick (no weight is 0); the 1/8 folded into the scale. IQ1_M's per-16 scales 2 ls + 1 multiply the
+ * maddubs pair sums (madd: <= 2 x 2286 x 15, no overflow) before the per-32 dx. ---- */
+static inline __m256i iq1_q8_signed(__m256i w, const int8_t *y) {   /* |w| (u8) and y with w's signs */
+    return _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), w);
+}
+
+static float moe_row_iq1_s_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 50, qx += 256, dx += 8) {
+        PREFETCH(w);
+        const float d = 0.125f * fp16_to_f32(w);
+        uint16_t h[8];
+        memcpy(h, w + 34, 16);
+        const __m256i hq = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));
+        for (int s = 0; s < 8; s += 2) {
+            __m256i w0, w1;
+            iq1_weights64(iq1_s_idx8(w + 2, hq, s), &w0, &w1);
+            const __m256i p0 = moe_dot_u8s8(_mm256_abs_epi8(w0), iq1_q8_signed(w0, qx + 32 * s));
+            const __m256i p1 = moe_dot_u8s8(_mm256_abs_epi8(w1), iq1_q8_signed(w1, qx + 32 * s + 32));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(iq1_s_scale(d, h[s]) * dx[s]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(iq1_s_scale(d, h[s + 1]) * dx[s + 1]), acc1);
+        }
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+static inline __m256i iq1_m_q8_scales(uint16_t sc, int half) {    /* int16 lanes: 2 ls + 1 of values 0-15 | 16-31 */
+    const int lo = 2 * ((sc >> (6 * half)) & 7) + 1, hi = 2 * ((sc >> (6 * half + 3)) & 7) + 1;
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+
+static float moe_row_iq1_m_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 56, qx += 256, dx += 8) {
+        PREFETCH(w);
+        const float d = 0.125f * iq1_m_d(w);
+        uint16_t sc[4];
+        memcpy(sc, w + 48, 8);
+        for (int s = 0; s < 8; s += 2) {
+            __m256i w0, w1;
+            iq1_weights64(iq1_m_idx8(w, s), &w0, &w1);
+            const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), iq1_q8_signed(w0, qx + 32 * s)),
+                                                 iq1_m_q8_scales(sc[s / 2], 0));
+            const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), iq1_q8_signed(w1, qx + 32 * s + 32)),
+                                                 iq1_m_q8_scales(sc[s / 2], 1));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * dx[s]), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * dx[s + 1]), acc1);
+        }
+    }
+    return hsum8(_mm256_add_ps(acc0, acc1));
+}
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI: two sub-blocks (64 values) per register. IQ3_S: one gather of 16 grid rows, the 64 sign bits a byte
+ * mask negating x (no expansion), one dpbusd. IQ1_S / IQ1_M: one gather of 8 rows of iq1_grid8 + 9 (unsigned 0..18),
+ * one dpbusd, the 9 sum x taken off: IQ1_S per 32 through sx (dx sum qx, float), IQ1_M per 4 lanes in the integer
+ * sum (its scales are per 16). Scales: a super-block's as one float vector, spread to lanes by a permute. */
+static uint64_t iq1_grid8u[4096] __attribute__((aligned(64)));      /* iq1_grid8 + 9 per byte */
+
+__attribute__((constructor)) static void iq1_grid8u_init(void) {
+    iq1_grid8_init();                        /* constructors' order across the unit is not guaranteed */
+    for (int i = 0; i < 4096; i++) {
+        uint8_t v[8];
+        memcpy(v, &iq1_grid8[i], 8);
+        for (int j = 0; j < 8; j++) v[j] = (uint8_t)((int8_t)v[j] + 9);
+        memcpy(&iq1_grid8u[i], v, 8);
+    }
+}
+
+static float moe_row_iq3_s_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    const __m512i bits = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 110, qx += 256, dx += 8) {
+        PREFETCH(w);
+        PREFETCH(w + 64);
+        uint32_t sc4;
+        memcpy(&sc4, w + 106, 4);           /* nibble s: sub-block s's scale */
+        const __m256i ls = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sc4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(15));
+        const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_slli_epi32(ls, 1), _mm256_set1_epi32(1))),
+            _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(w)), _mm256_loadu_ps(dx))));
+        for (int r = 0; r < 4; r++) {       /* sub-blocks 2 r, 2 r + 1 */
+            uint16_t qh;
+            uint64_t sg;
+            memcpy(&qh, w + 66 + 2 * r, 2);
+            memcpy(&sg, w + 74 + 8 * r, 8);
+            const __m512i idx = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 2 + 16 * r))),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(qh), bits), _mm512_set1_epi32(1)), 8));
+            const __m512i grid = _mm512_i32gather_epi32(idx, (const int *)iq3s_grid, 4);
+            const __m512i y = _mm512_loadu_si512((const void *)(qx + 64 * r));
+            const __m512i p = _mm512_dpbusd_epi32(zero, grid, _mm512_mask_sub_epi8(y, (__mmask64)sg, zero, y));
+            const __m512i lane = _mm512_set_epi32(2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1,
+                                                  2 * r + 1, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(lane, sc), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static float moe_row_iq1_s_q8_sx(const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, int64_t nsb) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    __m256 off = _mm256_setzero_ps();       /* sum over sub-blocks of dl sx: 9 of it taken off at the end */
+    for (int64_t b = 0; b < nsb; b++, w += 50, qx += 256, dx += 8, sx += 8) {
+        PREFETCH(w);
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));    /* lane s: qh[s] */
+        const __m256 dl = _mm256_mul_ps(_mm256_set1_ps(0.125f * fp16_to_f32(w)), _mm256_cvtepi32_ps(_mm256_or_si256(
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, 12), _mm256_set1_epi32(7)), 1), _mm256_set1_epi32(1))));
+        off = _mm256_fmadd_ps(dl, _mm256_loadu_ps(sx), off);
+        const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(dl, _mm256_loadu_ps(dx)));
+        for (int r = 0; r < 4; r++) {
+            const __m512i wq = _mm512_i32gather_epi64(iq1_s_idx8(w + 2, h, 2 * r), (const long long *)iq1_grid8u, 8);
+            const __m512i p = _mm512_dpbusd_epi32(zero, wq, _mm512_loadu_si512((const void *)(qx + 64 * r)));
+            const __m512i lane = _mm512_set_epi32(2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1, 2 * r + 1,
+                                                  2 * r + 1, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(lane, sc), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc) - 9.f * hsum8(off);
+}
+
+static float moe_row_iq1_m_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    const __m512i word = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);     /* lane t: sc[t / 4] */
+    const __m512i field = _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9);
+    const __m512i half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);      /* lane t: dx[t / 2] */
+    const __m512i nine = _mm512_set1_epi8(9), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 56, qx += 256, dx += 8) {
+        PREFETCH(w);
+        /* lane t: d (2 ls_t + 1) dx[t / 2], the scale of values 16 t .. 16 t + 15 */
+        const __m512i ls = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(word,
+            _mm512_cvtepu16_epi32(_mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(w + 48))))), field), _mm512_set1_epi32(7));
+        const __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_or_si512(_mm512_slli_epi32(ls, 1), _mm512_set1_epi32(1))),
+            _mm512_mul_ps(_mm512_set1_ps(0.125f * iq1_m_d(w)), _mm512_permutexvar_ps(half, _mm512_castps256_ps512(_mm256_loadu_ps(dx)))));
+        for (int r = 0; r < 4; r++) {       /* values 64 r .. 64 r + 63: rows 8 r .. 8 r + 7, scales 4 r .. 4 r + 3 */
+            const __m512i wq = _mm512_i32gather_epi64(iq1_m_idx8(w, 2 * r), (const long long *)iq1_grid8u, 8);
+            const __m512i y = _mm512_loadu_si512((const void *)(qx + 64 * r));
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, nine, y)), wq, y);
+            const __m512i lane = _mm512_setr_epi32(4 * r, 4 * r, 4 * r, 4 * r, 4 * r + 1, 4 * r + 1, 4 * r + 1, 4 * r + 1,
+                                                   4 * r + 2, 4 * r + 2, 4 * r + 2, 4 * r + 2, 4 * r + 3, 4 * r + 3, 4 * r + 3, 4 * r + 3);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(lane, sc), acc);
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+static float moe_row_iq3_s_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    return moe_row_iq3_s_q8_avx2(w, qx, dx, nsb);
+}
+static float moe_row_iq1_s_q8_sx(const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, int64_t nsb) {
+    (void)sx;
+    return moe_row_iq1_s_q8_avx2(w, qx, dx, nsb);
+}
+static float moe_row_iq1_m_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
+    return moe_row_iq1_m_q8_avx2(w, qx, dx, nsb);
 }
 #endif

@@ -315,12 +315,14 @@ static float row_half(int bf, const uint16_t *w, const float *x, int64_t K) {
 
 /* ---- entry points: W rows at w + n * row_stride; y[n] for n in [0, N). Type ids: GGML's ---- */
 enum { Q4_0 = 2, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16,
-       IQ2_XS = 17, IQ3_XXS = 18, IQ4_NL = 20, IQ2_S = 22, IQ4_XS = 23, MXFP4 = 39 };
+       IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29,
+       MXFP4 = 39 };
 
 int moetier_supported(int qtype) {
     switch (qtype) {
     case Q8_0: case Q4_0: case Q5_1: case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ3_XXS:
-    case IQ4_NL: case IQ4_XS: case MXFP4: case IQ2_XXS: case IQ2_XS: case IQ2_S: return 1;
+    case IQ4_NL: case IQ4_XS: case MXFP4: case IQ2_XXS: case IQ2_XS: case IQ2_S: case IQ3_S: case IQ1_S:
+    case IQ1_M: return 1;
     default: return 0;
     }
 }
@@ -344,6 +346,9 @@ static int64_t block_bytes(int qtype) {
     case IQ2_XXS: return 66;
     case IQ2_XS: return 74;
     case IQ2_S: return 82;
+    case IQ3_S: return 110;
+    case IQ1_S: return 50;
+    case IQ1_M: return 56;
     case IQ4_XS: return 136;
     case IQ4_NL: return 18;
     case MXFP4: return 17;
@@ -379,6 +384,9 @@ static float row_dot(int qtype, const uint8_t *w, const float *x, const float *x
     case IQ2_XXS: return row_iq2_xxs(w, x, K / 256);
     case IQ2_XS: return row_iq2_xs(w, x, K / 256);
     case IQ2_S: return row_iq2_s(w, x, K / 256);
+    case IQ3_S: return row_iq3_s(w, x, K / 256);
+    case IQ1_S: return row_iq1_s(w, x, K / 256);
+    case IQ1_M: return row_iq1_m(w, x, K / 256);
     case IQ4_XS: return row_iq4_xs(w, x, K / 256);
     case IQ4_NL: return row_iq4_nl(w, x, K / 32);
     case MXFP4: return row_mxfp4(w, x, K / 32);
@@ -465,6 +473,9 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
     case IQ2_XXS: for (int64_t b = 0; b < K / 256; b++) dequant_iq2_xxs(r + 66 * b, o + 256 * b); break;
     case IQ2_XS: for (int64_t b = 0; b < K / 256; b++) dequant_iq2_xs(r + 74 * b, o + 256 * b); break;
     case IQ2_S: for (int64_t b = 0; b < K / 256; b++) dequant_iq2_s(r + 82 * b, o + 256 * b); break;
+    case IQ3_S: for (int64_t b = 0; b < K / 256; b++) dequant_iq3_s(r + 110 * b, o + 256 * b); break;
+    case IQ1_S: for (int64_t b = 0; b < K / 256; b++) dequant_iq1_s(r + 50 * b, o + 256 * b); break;
+    case IQ1_M: for (int64_t b = 0; b < K / 256; b++) dequant_iq1_m(r + 56 * b, o + 256 * b); break;
     case IQ4_XS: for (int64_t b = 0; b < K / 256; b++) dequant_iq4_xs(r + 136 * b, o + 256 * b); break;
     case IQ4_NL: for (int64_t b = 0; b < K / 32; b++) dequant_iq4_nl(r + 18 * b, o + 32 * b); break;
     case Q2_K: for (int64_t b = 0; b < K / 256; b++) dequant_q2_k(r + 84 * b, o + 256 * b); break;
@@ -474,12 +485,13 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
 }
 
 /* Rows of GGML blocks -> float32, bit-exact with the torch dequantizer (one multiply per value):
- * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0, MXFP4, IQ3_XXS, Q2_K, Q3_K, IQ2_XXS,
- * IQ2_XS, IQ2_S. 0, or -1 (type / K). */
+ * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0, MXFP4, IQ3_XXS, IQ3_S, Q2_K, Q3_K,
+ * IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M. 0, or -1 (type / K). */
 int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, float *out,
                     int nthreads) {
-    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != Q2_K && qtype != Q3_K
-         && qtype != IQ2_XXS && qtype != IQ2_XS && qtype != IQ2_S) || K % block_elems(qtype)) return -1;
+    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != IQ3_S && qtype != Q2_K
+         && qtype != Q3_K && qtype != IQ2_XXS && qtype != IQ2_XS && qtype != IQ2_S && qtype != IQ1_S && qtype != IQ1_M)
+        || K % block_elems(qtype)) return -1;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) dequant_row(qtype, w + n * row_stride, out + n * K, K);
     return 0;

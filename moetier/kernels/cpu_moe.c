@@ -3,8 +3,8 @@
 
 /* ---- one MoE layer for T tokens in one call (decode): y[t] = sum_j w[t, j] down_e(silu(gate_e x_t) * up_e x_t),
  * e = ids[t, j]. gate / up: expert e's rows at gate + e * g_estride (row r at + r * g_rstride), down likewise.
- * q8: Q4_0 / Q8_0 / MXFP4 / IQ3_XXS rows dot an int8 copy of the activations (llama.cpp's Q8_0 for x: integer
- * dot products, per-32 scales); else float activations as moetier_matvec. Its own names: doorbell.c has private
+ * q8: moe_q8_type rows (Q4_0 / Q8_0 / MXFP4 / IQ3_XXS / IQ3_S / IQ1_S / IQ1_M ...) dot an int8 copy of the
+ * activations (llama.cpp's Q8_0 for x: integer dot products, per-32 scales); else float activations as moetier_matvec. Its own names: doorbell.c has private
  * twins. ---- */
 #include <math.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -163,7 +163,8 @@ static float moe_row_q8_0_q8(const uint8_t *w, const int8_t *qx, const float *dx
 static inline int moe_q8_type(int qtype) {
     return qtype == Q4_0 || qtype == Q8_0 || qtype == MXFP4 || qtype == IQ3_XXS || qtype == Q4_K || qtype == Q5_K
            || qtype == Q6_K || qtype == Q5_1 || qtype == IQ4_XS || qtype == IQ4_NL || qtype == Q2_K || qtype == Q3_K
-           || qtype == IQ2_XXS || qtype == IQ2_XS || qtype == IQ2_S;
+           || qtype == IQ2_XXS || qtype == IQ2_XS || qtype == IQ2_S || qtype == IQ3_S || qtype == IQ1_S
+           || qtype == IQ1_M;
 }
 
 /* one row of a moe_q8_type . q8 x (qx [K], dx / sx [K/32]) */
@@ -184,6 +185,9 @@ static inline float moe_row_q8(int qtype, const uint8_t *w, const int8_t *qx, co
     case IQ2_XXS: return moe_row_iq2_xxs_q8(w, qx, dx, K / 256);
     case IQ2_XS: return moe_row_iq2_xs_q8(w, qx, dx, K / 256);
     case IQ2_S: return moe_row_iq2_s_q8(w, qx, dx, K / 256);
+    case IQ3_S: return moe_row_iq3_s_q8(w, qx, dx, K / 256);
+    case IQ1_S: return moe_row_iq1_s_q8_sx(w, qx, dx, sx, K / 256);
+    case IQ1_M: return moe_row_iq1_m_q8(w, qx, dx, K / 256);
     default: return moe_row_iq3_xxs_q8(w, qx, dx, K / 256);
     }
 }

@@ -49,10 +49,12 @@ _FORMATS = [
     QuantFormat("IQ2_XXS", 16, 256, 66, iquants.dequant_iq2_xxs),
     QuantFormat("IQ2_XS", 17, 256, 74, iquants.dequant_iq2_xs),
     QuantFormat("IQ3_XXS", 18, 256, 98, iquants.dequant_iq3_xxs),
+    QuantFormat("IQ1_S", 19, 256, 50, iquants.dequant_iq1_s),
     QuantFormat("IQ4_NL", 20, 32, 18, iquants.dequant_iq4_nl),
     QuantFormat("IQ3_S", 21, 256, 110, iquants.dequant_iq3_s),
     QuantFormat("IQ2_S", 22, 256, 82, iquants.dequant_iq2_s),
     QuantFormat("IQ4_XS", 23, 256, 136, iquants.dequant_iq4_xs),
+    QuantFormat("IQ1_M", 29, 256, 56, iquants.dequant_iq1_m),
     QuantFormat("BF16", 30, 1, 2, legacy.dequant_bf16),
     QuantFormat("MXFP4", 39, 32, 17, iquants.dequant_mxfp4),
 ]

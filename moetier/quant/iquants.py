@@ -1,6 +1,7 @@
 """Codebook formats: MXFP4, IQ4_NL, IQ4_XS (16-entry value tables) and IQ3_S, IQ3_XXS,
 IQ2_S, IQ2_XS, IQ2_XXS (lattice grids of 4 or 8 values per index, plus sign patterns: 7-bit indices, or
 IQ2_S / IQ3_S's explicit sign bits).
+IQ1_S, IQ1_M: a grid of 8 values in {-1, 0, 1} per 11-bit index, plus a +-1/8 shift (delta).
 
 The grids and value tables are taken from gguf-py's quants module at first use (they are
 data, not code); `dequant_*` maps `[n, type_size]` uint8 -> `[n, block_size]` float32,
@@ -43,6 +44,8 @@ def c_tables() -> dict[str, np.ndarray]:
             "iq2xxs_grid": _grid(gq.IQ2_XXS).to(torch.uint8).numpy(),
             "iq2xs_grid": _grid(gq.IQ2_XS).to(torch.uint8).numpy(),
             "iq2s_grid": _grid(gq.IQ2_S).to(torch.uint8).numpy(),
+            "iq3s_grid": _grid(gq.IQ3_S).to(torch.uint8).numpy(),           # [512, 4] odd levels 1..15
+            "iq1s_grid": _grid(gq.IQ1_S).to(torch.int8).numpy(),            # [2048, 8] of -1, 0, 1 (IQ1_M's too)
             "iq_ksigns": signs.sum(-1, dtype=torch.uint8).numpy()}
 
 
@@ -144,3 +147,25 @@ def dequant_iq3_s(b: torch.Tensor) -> torch.Tensor:
     idx = qs.int() | (hi.int() << 8)
     grid = _lookup("iq3s", lambda: _grid(gq.IQ3_S), idx).view(n, 8, 4, 8)
     return (db * grid * signs).reshape(n, 256)
+
+
+def dequant_iq1_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, qs, qh = f16(b[:, :2]), b[:, 2:34], i16(b[:, 34:50])          # qh: 8 x u16, one per 32
+    dl = (d * (2 * (qh >> 12 & 7) + 1).float()).view(n, 8, 1, 1)
+    delta = torch.where(qh & 0x8000 == 0, 0.125, -0.125).view(n, 8, 1, 1)
+    hi = shifts(qh.unsqueeze(-1), [0, 3, 6, 9], 7).reshape(n, 32)    # 3 index bits per 8 values
+    grid = _lookup("iq1s", lambda: _grid(gq.IQ1_S), qs.int() | (hi << 8)).view(n, 8, 4, 8)
+    return (dl * (grid + delta)).reshape(n, 256)
+
+
+def dequant_iq1_m(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qs, qh, sc = b[:, :32], b[:, 32:48], i16(b[:, 48:56])            # sc: 4 x u16
+    bits = sc[:, 0] >> 12 | (sc[:, 1] >> 8 & 0xF0) | (sc[:, 2] >> 4 & 0xF00) | (sc[:, 3] & 0xF000)
+    d = ((bits ^ 0x8000) - 0x8000).to(torch.int16).view(torch.float16).float().view(n, 1)   # fp16 in the top nibbles
+    dl = (d * (2 * shifts(sc.unsqueeze(-1), [0, 3, 6, 9], 7).reshape(n, 16) + 1).float()).view(n, 16, 1, 1)
+    nib = shifts(qh.unsqueeze(-1), [0, 4], 0x0F).reshape(n, 32).int()  # per 8 values: 3 index bits, delta sign
+    delta = torch.where(nib & 8 == 0, 0.125, -0.125).view(n, 16, 2, 1)
+    grid = _lookup("iq1s", lambda: _grid(gq.IQ1_S), qs.int() | ((nib & 7) << 8)).view(n, 16, 2, 8)
+    return (dl * (grid + delta)).reshape(n, 256)

@@ -14,9 +14,9 @@ from gguf import quants as gq
 from .formats import check_row, get_format
 
 GGUF_PY_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"}
-# libgguf's IQ2_XS / IQ2_XXS are meant to be given an importance matrix; without one they
+# libgguf's IQ2_XS / IQ2_XXS / IQ1_S are meant to be given an importance matrix; without one they
 # still quantize, with somewhat higher error.
-IMATRIX_TYPES = {"IQ2_XS", "IQ2_XXS"}
+IMATRIX_TYPES = {"IQ2_XS", "IQ2_XXS", "IQ1_S"}
 
 
 def packer(qtype) -> str:
