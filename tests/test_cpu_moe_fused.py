@@ -228,11 +228,10 @@ def test_iq1_s_experts_pack(tmp_path, monkeypatch, qtype="IQ1_S"):
     """A file whose experts are IQ1_S (the rest Q8_0, as unsloth's 1.58-bit MoE files keep attention in more bits;
     rows of 256): the experts pack as IQ1_S, not dequantized to float32, and the compiled step follows eager decode on
     the dequantized model (peaked distributions, as test_q5_1_fallbacks_pack). IQ3_S / IQ1_M: test_quant_experts."""
-    from moetier.commands import quantize as command
-    plain = command.tensor_type
-    monkeypatch.setattr(command, "tensor_type", lambda name, *a: qtype if "_exps." in name else plain(name, *a))
+    from test_quant_experts import experts_as
     model = build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, hidden_size=256, moe_intermediate_size=256)
-    fast = compiled_follows_eager(quantize(model, "Q8_0", tmp_path / f"m-{qtype}.gguf"), kl_max=0.05)
+    path = quantize(model, "Q8_0", tmp_path / f"m-{qtype}.gguf", **experts_as(monkeypatch, qtype, model, tmp_path))
+    fast = compiled_follows_eager(path, kl_max=0.05)
     experts = [m for m in fast.model.modules() if isinstance(m, QuantExperts)]
     assert experts and all(m.fmt == m.down_fmt == qtype for m in experts)
 

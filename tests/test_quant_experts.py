@@ -57,15 +57,26 @@ def test_packed_gguf_matches_dequantized(qwen_dir, tmp_path, qtype):
     assert done.token_ids == want_ids[:4]
 
 
+def experts_as(monkeypatch, qtype, model, tmp_path) -> dict:
+    """`moetier quantize` storing every expert tensor as `qtype` (the rest as the file type's mix); -> quantize's
+    keywords: a computed importance matrix for the types ggml cannot make without one (IQ1_S, IQ2_XXS, IQ2_XS)."""
+    from moetier.quant.mixes import Mix
+    plain = Mix.tensor_type
+    monkeypatch.setattr(Mix, "tensor_type", lambda self, name, shape, pure=False:
+                        qtype if "_exps." in name else plain(self, name, shape, pure))
+    if qtype not in ("IQ1_S", "IQ2_XXS", "IQ2_XS"):
+        return {}
+    from moetier.commands.imatrix import compute
+    from test_gguf import TEXT
+    return {"imatrix": compute(model, " ".join(TEXT * 8), tmp_path / "imatrix.gguf", chunk=32)}
+
+
 @pytest.mark.parametrize("qtype", ["IQ3_S", "IQ1_S", "IQ1_M"])
 def test_low_bit_experts_pack(tmp_path, monkeypatch, qtype):
     """Experts in IQ3_S / IQ1_S / IQ1_M (the rest of the file Q8_0; rows of 256) stay packed: eager prefill and
     greedy decode as the file dequantized at load (float activations: summation order only)."""
-    from moetier.commands import quantize as command
-    plain = command.tensor_type
-    monkeypatch.setattr(command, "tensor_type", lambda name, *a: qtype if "_exps." in name else plain(name, *a))
     model = build_qwen3_moe(tmp_path / "model", hidden_size=256, moe_intermediate_size=256)
-    path = quantize(model, "Q8_0", tmp_path / f"m-{qtype}.gguf")
+    path = quantize(model, "Q8_0", tmp_path / f"m-{qtype}.gguf", **experts_as(monkeypatch, qtype, model, tmp_path))
     packed, deq = engine(path, False), engine(path, True)
     assert all(type(m) is QuantExperts and m.fmt == m.down_fmt == qtype for m in experts_of(packed.model))
     assert max_rel_err(ours_logits(packed.model, TOKENS, 7), ours_logits(deq.model, TOKENS, 7)) <= LOGIT_TOL
