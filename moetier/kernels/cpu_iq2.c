@@ -89,11 +89,31 @@ static float row_iq2_xxs(const uint8_t *w, const float *x, int64_t nsb) { return
 static float row_iq2_xs(const uint8_t *w, const float *x, int64_t nsb) { return row_iq2(IQ2_KIND_XS, w, x, nsb); }
 static float row_iq2_s(const uint8_t *w, const float *x, int64_t nsb) { return row_iq2(IQ2_KIND_S, w, x, nsb); }
 
-/* one super-block -> 256 floats, bit-exact with the torch dequantizer: (d (0.5 + ls) 0.25) grid, the sign exact */
+/* one super-block -> 256 floats, bit-exact with the torch dequantizer: (d (0.5 + ls) 0.25) grid, the sign exact.
+ * SIMD: the same db * (float)grid products (a vector multiply), the sign as an xor of the float sign bit (= -v). */
 static inline __attribute__((always_inline)) void dequant_iq2(int kind, const uint8_t *blk, float *o) {
     const float d = fp16_to_f32(blk);
     for (int h = 0; h < 16; h++) {
         const float db = d * (0.5f + (float)iq2_ls(kind, blk, h)) * 0.25f;
+#if defined(VW) && VW == 16
+        uint32_t s0, s1;                                 /* groups 2h, 2h + 1: 16 values, one zmm */
+        const uint64_t q0 = iq2_group(kind, blk, 2 * h, &s0), q1 = iq2_group(kind, blk, 2 * h + 1, &s1);
+        const __m512i v = _mm512_castps_si512(_mm512_mul_ps(
+            _mm512_set1_ps(db), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x((int64_t)q1, (int64_t)q0)))));
+        _mm512_storeu_ps(o + 16 * h, _mm512_castsi512_ps(_mm512_mask_xor_epi32(
+            v, (__mmask16)((s0 & 0xFF) | (s1 & 0xFF) << 8), v, _mm512_set1_epi32((int)0x80000000u))));
+#elif defined(IQ_AVX2)
+        for (int l = 0; l < 2; l++) {
+            uint32_t signs;
+            const uint64_t q = iq2_group(kind, blk, 2 * h + l, &signs);
+            const __m256i bit = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)signs),
+                                                                   _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24)),
+                                                 _mm256_set1_epi32((int)0x80000000u));  /* bit j -> lane j's sign */
+            const __m256 v = _mm256_mul_ps(_mm256_set1_ps(db),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)q))));
+            _mm256_storeu_ps(o + 16 * h + 8 * l, _mm256_xor_ps(v, _mm256_castsi256_ps(bit)));
+        }
+#else
         for (int l = 0; l < 2; l++) {
             uint32_t signs;
             const uint64_t q = iq2_group(kind, blk, 2 * h + l, &signs);
@@ -102,6 +122,7 @@ static inline __attribute__((always_inline)) void dequant_iq2(int kind, const ui
                 o[16 * h + 8 * l + j] = signs >> j & 1 ? -v : v;
             }
         }
+#endif
     }
 }
 
