@@ -126,12 +126,28 @@ static float row_iq3_xxs(const uint8_t *w, const float *x, int64_t nsb) {
 #endif
 }
 
+/* the SIMD paths multiply db by the signed level (db (-v) = -(db v) exactly, as the scalar's negation) */
 static void dequant_iq3_xxs(const uint8_t *blk, float *o) {
     const float d = fp16_to_f32(blk);
     for (int s = 0; s < 8; s++) {
         uint32_t aux;
         memcpy(&aux, blk + 66 + 4 * s, 4);
         const float db = iq3_xxs_scale(d, aux);
+        const uint8_t *qs = blk + 2 + 8 * s;
+#if defined(VW) && VW == 16
+        const __m512 vd = _mm512_set1_ps(db);
+        for (int l = 0; l < 4; l += 2) {            /* 16 values: grid rows qs[2 l .. 2 l + 4), sign masks as a k-mask */
+            uint32_t g[4];
+            for (int i = 0; i < 4; i++) memcpy(g + i, iq3xxs_grid[qs[2 * l + i]], 4);
+            const __m512 v = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)g))));
+            const __mmask16 neg = (__mmask16)(iq_ksigns[(aux >> (7 * l)) & 127] | iq_ksigns[(aux >> (7 * l + 7)) & 127] << 8);
+            _mm512_storeu_si512(o + 32 * s + 8 * l, _mm512_mask_xor_epi32(_mm512_castps_si512(v), neg, _mm512_castps_si512(v),
+                                                                          _mm512_set1_epi32((int)0x80000000u)));
+        }
+#elif defined(IQ_AVX2)
+        const __m256 vd = _mm256_set1_ps(db);
+        for (int l = 0; l < 4; l++) _mm256_storeu_ps(o + 32 * s + 8 * l, _mm256_mul_ps(vd, iq3_xxs_vals8(qs + 2 * l, aux >> (7 * l))));
+#else
         for (int l = 0; l < 4; l++) {
             const uint8_t signs = iq_ksigns[(aux >> (7 * l)) & 127];
             for (int j = 0; j < 8; j++) {
@@ -139,6 +155,7 @@ static void dequant_iq3_xxs(const uint8_t *blk, float *o) {
                 o[32 * s + 8 * l + j] = signs >> j & 1 ? -v : v;
             }
         }
+#endif
     }
 }
 
