@@ -235,13 +235,31 @@ static float row_iq3_s(const uint8_t *w, const float *x, int64_t nsb) {
 #endif
 }
 
+/* the SIMD paths multiply db by the signed level (db (-v) = -(db v) exactly, as the scalar's negation) */
 static void dequant_iq3_s(const uint8_t *blk, float *o) {
     for (int s = 0; s < 8; s++) {
         const float db = iq3_s_scale(blk, s);
+#ifdef IQ_AVX2
+        const __m256i neg = iq3_s_neg32(blk + 74 + 4 * s), g = iq3_s_grid32(blk + 2 + 8 * s, blk[66 + s]);
+        const __m256i v = _mm256_sub_epi8(_mm256_xor_si256(g, neg), neg);          /* 32 signed int8 levels */
+        const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+#if defined(VW) && VW == 16
+        const __m512 vd = _mm512_set1_ps(db);
+        _mm512_storeu_ps(o + 32 * s, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+        _mm512_storeu_ps(o + 32 * s + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+#else
+        const __m256 vd = _mm256_set1_ps(db);
+        _mm256_storeu_ps(o + 32 * s, _mm256_mul_ps(vd, i8_to_f32(lo)));
+        _mm256_storeu_ps(o + 32 * s + 8, _mm256_mul_ps(vd, i8_to_f32(_mm_srli_si128(lo, 8))));
+        _mm256_storeu_ps(o + 32 * s + 16, _mm256_mul_ps(vd, i8_to_f32(hi)));
+        _mm256_storeu_ps(o + 32 * s + 24, _mm256_mul_ps(vd, i8_to_f32(_mm_srli_si128(hi, 8))));
+#endif
+#else
         for (int j = 0; j < 32; j++) {
             const float v = db * (float)iq3s_grid[iq3_s_row(blk, s, j / 4)][j % 4];
             o[32 * s + j] = blk[74 + 4 * s + j / 8] >> (j % 8) & 1 ? -v : v;
         }
+#endif
     }
 }
 
