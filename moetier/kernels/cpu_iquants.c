@@ -410,23 +410,54 @@ static float row_iq1_m(const uint8_t *w, const float *x, int64_t nsb) {
 #endif
 }
 
+#ifdef IQ_AVX2
+/* 16 values dl (v + delta) from 16 int8 8 (v + delta) of iq1_grid8: (8 (v + delta)) / 8 is v + delta exactly, then the
+ * scalar's product dl (v + delta) */
+#if defined(VW) && VW == 16
+static inline void iq1_store16(float *o, float dl, __m128i q) {
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                                                                         _mm512_set1_ps(0.125f))));
+}
+#else
+static inline void iq1_store16(float *o, float dl, __m128i q) {
+    const __m256 vd = _mm256_set1_ps(dl), e = _mm256_set1_ps(0.125f);
+    _mm256_storeu_ps(o, _mm256_mul_ps(vd, _mm256_mul_ps(i8_to_f32(q), e)));
+    _mm256_storeu_ps(o + 8, _mm256_mul_ps(vd, _mm256_mul_ps(i8_to_f32(_mm_srli_si128(q, 8)), e)));
+}
+#endif
+#endif
+
 /* value dl (v + delta), as gguf-py: dl = d (2 ls + 1), v + delta in float32 (exact) */
 static void dequant_iq1_s(const uint8_t *blk, float *o) {
     const float d = fp16_to_f32(blk);
     for (int s = 0; s < 8; s++) {
         uint16_t h;
         memcpy(&h, blk + 34 + 2 * s, 2);
+#ifdef IQ_AVX2
+        const float dl = iq1_s_scale(d, h);
+        const uint8_t *q = blk + 2 + 4 * s;
+        iq1_store16(o + 32 * s, dl, _mm_set_epi64x((int64_t)iq1_grid8[iq1_s_row(q[1], h, 1)], (int64_t)iq1_grid8[iq1_s_row(q[0], h, 0)]));
+        iq1_store16(o + 32 * s + 16, dl,
+                    _mm_set_epi64x((int64_t)iq1_grid8[iq1_s_row(q[3], h, 3)], (int64_t)iq1_grid8[iq1_s_row(q[2], h, 2)]));
+#else
         const float dl = iq1_s_scale(d, h), delta = h & 0x8000 ? -0.125f : 0.125f;
         for (int j = 0; j < 32; j++)
             o[32 * s + j] = dl * ((float)iq1s_grid[blk[2 + 4 * s + j / 8] | ((h >> (3 * (j / 8))) & 7) << 8][j % 8] + delta);
+#endif
     }
 }
 
 static void dequant_iq1_m(const uint8_t *blk, float *o) {
     const float d = iq1_m_d(blk);
+#ifdef IQ_AVX2
+    for (int t = 0; t < 16; t++)                 /* 16 values: rows 2 t, 2 t + 1 */
+        iq1_store16(o + 16 * t, d * (float)iq1_m_ls(blk, t),
+                    _mm_set_epi64x((int64_t)iq1_grid8[iq1_m_row(blk, 2 * t + 1)], (int64_t)iq1_grid8[iq1_m_row(blk, 2 * t)]));
+#else
     for (int l = 0; l < 32; l++) {
         const uint32_t r = iq1_m_row(blk, l);
         const float dl = d * (float)iq1_m_ls(blk, l / 2), delta = r & 0x800 ? -0.125f : 0.125f;
         for (int j = 0; j < 8; j++) o[8 * l + j] = dl * ((float)iq1s_grid[r & 2047][j] + delta);
     }
+#endif
 }
