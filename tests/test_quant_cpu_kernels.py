@@ -93,7 +93,7 @@ def test_shape_errors_are_explained():
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K",
-                                   "Q3_K", "IQ3_S", "IQ1_S", "IQ1_M"])
+                                   "Q3_K", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_XS"])
 def test_dequantize_rows_is_bit_exact(qtype):
     """The C dequantizer (CPU prefill of packed experts) equals quant.dequantize and gguf-py's
     dequantizer bit for bit; leading dims, odd row counts; Q4_K goes through torch."""

@@ -52,7 +52,7 @@ FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "M
 # floats (runtime.cpu_compile.QUANT_COPY_TYPES); not kept from GGUF files (weights.loader._keep_blocks reads FAST_TYPES)
 HALF_TYPES = {"BF16", "F16"}
 DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS", "IQ3_S", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
-                 "IQ1_M"}   # moetier_dequant (dequantize_rows)
+                 "IQ1_M", "IQ4_XS"}   # moetier_dequant (dequantize_rows)
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]

@@ -126,12 +126,28 @@ static float row_iq3_xxs(const uint8_t *w, const float *x, int64_t nsb) {
 #endif
 }
 
+/* the SIMD paths multiply db by the signed level (db (-v) = -(db v) exactly, as the scalar's negation) */
 static void dequant_iq3_xxs(const uint8_t *blk, float *o) {
     const float d = fp16_to_f32(blk);
     for (int s = 0; s < 8; s++) {
         uint32_t aux;
         memcpy(&aux, blk + 66 + 4 * s, 4);
         const float db = iq3_xxs_scale(d, aux);
+        const uint8_t *qs = blk + 2 + 8 * s;
+#if defined(VW) && VW == 16
+        const __m512 vd = _mm512_set1_ps(db);
+        for (int l = 0; l < 4; l += 2) {            /* 16 values: grid rows qs[2 l .. 2 l + 4), sign masks as a k-mask */
+            uint32_t g[4];
+            for (int i = 0; i < 4; i++) memcpy(g + i, iq3xxs_grid[qs[2 * l + i]], 4);
+            const __m512 v = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)g))));
+            const __mmask16 neg = (__mmask16)(iq_ksigns[(aux >> (7 * l)) & 127] | iq_ksigns[(aux >> (7 * l + 7)) & 127] << 8);
+            _mm512_storeu_si512(o + 32 * s + 8 * l, _mm512_mask_xor_epi32(_mm512_castps_si512(v), neg, _mm512_castps_si512(v),
+                                                                          _mm512_set1_epi32((int)0x80000000u)));
+        }
+#elif defined(IQ_AVX2)
+        const __m256 vd = _mm256_set1_ps(db);
+        for (int l = 0; l < 4; l++) _mm256_storeu_ps(o + 32 * s + 8 * l, _mm256_mul_ps(vd, iq3_xxs_vals8(qs + 2 * l, aux >> (7 * l))));
+#else
         for (int l = 0; l < 4; l++) {
             const uint8_t signs = iq_ksigns[(aux >> (7 * l)) & 127];
             for (int j = 0; j < 8; j++) {
@@ -139,6 +155,7 @@ static void dequant_iq3_xxs(const uint8_t *blk, float *o) {
                 o[32 * s + 8 * l + j] = signs >> j & 1 ? -v : v;
             }
         }
+#endif
     }
 }
 
@@ -218,13 +235,31 @@ static float row_iq3_s(const uint8_t *w, const float *x, int64_t nsb) {
 #endif
 }
 
+/* the SIMD paths multiply db by the signed level (db (-v) = -(db v) exactly, as the scalar's negation) */
 static void dequant_iq3_s(const uint8_t *blk, float *o) {
     for (int s = 0; s < 8; s++) {
         const float db = iq3_s_scale(blk, s);
+#ifdef IQ_AVX2
+        const __m256i neg = iq3_s_neg32(blk + 74 + 4 * s), g = iq3_s_grid32(blk + 2 + 8 * s, blk[66 + s]);
+        const __m256i v = _mm256_sub_epi8(_mm256_xor_si256(g, neg), neg);          /* 32 signed int8 levels */
+        const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+#if defined(VW) && VW == 16
+        const __m512 vd = _mm512_set1_ps(db);
+        _mm512_storeu_ps(o + 32 * s, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo))));
+        _mm512_storeu_ps(o + 32 * s + 16, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))));
+#else
+        const __m256 vd = _mm256_set1_ps(db);
+        _mm256_storeu_ps(o + 32 * s, _mm256_mul_ps(vd, i8_to_f32(lo)));
+        _mm256_storeu_ps(o + 32 * s + 8, _mm256_mul_ps(vd, i8_to_f32(_mm_srli_si128(lo, 8))));
+        _mm256_storeu_ps(o + 32 * s + 16, _mm256_mul_ps(vd, i8_to_f32(hi)));
+        _mm256_storeu_ps(o + 32 * s + 24, _mm256_mul_ps(vd, i8_to_f32(_mm_srli_si128(hi, 8))));
+#endif
+#else
         for (int j = 0; j < 32; j++) {
             const float v = db * (float)iq3s_grid[iq3_s_row(blk, s, j / 4)][j % 4];
             o[32 * s + j] = blk[74 + 4 * s + j / 8] >> (j % 8) & 1 ? -v : v;
         }
+#endif
     }
 }
 
@@ -375,23 +410,54 @@ static float row_iq1_m(const uint8_t *w, const float *x, int64_t nsb) {
 #endif
 }
 
+#ifdef IQ_AVX2
+/* 16 values dl (v + delta) from 16 int8 8 (v + delta) of iq1_grid8: (8 (v + delta)) / 8 is v + delta exactly, then the
+ * scalar's product dl (v + delta) */
+#if defined(VW) && VW == 16
+static inline void iq1_store16(float *o, float dl, __m128i q) {
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                                                                         _mm512_set1_ps(0.125f))));
+}
+#else
+static inline void iq1_store16(float *o, float dl, __m128i q) {
+    const __m256 vd = _mm256_set1_ps(dl), e = _mm256_set1_ps(0.125f);
+    _mm256_storeu_ps(o, _mm256_mul_ps(vd, _mm256_mul_ps(i8_to_f32(q), e)));
+    _mm256_storeu_ps(o + 8, _mm256_mul_ps(vd, _mm256_mul_ps(i8_to_f32(_mm_srli_si128(q, 8)), e)));
+}
+#endif
+#endif
+
 /* value dl (v + delta), as gguf-py: dl = d (2 ls + 1), v + delta in float32 (exact) */
 static void dequant_iq1_s(const uint8_t *blk, float *o) {
     const float d = fp16_to_f32(blk);
     for (int s = 0; s < 8; s++) {
         uint16_t h;
         memcpy(&h, blk + 34 + 2 * s, 2);
+#ifdef IQ_AVX2
+        const float dl = iq1_s_scale(d, h);
+        const uint8_t *q = blk + 2 + 4 * s;
+        iq1_store16(o + 32 * s, dl, _mm_set_epi64x((int64_t)iq1_grid8[iq1_s_row(q[1], h, 1)], (int64_t)iq1_grid8[iq1_s_row(q[0], h, 0)]));
+        iq1_store16(o + 32 * s + 16, dl,
+                    _mm_set_epi64x((int64_t)iq1_grid8[iq1_s_row(q[3], h, 3)], (int64_t)iq1_grid8[iq1_s_row(q[2], h, 2)]));
+#else
         const float dl = iq1_s_scale(d, h), delta = h & 0x8000 ? -0.125f : 0.125f;
         for (int j = 0; j < 32; j++)
             o[32 * s + j] = dl * ((float)iq1s_grid[blk[2 + 4 * s + j / 8] | ((h >> (3 * (j / 8))) & 7) << 8][j % 8] + delta);
+#endif
     }
 }
 
 static void dequant_iq1_m(const uint8_t *blk, float *o) {
     const float d = iq1_m_d(blk);
+#ifdef IQ_AVX2
+    for (int t = 0; t < 16; t++)                 /* 16 values: rows 2 t, 2 t + 1 */
+        iq1_store16(o + 16 * t, d * (float)iq1_m_ls(blk, t),
+                    _mm_set_epi64x((int64_t)iq1_grid8[iq1_m_row(blk, 2 * t + 1)], (int64_t)iq1_grid8[iq1_m_row(blk, 2 * t)]));
+#else
     for (int l = 0; l < 32; l++) {
         const uint32_t r = iq1_m_row(blk, l);
         const float dl = d * (float)iq1_m_ls(blk, l / 2), delta = r & 0x800 ? -0.125f : 0.125f;
         for (int j = 0; j < 8; j++) o[8 * l + j] = dl * ((float)iq1s_grid[r & 2047][j] + delta);
     }
+#endif
 }

@@ -257,14 +257,35 @@ static void dequant_iq4_nl(const uint8_t *blk, float *o) {
     }
 }
 
+/* SIMD: the same products dl * (float)iq4nl_values[nibble], the nibble's value through a 16-entry float permute
+ * (AVX-512) or an int8 byte shuffle (AVX2) */
 static void dequant_iq4_xs(const uint8_t *blk, float *o) {
+#if defined(VW) && VW == 16
+    const __m512 values = _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+#elif defined(VW)
+    const __m128i values = _mm_load_si128((const __m128i *)iq4nl_values), m4 = _mm_set1_epi8(0x0F);
+#endif
     for (int ib = 0; ib < 8; ib++, o += 32) {
         const float dl = iq4_xs_scale(blk, ib);
         const uint8_t *q = blk + 8 + 16 * ib;
+#if defined(VW) && VW == 16
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));   /* permutexvar reads bits 0-3 */
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_permutexvar_ps(b, values)));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_set1_ps(dl), _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values)));
+#elif defined(VW)
+        const __m128i b = _mm_loadu_si128((const __m128i *)q);
+        const __m128i lo = _mm_shuffle_epi8(values, _mm_and_si128(b, m4)), hi = _mm_shuffle_epi8(values, _mm_and_si128(_mm_srli_epi16(b, 4), m4));
+        const __m256 vd = _mm256_set1_ps(dl);
+        _mm256_storeu_ps(o, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
+        _mm256_storeu_ps(o + 8, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+        _mm256_storeu_ps(o + 16, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
+        _mm256_storeu_ps(o + 24, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+#else
         for (int j = 0; j < 16; j++) {
             o[j] = dl * (float)iq4nl_values[q[j] & 0x0F];
             o[j + 16] = dl * (float)iq4nl_values[q[j] >> 4];
         }
+#endif
     }
 }
 
@@ -490,7 +511,8 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
 int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, float *out,
                     int nthreads) {
     if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != IQ3_S && qtype != Q2_K
-         && qtype != Q3_K && qtype != IQ2_XXS && qtype != IQ2_XS && qtype != IQ2_S && qtype != IQ1_S && qtype != IQ1_M)
+         && qtype != Q3_K && qtype != IQ2_XXS && qtype != IQ2_XS && qtype != IQ2_S && qtype != IQ1_S && qtype != IQ1_M
+         && qtype != IQ4_XS)
         || K % block_elems(qtype)) return -1;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) dequant_row(qtype, w + n * row_stride, out + n * K, K);
