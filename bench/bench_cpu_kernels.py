@@ -38,7 +38,7 @@ from moetier.quant.formats import get_format
 SHAPES = [(768, 2048), (2048, 768)]            # (N, K): a gate/up and a down projection
 TYPES = ["Q8_0", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"]
 FP16_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                "Q6_K": [208],                                                                 # scale fields kept finite
+                "Q6_K": [208],                                                         # scale fields kept finite
                 "MXFP4": [], "IQ3_XXS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0]}
 E8M0_OFFSETS = {"MXFP4": [0]}           # shared exponent bytes kept near 2^0
 FP16_OFFSETS.update({"IQ3_S": [0], "IQ1_S": [0], "IQ1_M": [], "IQ4_XS": [0], "Q5_1": [0, 2], "F32": []})

@@ -9,8 +9,8 @@ JSON: one entry per (format, kernel, tile): registers, local stack bytes (spills
 and what limits them, grid, waves.
 
 Its integer arguments are typed i64 without divisibility; a launch types them i32 and marks multiples of 16 (branch
-q4-addr): Q4_0's v5qx gate_up here counts 1,408 SASS instructions with 64 scalar weight loads, the JIT's build 1,360 with 16
-LDG.128. For instruction counts as the launch compiles them use bench/sass_phases.py.
+q4-addr): Q4_0's v5qx gate_up here counts 1,408 SASS instructions with 64 scalar weight loads, the JIT's build 1,360
+with 16 LDG.128. For instruction counts as the launch compiles them use bench/sass_phases.py.
 """
 from __future__ import annotations
 

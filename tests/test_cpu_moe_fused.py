@@ -36,7 +36,8 @@ def random_route(t, e=6, k=2, d=256, seed=1):
 
 
 @needs_c
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K", ("Q5_1", "Q6_K"), ("Q2_K", "Q3_K")])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", ("Q4_K", "Q6_K"), "Q5_K", ("Q5_1", "Q6_K"),
+                                   ("Q2_K", "Q3_K")])
 @pytest.mark.parametrize("t", [1, 3])
 def test_moe_tokens_matches_twin(qtype, t):
     gate, up, down = random_layer(qtype)

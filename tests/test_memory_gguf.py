@@ -170,7 +170,7 @@ def test_float_gguf_is_bit_identical(model_dir, tmp_path, ftype):
 
 
 def test_unsupported_expert_type_is_a_user_error(model_dir, tmp_path):
-    out = quantize(model_dir, "IQ4_XS", tmp_path / "m-iq4xs.gguf")     # no GPU kernel (Q4_K_M: tests/test_gguf_mixed.py)
+    out = quantize(model_dir, "IQ4_XS", tmp_path / "m-iq4xs.gguf")   # no GPU kernel (Q4_K_M: tests/test_gguf_mixed.py)
     with pytest.raises(UserError, match="IQ4_XS"):
         Engine.load(out, EngineConfig(progress=False, max_context=CTX, ram_mem=1 << 30))
 

@@ -313,8 +313,8 @@ K_SCALE_OFFSETS = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 
 
 
 def random_byte_rows(qtype: str, n: int = 37, nsb: int = 3, seed: int = 8):
-    """n rows of nsb K-quant super-blocks of random bytes (every qs / qh / hmask bit pattern, every 4- or 6-bit scale and
-    min, Q3_K / Q6_K's negative scales) with random finite fp16 d / dmin, and x."""
+    """n rows of nsb K-quant super-blocks of random bytes (every qs / qh / hmask bit pattern, every 4- or 6-bit scale
+    and min, Q3_K / Q6_K's negative scales) with random finite fp16 d / dmin, and x."""
     from moetier.quant.formats import get_format
     fmt = get_format(qtype)
     g = torch.Generator().manual_seed(seed)

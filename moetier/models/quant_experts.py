@@ -32,7 +32,7 @@ from .layers import DenseExperts, grouped_experts, grouped_mm_experts, swiglu
 # 16: 4.9 vs 4.4; IQ3_XXS 24: 15.6 vs 17.1, 32: 21.0 vs 17.6 (its dequantizer is slower; Q4_0 then: 8: 2.7 vs 3.7).
 CPU_MATVEC_PAIRS_PER_EXPERT = {"Q8_0": 12, "Q4_0": 24, "Q5_1": 24, "Q4_K": 24, "Q5_K": 24, "Q6_K": 24, "MXFP4": 12, "IQ3_XXS": 24,
                                "IQ4_XS": 24, "IQ4_NL": 24, "Q2_K": 24, "Q3_K": 24, "IQ2_XXS": 24, "IQ2_XS": 24,
-                               "IQ2_S": 24, "IQ3_S": 24, "IQ1_S": 24, "IQ1_M": 24}   # the 2-3-bit: as IQ3_XXS, unmeasured
+                               "IQ2_S": 24, "IQ3_S": 24, "IQ1_S": 24, "IQ1_M": 24}   # 2-3-bit: as IQ3_XXS, unmeasured
 # CPU prefill of SwiGLU experts without biases: moe_grouped (forward_grouped) unless a format has more pairs per used
 # expert than this (then dequantize + F.linear, MKL's GEMM, wins). Measured (1 thread, default model's experts: 8, D 384,
 # I 256, k 2; grouped vs dequantize+linear per call): Q8_0 16 pairs/expert 1.22 vs 2.74 ms, 48: 4.11 vs 3.86, 128: 11.1
