@@ -196,24 +196,47 @@ static inline __m256i iq1_q8_signed(__m256i w, const int8_t *y) {   /* |w| (u8) 
     return _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), w);
 }
 
-static float moe_row_iq1_s_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nsb; b++, w += 50, qx += 256, dx += 8) {
+/* IQ1_S: iq1_grid8 + 9 (unsigned 0..18, iq1_grid8u) x y through maddubs (pairs <= 2 x 18 x 128: no saturation), no
+ * sign trick; 9 sum y taken off once per row through sx (dx sum qx): off = sum over sub-blocks of dl sx. The int32
+ * dot per 32 is the old one plus 9 sum y exactly; only the float rounding of the result moves.
+ * 1 thread, 768 x 2048 hot (haswell build, best of 5): 124-138 -> 101-115 us (1.20-1.23x; llama.cpp AVX2: 110);
+ * 4 scalar row loads per 32 instead of the two gathers: 139 against 114. */
+static uint64_t iq1_grid8u[4096] __attribute__((aligned(64)));      /* iq1_grid8 + 9 per byte */
+
+__attribute__((constructor)) static void iq1_grid8u_init(void) {
+    iq1_grid8_init();                        /* constructors' order across the unit is not guaranteed */
+    for (int i = 0; i < 4096; i++) {
+        uint8_t v[8];
+        memcpy(v, &iq1_grid8[i], 8);
+        for (int j = 0; j < 8; j++) v[j] = (uint8_t)((int8_t)v[j] + 9);
+        memcpy(&iq1_grid8u[i], v, 8);
+    }
+}
+
+static float moe_row_iq1_s_q8_avx2(const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, int64_t nsb) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; b++, w += 50, qx += 256, dx += 8, sx += 8) {
         PREFETCH(w);
-        const float d = 0.125f * fp16_to_f32(w);
-        uint16_t h[8];
-        memcpy(h, w + 34, 16);
-        const __m256i hq = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));
+        const __m256i hq = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 34)));   /* lane s: qh[s] */
+        const __m256i ls = _mm256_and_si256(_mm256_srli_epi32(hq, 12), _mm256_set1_epi32(7));
+        const __m256i ls21 = _mm256_or_si256(_mm256_slli_epi32(ls, 1), _mm256_set1_epi32(1));     /* 2 ls + 1 */
+        const __m256 dl = _mm256_mul_ps(_mm256_set1_ps(0.125f * fp16_to_f32(w)), _mm256_cvtepi32_ps(ls21));
+        off = _mm256_fmadd_ps(dl, _mm256_loadu_ps(sx), off);
+        const __m256 sc = _mm256_mul_ps(dl, _mm256_loadu_ps(dx));
         for (int s = 0; s < 8; s += 2) {
-            __m256i w0, w1;
-            iq1_weights64(iq1_s_idx8(w + 2, hq, s), &w0, &w1);
-            const __m256i p0 = moe_dot_u8s8(_mm256_abs_epi8(w0), iq1_q8_signed(w0, qx + 32 * s));
-            const __m256i p1 = moe_dot_u8s8(_mm256_abs_epi8(w1), iq1_q8_signed(w1, qx + 32 * s + 32));
-            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(iq1_s_scale(d, h[s]) * dx[s]), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(iq1_s_scale(d, h[s + 1]) * dx[s + 1]), acc1);
+            const __m256i idx = iq1_s_idx8(w + 2, hq, s);
+            const long long *g = (const long long *)iq1_grid8u;
+            const __m256i w0 = _mm256_i32gather_epi64(g, _mm256_castsi256_si128(idx), 8);
+            const __m256i w1 = _mm256_i32gather_epi64(g, _mm256_extracti128_si256(idx, 1), 8);
+            const __m256i p0 = moe_dot_u8s8(w0, _mm256_loadu_si256((const __m256i *)(qx + 32 * s)));
+            const __m256i p1 = moe_dot_u8s8(w1, _mm256_loadu_si256((const __m256i *)(qx + 32 * s + 32)));
+            const __m256 sc0 = _mm256_permutevar8x32_ps(sc, _mm256_set1_epi32(s));
+            const __m256 sc1 = _mm256_permutevar8x32_ps(sc, _mm256_set1_epi32(s + 1));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), sc0, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), sc1, acc1);
         }
     }
-    return hsum8(_mm256_add_ps(acc0, acc1));
+    return hsum8(_mm256_add_ps(acc0, acc1)) - 9.f * hsum8(off);
 }
 
 static inline __m256i iq1_m_q8_scales(uint16_t sc, int half) {    /* int16 lanes: 2 ls + 1 of values 0-15 | 16-31 */
@@ -247,18 +270,6 @@ static float moe_row_iq1_m_q8_avx2(const uint8_t *w, const int8_t *qx, const flo
  * mask negating x (no expansion), one dpbusd. IQ1_S / IQ1_M: one gather of 8 rows of iq1_grid8 + 9 (unsigned 0..18),
  * one dpbusd, the 9 sum x taken off: IQ1_S per 32 through sx (dx sum qx, float), IQ1_M per 4 lanes in the integer
  * sum (its scales are per 16). Scales: a super-block's as one float vector, spread to lanes by a permute. */
-static uint64_t iq1_grid8u[4096] __attribute__((aligned(64)));      /* iq1_grid8 + 9 per byte */
-
-__attribute__((constructor)) static void iq1_grid8u_init(void) {
-    iq1_grid8_init();                        /* constructors' order across the unit is not guaranteed */
-    for (int i = 0; i < 4096; i++) {
-        uint8_t v[8];
-        memcpy(v, &iq1_grid8[i], 8);
-        for (int j = 0; j < 8; j++) v[j] = (uint8_t)((int8_t)v[j] + 9);
-        memcpy(&iq1_grid8u[i], v, 8);
-    }
-}
-
 static float moe_row_iq3_s_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
     const __m512i bits = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i zero = _mm512_setzero_si512();
@@ -342,8 +353,7 @@ static float moe_row_iq3_s_q8(const uint8_t *w, const int8_t *qx, const float *d
     return moe_row_iq3_s_q8_avx2(w, qx, dx, nsb);
 }
 static float moe_row_iq1_s_q8_sx(const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, int64_t nsb) {
-    (void)sx;
-    return moe_row_iq1_s_q8_avx2(w, qx, dx, nsb);
+    return moe_row_iq1_s_q8_avx2(w, qx, dx, sx, nsb);
 }
 static float moe_row_iq1_m_q8(const uint8_t *w, const int8_t *qx, const float *dx, int64_t nsb) {
     return moe_row_iq1_m_q8_avx2(w, qx, dx, nsb);
