@@ -51,6 +51,24 @@ XDT = torch.float16 if DEV == "cpu" else torch.bfloat16    # the interpreter's t
 ROT = 16                      # routings per graph: distinct slot sets, so L2 cannot serve repeats
 
 
+class Hopper:
+    """Just enough of a driver for Triton to compile for sm_90 on a machine without a GPU (compile_sm90,
+    bench/sass_phases.py)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
@@ -594,21 +612,7 @@ def compile_sm90(fmts, only: str = "") -> list[dict]:
     import tempfile
     from pathlib import Path
 
-    from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
-
-    class Hopper:                                                     # just enough driver to compile
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
 
     driver.set_active(Hopper())
     nvbin = Path(triton.__file__).parent / "backends/nvidia/bin"

@@ -27,33 +27,16 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_gpu_kernels import MODELS, make_weights  # noqa: E402
+from bench_gpu_kernels import MODELS, Hopper, make_weights  # noqa: E402
 
 from moetier.kernels import triton_decode_q8 as q8  # noqa: E402
 from moetier.kernels import triton_moe  # noqa: E402
 from moetier.kernels.triton_weights import Weights  # noqa: E402
 
 KEYS = ("IMAD", "LEA", "IADD3", "SHF", "LOP3", "MOV", "LDG", "IDP", "FADD", "FFMA", "FMUL", "SHFL", "MUFU")
-
-
-class _Hopper:
-    """Just enough of a driver for Triton to compile for sm_90 on a machine without a GPU."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
 
 
 class _Capture:
@@ -148,7 +131,7 @@ def main() -> int:
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=[m for m in MODELS if m != "tiny"])
     ap.add_argument("--dump", type=Path, help="write each kernel's .sass, .ptx and .ttgir here")
     a = ap.parse_args()
-    driver.set_active(_Hopper())
+    driver.set_active(Hopper())
     pair = compile_pair(a.fmt, a.model)
     out = {"fmt": a.fmt, "model": a.model, "variant": pair["variant"], "tiles": pair["tiles"], "kernels": {}}
     for name in ("gate_up", "down"):

@@ -202,12 +202,13 @@ def quantize(src: str | Path, qtype: str = "Q8_0", out: str | Path | None = None
     threads = threads or os.cpu_count() or 1
     mix = Mix(qtype, n_layer, n_expert, _n_gqa(meta, arch), [n for names, _, _ in groups for n in names],
               has_imatrix=importance is not None)
-    plan = []
+    plan, warnings = [], []
     for names, shapes, produce in groups:
         kinds = [mix.tensor_type(n, s, pure) for n, s in zip(names, shapes)]
-        for n, s, k in zip(names, shapes, kinds):
-            _check_importance(mix, n, s, k, importance)
+        warnings += [_check_importance(mix, n, s, k, importance) for n, s, k in zip(names, shapes, kinds)]
         plan.append((names, shapes, produce, kinds))
+    if (first := next((w for w in warnings if w), None)) is not None:
+        log.warning(first)
     w = GGUFWriter(out, arch, split_max_tensors=split_max_tensors)
     for key, value in meta.items():
         if key not in ("general.architecture", "general.file_type", "general.quantization_version",
@@ -258,10 +259,10 @@ def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
     return data
 
 
-def _check_importance(mix: Mix, name: str, shape: tuple, qtype: str, importance: dict | None) -> None:
+def _check_importance(mix: Mix, name: str, shape: tuple, qtype: str, importance: dict | None) -> str | None:
     """llama-quantize's rules: a matrix entry must match the tensor's K (x experts); a type that needs one and
     has none is an error (ggml's IQ1_S / IQ2_XXS / IQ2_XS quantizers cannot run without it) or a warning
-    (llama.cpp refuses IQ3_XXS / IQ2_S / IQ1_M and Q2_K_S's Q2_K without one; ggml's quantizers run)."""
+    (llama.cpp refuses IQ3_XXS / IQ2_S / IQ1_M and Q2_K_S's Q2_K without one; ggml's quantizers run): -> its text."""
     v = importance.get(name) if importance else None
     want = shape[-1] * (shape[0] if len(shape) == 3 else 1)
     if v is not None and v.size != want and name != "token_embd.weight":
@@ -271,9 +272,8 @@ def _check_importance(mix: Mix, name: str, shape: tuple, qtype: str, importance:
         msg = f"{name} as {qtype} needs an importance matrix (--imatrix FILE from llama-imatrix)"
         if qtype in ("IQ1_S", "IQ2_XXS", "IQ2_XS"):
             raise UserError(f"{msg}: ggml cannot quantize to {qtype} without one")
-        if not getattr(mix, "_warned", False):
-            log.warning("%s; quantizing without one, as llama.cpp would refuse to: expect lower quality", msg)
-            mix._warned = True
+        return f"{msg}; quantizing without one, as llama.cpp would refuse to: expect lower quality"
+    return None
 
 
 def _nbytes(shape: tuple, qtype: str) -> int:

@@ -26,8 +26,13 @@ from ..weights.loader import NamedCheckpoint
 ALIGN = 64          # param offsets inside an expert buffer (SIMD loads, dtype views)
 EXPERT_ALIGN = 4096  # expert buffer size (O_DIRECT reads land on page boundaries)
 EXPERT_PARAM = re.compile(r"\.experts\.[A-Za-z_]+$")
-# kept as stored: the formats with both GPU (kernels.ops.KERNEL_FORMATS) and CPU (kernels.cpu.FAST_TYPES) kernels
-GGUF_EXPERT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS")
+
+
+def gguf_expert_types() -> tuple[str, ...]:
+    """Expert formats the tiers keep as stored: the floats, and the formats with both GPU (kernels.ops.KERNEL_FORMATS)
+    and CPU (kernels.cpu.FAST_TYPES) kernels."""
+    from ..kernels import cpu, ops
+    return ("F32", "F16", "BF16", *(f for f in ops.KERNEL_FORMATS if f in cpu.FAST_TYPES))
 
 
 def round_up(n: int, a: int) -> int:
@@ -318,9 +323,9 @@ def _gguf_spec(g, name: str, tensors: list[str], want: tuple, E: int, offset: in
         fmt = get_format(q).name
     except ValueError:
         fmt = qtype_name(q)
-    if fmt not in GGUF_EXPERT_TYPES:
+    if fmt not in (kept := gguf_expert_types()):
         raise UserError(f"{g.path}: experts stored as {fmt} ({tensors[0]}); memory tiers keep experts "
-                        f"quantized and read {', '.join(GGUF_EXPERT_TYPES)}. Re-quantize "
+                        f"quantized and read {', '.join(kept)}. Re-quantize "
                         "(moetier quantize FILE --type Q4_K_S|Q4_0|Q8_0) or run without tier flags")
     shapes = [g.shape(t) for t in tensors]
     rows = sum(s[1] for s in shapes)
