@@ -393,7 +393,7 @@ def moe_grouped(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     Same arguments and result as moe_tokens. Float activations: every format's rows dequantized per tile
     (products as the dequantized model's); q8: x and the activation rounded to int8 per 32 values for the
     types with int8 row kernels (cpu_moe.c moe_q8_type; llama.cpp's way, ~1% relative error), per 256 values
-    for Q4_K / Q6_K rows where grouped_int8_tile says so (llama.cpp's Q8_K, ~2%).
+    for the 256-value formats' rows where grouped_int8_tile says so (llama.cpp's Q8_K, ~2%).
     `lib`: another build (tests); out: optional float32 [T, D]. Twin: moe_tokens_native."""
     fmt, dfmt = _formats(qtype)
     if lib is None and (backend() != "c" or _kernel(fmt, None) != "c" or _kernel(dfmt, None) != "c"):
@@ -416,8 +416,9 @@ def moe_grouped(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
 
 def grouped_int8_tile(qtype, lib: ctypes.CDLL | None = None) -> bool:
     """Whether moe_grouped(q8=True) runs `qtype`'s rows through an integer tile in this build (each block's weights
-    unpacked once for all pairs of an expert: Q4_0 / Q8_0, and Q4_K / Q6_K with activations rounded to int8 per 256
-    values as llama.cpp's Q8_K, with AVX2 (AVX-512BW: a wider Q8_K tile)), instead of the q8 row dot per (row, pair).
+    unpacked once for all pairs of an expert: Q4_0 / Q8_0, IQ4_NL / IQ4_XS with AVX-512 VNNI, and the 256-value
+    formats (K-quants, IQ1_S .. IQ3_S) with activations rounded to int8 per 256 values as llama.cpp's Q8_K, with
+    AVX2), instead of the q8 row dot per (row, pair).
     `lib`: another build (tests)."""
     if lib is not None:
         return bool(lib.moetier_grouped_int8_tile(get_format(qtype).type_id))

@@ -10,10 +10,11 @@
  *   5. y[t] = sum_j w[t, j] o[pos(t, j)] in j order (results do not depend on the thread count).
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
  * weights widened to int8 once for all pairs; Q4_0 8 rows in lanes x 8 pairs, grp_tile8_nib, with AVX-512 VNNI or
- * AVX2, and on AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); Q4_K / Q6_K the Q8_K tile
- * (AVX-512BW: GRP_QR rows x GRP_QP pairs in registers; AVX2: rows unpacked per super-block, pairs looped over
- * them; activations int8 per 256 values as llama.cpp's Q8_K, sub-block scales applied in int32, one float
- * conversion per super-block); other moe_q8_type rows the q8 row dot per (row, pair); float activations: the 4
+ * AVX2, and on AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); the 256-value formats (K-quants,
+ * IQ1-IQ3) a Q8_K tile: 4 rows unpacked per super-block for up to 64 pairs, activations int8 per 256 values as
+ * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block (cpu_grouped_sb.c; AVX2
+ * builds keep their own for Q4_K / Q6_K, grp_tile_q8k); IQ4_NL / IQ4_XS 8 rows in lanes with AVX-512 VNNI; other
+ * moe_q8_type rows the q8 row dot per (row, pair); float activations: the 4
  * rows dequantized to float (GRP_KC values at a time, in L1) and a float FMA tile, so the products are the
  * dequantized model's (max relative error ~1e-6, the summation order); an expert with one pair: the row dot. */
 
@@ -224,16 +225,12 @@ static void grp_tile8_nib_any(int kind, const uint8_t *w, int64_t rs, const int8
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-/* Q4_K / Q6_K rows x int8 activations with one scale per 256 values (llama.cpp's Q8_K): a super-block's 8 (Q4_K)
- * or 16 (Q6_K) integer sub-block scales multiply the integer dots in int32 (maddubs, then a 16-bit madd with the
- * scales), so each (row, pair) converts to float once per super-block, not once per 32 values; 64 values per
- * instruction, each row's weights unpacked once per super-block for up to GRP_QP pairs. Measured (2-core box,
- * 1 thread, 30B-A3B layer: 128 experts, D 2048, I 768, 128 tokens x 8; Q4_K gate/up, Q6_K down): float activations
- * 147 ms, the q8 row dot 188 ms, this tile 4 x 4: 122 ms, 2 x 8 with the scaled sums precomputed: 93 ms. */
+/* 256-value rows x int8 activations with one scale per 256 values (llama.cpp's Q8_K) on AVX-512BW: every such format,
+ * Q4_K / Q6_K included, on the unpacked super-block tile (cpu_grouped_sb.c, 64 values a vector). Until session 40
+ * Q4_K / Q6_K had a tile of their own here (2 rows x 8 pairs in registers, each row's super-block unpacked again for
+ * every 8 pairs): 1 thread, 16 experts, D 2048, I 768, 128 tokens x 8: Q4_K 101.9 -> 83.2 ms, Q6_K 103.1 -> 88.6 on
+ * the unpacked tile (float activations 110-113). */
 #define GRP_Q8K 1
-#define GRP_QR 2              /* rows x pairs of the tile: 16 int32 accumulators; each row's weights unpacked once for */
-#define GRP_QP 8              /* up to 8 pairs (the float accumulators live in memory, touched once per super-block) */
-#define GRP_Q8K_NP_CONST 1
 #if defined(__AVX512VNNI__)
 #define GRP_DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
@@ -242,8 +239,9 @@ static void grp_tile8_nib_any(int kind, const uint8_t *w, int64_t rs, const int8
 
 /* x [K] -> qx [K] int8 (round to nearest even of x / d), dk [K / 256] the scales d = max |x| / 127 of each 256
  * values, vs [K / 16] d times the sums of qx per 16 (the Q4_K mins and Q6_K's -32 go through them) */
-static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, float *vs) {
+static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, float *vs, int u8) {
     const __m512 abs = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const __m128i flip = _mm_set1_epi8(u8 ? (char)0x80 : 0);         /* u8: y + 128 stored (the rows-in-lanes tile) */
     for (int64_t b = 0; b < K / 256; b++) {
         const float *xb = x + 256 * b;
         __m512 m = _mm512_setzero_ps();
@@ -251,96 +249,11 @@ static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, f
         const float d = _mm512_reduce_max_ps(m) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
         for (int j = 0; j < 256; j += 16) {
             const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + j), _mm512_set1_ps(id)));
-            _mm_storeu_si128((__m128i *)(qx + 256 * b + j), _mm512_cvtsepi32_epi8(q));
+            _mm_storeu_si128((__m128i *)(qx + 256 * b + j), _mm_xor_si128(_mm512_cvtsepi32_epi8(q), flip));
             vs[16 * b + j / 16] = d * (float)_mm512_reduce_add_epi32(q);
         }
         dk[b] = d;
     }
-}
-
-/* out[r * ldo + p] = rows w + r * rs (r < GRP_QR) . pairs p < np (qx[p], dk[p], vs[p] as grp_quantize_q8k), nsb
- * super-blocks. Q4_K: d sum_j sc_j dot_j - dmin sum_j mn_j bsum_j; Q6_K: d sum_g sc_g (dot_g(q6 unsigned)
- * - 32 bsum_g); each times the pair's dk. */
-static inline __attribute__((always_inline)) void grp_tile_q8k(int qtype, const uint8_t *w, int64_t rs,
-        const int8_t *const *qx, const float *const *dk, const float *const *vs, int np, int64_t nsb,
-        float *out, int64_t ldo) {
-    const int q6 = qtype == Q6_K;
-    const int64_t bb = q6 ? 210 : 144;
-    const __m512i m4z = _mm512_set1_epi8(0x0F), m30z = _mm512_set1_epi8(0x30);
-    /* Q6_K's 2 high bits of groups 0 | 1 (qh << 4 | << 2) and 2 | 3 (qh >> 0 | >> 2), per 16-bit lane */
-    const __m512i q6_shl = _mm512_mask_mov_epi16(_mm512_set1_epi16(4), (__mmask32)0xFFFF0000u, _mm512_set1_epi16(2));
-    const __m512i q6_shr = _mm512_mask_mov_epi16(_mm512_setzero_si512(), (__mmask32)0xFFFF0000u, _mm512_set1_epi16(2));
-    static const int16_t iota[32] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                     16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-    const __m512i lane = _mm512_loadu_si512(iota);
-    /* int16 lane i of chunk c (values 64 c + 2 i, + 1) takes scale 2 c + i / 16 (Q4_K) or 4 c + i / 8 (Q6_K) */
-    const __m512i sub = q6 ? _mm512_srli_epi16(lane, 3) : _mm512_srli_epi16(lane, 4);
-    __m512 facc[GRP_QR][GRP_QP];
-    for (int r = 0; r < GRP_QR; r++)
-        for (int p = 0; p < GRP_QP; p++) facc[r][p] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nsb; b++) {
-        __m512i acc[GRP_QR][GRP_QP], scv[GRP_QR];
-        __m512 mnf[GRP_QR];        /* per 16 values: Q4_K dmin mn_j, Q6_K 32 d sc_g (times the pair's scaled sums) */
-        float dr[GRP_QR];
-        for (int r = 0; r < GRP_QR; r++) {
-            const uint8_t *blk = w + r * rs + b * bb;
-            PREFETCH(blk);
-            PREFETCH(blk + 64);
-            PREFETCH(blk + 128);
-            if (q6) {
-                PREFETCH(blk + 192);
-                const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-                scv[r] = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(sc));
-                dr[r] = fp16_to_f32(blk + 208);
-                mnf[r] = _mm512_mul_ps(_mm512_set1_ps(32.f * dr[r]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-            } else {
-                uint64_t sc, mn;
-                scale_min_k4(blk + 4, &sc, &mn);
-                scv[r] = _mm512_zextsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)sc)));
-                const __m128i m = _mm_cvtsi64_si128((int64_t)mn);
-                dr[r] = fp16_to_f32(blk);           /* mn_j at 16-groups 2 j, 2 j + 1 */
-                mnf[r] = _mm512_mul_ps(_mm512_set1_ps(fp16_to_f32(blk + 2)),
-                                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(m, m))));
-            }
-            for (int p = 0; p < GRP_QP; p++) acc[r][p] = _mm512_setzero_si512();
-        }
-        for (int c = 0; c < 4; c++) {
-            __m512i wq[GRP_QR], sv[GRP_QR];
-            const __m512i idx = _mm512_add_epi16(sub, _mm512_set1_epi16((short)(q6 ? 4 * c : 2 * c)));
-            for (int r = 0; r < GRP_QR; r++) {
-                const uint8_t *blk = w + r * rs + b * bb;
-                if (q6) {         /* groups 2 (c & 1), + 1 of half c / 2: ql bytes 0-31 | 32-63, 2 bits of qh each */
-                    const int h = c >> 1;
-                    const __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * h));
-                    const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h)));
-                    const __m512i lo = c & 1 ? _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4z) : _mm512_and_si512(ql, m4z);
-                    /* lo | (hb shifted to bits 4-5) & 0x30 (ternary logic A | B & C) */
-                    wq[r] = _mm512_ternarylogic_epi32(lo, c & 1 ? _mm512_srlv_epi16(hb, q6_shr) : _mm512_sllv_epi16(hb, q6_shl),
-                                                      m30z, 0xF8);
-                } else {          /* the 32 bytes in both halves, the upper half's shifted right by 4 */
-                    const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c)));
-                    wq[r] = _mm512_and_si512(_mm512_mask_srli_epi16(q, (__mmask32)0xFFFF0000u, q, 4), m4z);
-                }
-                sv[r] = _mm512_permutexvar_epi16(idx, scv[r]);
-            }
-            for (int p = 0; p < np; p++) {
-                const __m512i y = _mm512_loadu_si512((const void *)(qx[p] + 256 * b + 64 * c));
-                for (int r = 0; r < GRP_QR; r++) acc[r][p] = GRP_DPWSSD(acc[r][p], _mm512_maddubs_epi16(wq[r], y), sv[r]);
-            }
-        }
-        __m512 drv[GRP_QR];
-        for (int r = 0; r < GRP_QR; r++) drv[r] = _mm512_set1_ps(dr[r]);
-        for (int p = 0; p < np; p++) {
-            const float dy = dk[p][b];
-            const __m512 dyv = _mm512_set1_ps(dy);
-            const __m512 v = _mm512_loadu_ps(vs[p] + 16 * b);    /* for the mins (Q4_K) / the -32 (Q6_K) */
-            for (int r = 0; r < GRP_QR; r++)
-                facc[r][p] = _mm512_fnmadd_ps(mnf[r], v, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][p]),
-                                                                         _mm512_mul_ps(drv[r], dyv), facc[r][p]));
-        }
-    }
-    for (int r = 0; r < GRP_QR; r++)
-        for (int p = 0; p < np; p++) out[r * ldo + p] = _mm512_reduce_add_ps(facc[r][p]);
 }
 
 #else
@@ -355,14 +268,14 @@ static inline __attribute__((always_inline)) void grp_tile_q8k(int qtype, const 
  * registers) 2 x 4: 158 ms, 2 x 8: 140, 4 rows over the unpacked super-block, 1 pair: 136 (126 with the adds kept in
  * order, below), 4 x 2: 123, 4 x 3: 125, 2 x 5: 127, 8 x 1: 137. */
 #define GRP_Q8K 1
-#define GRP_Q8K_NP_CONST 0
 #define GRP_QR 4              /* rows unpacked per super-block */
 #define GRP_QB 2              /* pairs at a time over them: 8 int32 accumulators + 2 activation registers */
 #define GRP_QP 64             /* pairs per call */
 #define GRP_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))   /* AVX-VNNI's dpwssd: no faster here */
 
-/* as the AVX-512 grp_quantize_q8k (same rounding, same results), 8 lanes */
-static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, float *vs) {
+/* as the AVX-512 grp_quantize_q8k (same rounding, same results), 8 lanes; int8 stored (u8 is for AVX-512 VNNI) */
+static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, float *vs, int u8) {
+    (void)u8;
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);    /* undoes packs' 128-bit lanes */
     for (int64_t b = 0; b < K / 256; b++) {
@@ -499,32 +412,18 @@ static inline __attribute__((always_inline)) void grp_tile_q8k(int qtype, const 
     for (int r = 0; r < GRP_QR; r++)
         for (int p = 0; p < np; p++) out[r * ldo + p] = hsum8(facc[p][r]);
 }
-#endif
-
-/* the tile for a constant np on AVX-512 (its accumulators in registers); AVX2's runs the pairs in a loop (not inlined:
- * its frame inside grp_rows_pairs made the float tile there 1.5x slower, -march=haswell) */
-#if !GRP_Q8K_NP_CONST
-__attribute__((noinline))
-#endif
-static void grp_tile_q8k_any(int qtype, const uint8_t *w, int64_t rs, const int8_t *const *qx,
-                             const float *const *dk, const float *const *vs, int np, int64_t nsb,
-                             float *out, int64_t ldo) {
-#if GRP_Q8K_NP_CONST
-    switch (np) {
-    case 1: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 1, nsb, out, ldo); break;
-    case 2: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 2, nsb, out, ldo); break;
-    case 3: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 3, nsb, out, ldo); break;
-    case 4: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 4, nsb, out, ldo); break;
-    case 5: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 5, nsb, out, ldo); break;
-    case 6: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 6, nsb, out, ldo); break;
-    case 7: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 7, nsb, out, ldo); break;
-    case 8: grp_tile_q8k(qtype, w, rs, qx, dk, vs, 8, nsb, out, ldo); break;
-    default: break;
-    }
-#else
+/* the AVX2 tile's entry (not inlined: its frame inside grp_rows_pairs made the float tile there 1.5x slower,
+ * -march=haswell) */
+__attribute__((noinline)) static void grp_tile_q8k_any(int qtype, const uint8_t *w, int64_t rs, const int8_t *const *qx,
+                                                       const float *const *dk, const float *const *vs, int np,
+                                                       int64_t nsb, float *out, int64_t ldo) {
     if (np >= 1 && np <= GRP_QP) grp_tile_q8k(qtype, w, rs, qx, dk, vs, np, nsb, out, ldo);
-#endif
 }
+#endif
+#endif  /* MOE_Q8 */
+
+#ifdef GRP_Q8K
+#include "cpu_grouped_sb.c"
 #endif
 
 /* float activations, rows with a C dequantizer (Q8_0 / Q4_0 / MXFP4 / IQ3_XXS): 4 rows dequantized to float once
@@ -715,10 +614,11 @@ static void grp_dequant(int qtype, const uint8_t *w, int64_t n, float *o) {
     dequant_row(qtype, w, o, n);
 }
 
-/* Q4_K / Q6_K q8 rows: the Q8_K tile (AVX2 and AVX-512BW builds) */
+/* Q4_K / Q6_K q8 rows: the Q8_K tile; the other 256-value formats: the unpacked super-block tile (AVX2 and
+ * AVX-512BW builds) */
 static int grp_int8_tile(int qtype) {
 #ifdef GRP_Q8K
-    return qtype == Q4_K || qtype == Q6_K;
+    return qtype == Q4_K || qtype == Q6_K || gsb_type(qtype);
 #else
     (void)qtype;
     return 0;
@@ -728,6 +628,7 @@ static int grp_int8_tile(int qtype) {
 /* Activations of one side (x: K = D, or a: K = I) for all pairs in sorted order, in the form its row kernel reads. */
 typedef struct {
     int q8;                   /* int8 activations (moe_q8_type and q8 requested) */
+    int u8;                   /* ... stored as y + 128 (the rows-in-lanes tile, GSL_ON) */
     int q8k;                  /* ... one scale per 256 values for the K-quant tile (grp_quantize_q8k): dx holds the
                                * K / 256 scales, vs the K / 16 scaled sums; else per 32 (moe_quantize_q8) */
     int64_t K, ldx;
@@ -746,7 +647,38 @@ static void grp_rows_pairs(int qtype, const uint8_t *w, int64_t rs, int64_t nr, 
     const int64_t K = a->K, nb = K / 32;
     int64_t r = 0;
 #ifdef GRP_Q8K
-    if (a->q8k) {                     /* Q4_K / Q6_K: the integer tile; rows past the last GRP_QR through a padded copy */
+    if (a->q8k && gsb_type(qtype)) {  /* the unpacked super-block tiles */
+#if GSL_ON
+        const int64_t rows = s1 - s0 >= GSL_MIN_PAIRS ? 16 : GSB_R;    /* rows in lanes for an expert's many pairs */
+#else
+        const int64_t rows = GSB_R;
+#endif
+        for (int64_t s = s0; s < s1; s += GSB_P) {
+            const int np = (int)(s1 - s < GSB_P ? s1 - s : GSB_P);
+            const int8_t *qx[GSB_P];
+            const float *dk[GSB_P], *vs[GSB_P];
+            for (int p = 0; p < np; p++) {
+                const int64_t row = a->row[s + p];
+                qx[p] = a->qx + row * K;
+                dk[p] = a->dx + row * nb;
+                vs[p] = a->vs + row * (K / 16);
+            }
+            for (r = 0; r < nr; r += rows) {
+                const int n = (int)(nr - r < rows ? nr - r : rows);
+#if GSL_ON
+                if (rows == 16) {
+                    gsl_tile(qtype, w + r * rs, rs, n, (const uint8_t *const *)qx, dk, vs, np, K / 256,
+                             out + r * ldo + (s - s0), ldo);
+                    continue;
+                }
+#endif
+                gsb_tile(qtype, w + r * rs, rs, n, qx, dk, vs, np, K / 256, out + r * ldo + (s - s0), ldo);
+            }
+        }
+        return;
+    }
+#ifdef GRP_QR
+    if (a->q8k) {                     /* AVX2 Q4_K / Q6_K: their tile; rows past the last GRP_QR through a padded copy */
         const int64_t rb = K / 256 * block_bytes(qtype);
         for (; r < nr; r += GRP_QR) {
             const uint8_t *wr = w + r * rs;
@@ -775,6 +707,7 @@ static void grp_rows_pairs(int qtype, const uint8_t *w, int64_t rs, int64_t nr, 
         }
         return;
     }
+#endif
 #endif
 #ifdef MOE_Q8
     if (a->q8 && (qtype == Q4_0 || qtype == Q8_0)) {
@@ -830,7 +763,7 @@ static void grp_prepare(grp_side *a, int64_t i) {
     const float *x = a->x + i * a->ldx;
 #ifdef GRP_Q8K
     if (a->q8k) {
-        grp_quantize_q8k(x, a->K, a->qx + i * a->K, a->dx + i * (a->K / 32), a->vs + i * (a->K / 16));
+        grp_quantize_q8k(x, a->K, a->qx + i * a->K, a->dx + i * (a->K / 32), a->vs + i * (a->K / 16), a->u8);
         return;
     }
 #endif
@@ -855,6 +788,10 @@ static void grp_side_init(grp_side *a, int qtype, int q8, int64_t K, const float
     a->q8k = 0;
 #ifdef GRP_Q8K
     a->q8k = a->q8 && grp_int8_tile(qtype);
+#endif
+    a->u8 = 0;
+#if defined(GRP_Q8K) && GSL_ON
+    a->u8 = a->q8k && gsb_type(qtype);
 #endif
     a->xs = (float *)*mem;
     a->dx = a->xs + n * (K / 32);

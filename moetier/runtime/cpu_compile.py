@@ -431,8 +431,11 @@ def _half_expert_copies(model: torch.nn.Module) -> None:
 # Eager prefill of packed experts (QuantExperts.forward_grouped) with int8 activations when both of a layer's formats
 # are in this set and have an integer tile in the build (kernels.cpu.grouped_int8_tile), as the compiled decode step
 # (Q8_ACTIVATIONS). Measured (2-core box, 1 thread, Qwen3-30B-A3B layer, 128 tokens, Q4_K gate/up + Q6_K down):
-# float activations 147 ms, int8 per 256 values (the Q8_K tile) 93 ms.
-PREFILL_INT8_TYPES = {"Q4_K", "Q6_K"}
+# float activations 147 ms, int8 per 256 values (the Q8_K tile) 93 ms. The other 256-value formats on the unpacked
+# super-block tile (bench/bench_cpu_prefill_tiles.py, 1 thread, 16 experts, D 2048, I 768, 128 tokens x 8): float /
+# int8 1.29-1.48x on an AVX-512 Xeon, 1.42-1.59x in its AVX2 build.
+PREFILL_INT8_TYPES = {"Q4_K", "Q6_K", "Q5_K", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                      "IQ1_S", "IQ1_M"}
 # Formats whose int8 tile wins on some CPUs and loses on others: timed once per machine (memory.bandwidth.
 # prefill_int8_wins, ~0.1-0.2 s, cached). Q4_0's tile: +12-15% prefill on a Zen 4, 154 vs 130 ms a layer on a
 # Sapphire Rapids-class Xeon. Q8_0 (Zen 4, default model, 256 tokens): the int8 tile 7,377 tok/s against 6,409 for
