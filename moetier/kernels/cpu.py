@@ -554,11 +554,12 @@ def qlinear_native(qtype, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x.float() @ dequantize(w.contiguous(), fmt, (w.shape[0], x.shape[-1])).T
 
 
-def qgemm(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = True, threads: int | None = None) -> torch.Tensor:
+def qgemm(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = True, threads: int | None = None,
+          lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """y [T, N] = x [T, K] @ W.T for W uint8 [N, row_bytes(K)] GGML blocks, many rows of x at once (prefill): the
     grouped experts' tile (cpu_grouped.c moetier_qgemm), each weight row read once for all T rows. q8: x rounded to
     int8 per 32 values where the type has an int8 kernel (llama.cpp's way). Interleaved rows (INTERLEAVED ids) are put
-    back in the file's order first, in a copy. Twin: qlinear_native."""
+    back in the file's order first, in a copy. `lib`: another build (tests, benches). Twin: qlinear_native."""
     base = _interleaved_base(qtype)
     if base is not None:
         w = w.clone()
@@ -569,10 +570,10 @@ def qgemm(qtype, w: torch.Tensor, x: torch.Tensor, q8: bool = True, threads: int
         raise ValueError(f"qgemm takes x [T, K]; got shape {tuple(x.shape)}")
     x = _as_f32(x)
     n, k = _check(fmt, w, x)
-    if _kernel(fmt, None) != "c":
+    if lib is None and _kernel(fmt, None) != "c":
         return qlinear_native(qtype, w, x)
     y = torch.empty(x.shape[0], n)
-    rc = _lib.moetier_qgemm(fmt.type_id, w.data_ptr(), w.stride(0), n, k, x.shape[0], x.data_ptr(), y.data_ptr(),
+    rc = (lib or _lib).moetier_qgemm(fmt.type_id, w.data_ptr(), w.stride(0), n, k, x.shape[0], x.data_ptr(), y.data_ptr(),
                             int(q8), threads or torch.get_num_threads())
     if rc:
         raise RuntimeError(f"CPU {fmt.name} qgemm failed: "
