@@ -154,6 +154,8 @@ def build(tmp_path_factory):
             pytest.skip("this CPU has no AVX2/FMA/F16C")
         if march == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= set(cpu._cpu_signature().split()):
             pytest.skip("this CPU has no AVX-512BW")
+        if march == "alderlake" and not {"avx2", "avx_vnni"} <= set(cpu._cpu_signature().split()):
+            pytest.skip("this CPU has no AVX-VNNI")
         if march not in libs:
             libs[march] = cpu.open_library(cpu.build_library(tmp_path_factory.mktemp("kernels"), march=march))
         return libs[march]
@@ -165,7 +167,7 @@ SB_FORMATS = ["Q2_K", "Q3_K", "Q5_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "
 Q8K_FORMATS = ("Q4_K", "Q6_K", *SB_FORMATS)
 
 
-@pytest.mark.parametrize("march", ["native", "haswell", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["native", "haswell", "skylake-avx512", "alderlake"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", *SB_FORMATS])
 @pytest.mark.parametrize("t,k", [(1, 1), (7, 3), (33, 5)])
 def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k, march, build):
@@ -186,17 +188,19 @@ def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k, march, build):
     assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
 
 
+@pytest.mark.parametrize("march", ["haswell", "alderlake"])
 @pytest.mark.parametrize("t,k", [(5, 3), (40, 4)])
-def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, build):
-    """Q4_0 rows x int8 activations per 32 values with 8 rows in the lanes (grp_tile8_nib: AVX-512 VNNI's dpbusd, or
-    AVX2's maddubs summed in int16; an expert with >= 16 pairs, here expert 0 at 40 tokens, unpacked once:
-    grp_rows8_q4_0_avx2) against float64 on the same rounding (round(v / d), d = max |v| / 127 per 32 values). The
+def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, march, build):
+    """Q4_0 rows x int8 activations per 32 values with 8 rows in the lanes (grp_tile8_nib: 256-bit dpbusd with
+    AVX-512 VNNI or AVX-VNNI (alderlake), or AVX2's maddubs summed in int16 (haswell; an expert with >= 16 pairs, here
+    expert 0 at 40 tokens, unpacked once:
+    grp_rows8_q4_0_avx2)) against float64 on the same rounding (round(v / d), d = max |v| / 127 per 32 values). The
     integer sums are exact; this machine's own build is held to the same reference and to the AVX2 build's values
     within float32 rounding, not to its bits: on an AVX-512 VNNI box the float steps round in another order (8 of 480
     and 116 of 3,840 values differed in the last bit, both builds at 1.3-1.5e-7 of the reference)."""
-    lib = build("haswell")
+    lib = build(march)
     if not cpu.grouped_int8_tile("Q4_0", lib):
-        pytest.skip("no integer tile for Q4_0 in the AVX2 build")
+        pytest.skip(f"no integer tile for Q4_0 in the {march} build")
 
     gate, up, down = layer("Q4_0", 9, 96, 160, seed=5)
     x, ids, w = skewed_route(t, 9, k, 96, seed=6)
@@ -251,9 +255,10 @@ def test_grouped_rejects_bad_ids():
         cpu.moe_grouped("Q8_0", gate, up, down, x, ids + 6, w)
 
 
-@pytest.fixture(scope="module", params=["x86-64", "haswell"])
+@pytest.fixture(scope="module", params=["x86-64", "haswell", "alderlake"])
 def other_build(request, build):
-    """x86-64: the scalar path; haswell: AVX2 without VNNI (the maddubs / sign-trick int8 dots, the AVX2 Q8_K tile)."""
+    """x86-64: the scalar path; haswell: AVX2 without VNNI (the maddubs / sign-trick int8 dots, the AVX2 Q8_K tile);
+    alderlake: AVX2 with AVX-VNNI (256-bit dpbusd: Q4_0 rows in lanes, the q8 dots without the sign trick)."""
     return build(request.param)
 
 

@@ -65,14 +65,17 @@ def test_numba_kernels_match_reference(qtype):
     assert_close(y, ref)
 
 
-@pytest.fixture(scope="module", params=["x86-64", "haswell"])
+@pytest.fixture(scope="module", params=["x86-64", "haswell", "alderlake"])
 def other_build(request, tmp_path_factory):
-    """The C kernels built for other CPUs: x86-64 = the scalar path, haswell = the AVX2 path
-    (this machine's native build may take the AVX-512 one)."""
+    """The C kernels built for other CPUs: x86-64 = the scalar path, haswell = the AVX2 path (this machine's native
+    build may take the AVX-512 one), alderlake = AVX2 with AVX-VNNI (256-bit dpbusd, no AVX-512)."""
     if cpu.backend() != "c" or platform.machine() != "x86_64":
         pytest.skip("needs gcc on x86-64")
-    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= set(cpu._cpu_signature().split()):
+    flags = set(cpu._cpu_signature().split())
+    if request.param in ("haswell", "alderlake") and not {"avx2", "fma", "f16c"} <= flags:
         pytest.skip("this CPU has no AVX2/FMA/F16C")
+    if request.param == "alderlake" and "avx_vnni" not in flags:
+        pytest.skip("this CPU has no AVX-VNNI")
     return cpu.open_library(cpu.build_library(tmp_path_factory.mktemp("kernels"), march=request.param))
 
 

@@ -27,11 +27,7 @@
 #define GRP_OUTER_PAIRS 16    /* an expert's pairs from which AVX2 Q4_0 rows are unpacked once (grp_rows8_q4_0_avx2) */
 
 #ifdef MOE_Q8
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define GRP_VNNI 1
-#else
-#define GRP_VNNI 0
-#endif
+#define GRP_VNNI VNNI256       /* 256-bit dpbusd (AVX-512 VNNI or AVX-VNNI) */
 /* block b of a Q4_0 / Q8_0 row as signed int8 (Q4_0: nibble - 8) */
 static inline __m256i grp_weights(int qtype, const uint8_t *blk) {
     if (qtype == Q4_0) {
@@ -62,7 +58,7 @@ static inline __attribute__((always_inline)) void grp_tile_q8(int qtype, const u
             d[r] = _mm256_set1_ps(fp16_to_f32(blk));
 #if GRP_VNNI
             const __m256i z = _mm256_setzero_si256();
-            corr[r] = _mm256_sub_epi32(z, _mm256_dpbusd_epi32(z, bias, wq[r]));
+            corr[r] = _mm256_sub_epi32(z, DPBUSD256(z, bias, wq[r]));
 #else
             corr[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                        _mm256_madd_epi16(_mm256_maddubs_epi16(bias, wq[r]), _mm256_set1_epi16(1)));
@@ -75,7 +71,7 @@ static inline __attribute__((always_inline)) void grp_tile_q8(int qtype, const u
             for (int r = 0; r < 4; r++) {
                 __m256i s;
 #if GRP_VNNI
-                s = _mm256_dpbusd_epi32(corr[r], yu, wq[r]);
+                s = DPBUSD256(corr[r], yu, wq[r]);
 #else
                 if (qtype == Q4_0)      /* |w| <= 8: the int16 pair sums of maddubs cannot saturate */
                     s = _mm256_add_epi32(corr[r],
@@ -186,8 +182,8 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
                 int32_t q0, q1;
                 memcpy(&q0, q + 4 * j, 4);
                 memcpy(&q1, q + 4 * j + 4, 4);
-                s0 = _mm256_dpbusd_epi32(s0, wq[j], _mm256_set1_epi32(q0));
-                s1 = _mm256_dpbusd_epi32(s1, wq[j + 1], _mm256_set1_epi32(q1));
+                s0 = DPBUSD256(s0, wq[j], _mm256_set1_epi32(q0));
+                s1 = DPBUSD256(s1, wq[j + 1], _mm256_set1_epi32(q1));
             }
             const __m256i s = _mm256_add_epi32(s0, s1);
 #else
@@ -273,9 +269,9 @@ static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, f
 #define GRP_QP 64             /* pairs per call */
 #define GRP_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))   /* AVX-VNNI's dpwssd: no faster here */
 
-/* as the AVX-512 grp_quantize_q8k (same rounding, same results), 8 lanes; int8 stored (u8 is for AVX-512 VNNI) */
+/* as the AVX-512 grp_quantize_q8k (same rounding, same results), 8 lanes */
 static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, float *vs, int u8) {
-    (void)u8;
+    const __m256i flip = _mm256_set1_epi8(u8 ? (char)0x80 : 0);       /* u8: y + 128 stored (the rows-in-lanes tile) */
     const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);    /* undoes packs' 128-bit lanes */
     for (int64_t b = 0; b < K / 256; b++) {
@@ -296,7 +292,8 @@ static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, f
             for (int u = 0; u < 2; u++) {
                 const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[4 * u], q[4 * u + 1]),
                                                      _mm256_packs_epi32(q[4 * u + 2], q[4 * u + 3]));
-                _mm256_storeu_si256((__m256i *)(qx + 256 * b + j + 32 * u), _mm256_permutevar8x32_epi32(p, order));
+                _mm256_storeu_si256((__m256i *)(qx + 256 * b + j + 32 * u),
+                                    _mm256_xor_si256(_mm256_permutevar8x32_epi32(p, order), flip));
             }
             /* the 4 sums per 16: hadd twice gives [low 4 lanes | high 4 lanes] of each, then the two halves */
             const __m256i t = _mm256_hadd_epi32(
@@ -649,7 +646,7 @@ static void grp_rows_pairs(int qtype, const uint8_t *w, int64_t rs, int64_t nr, 
 #ifdef GRP_Q8K
     if (a->q8k && gsb_type(qtype)) {  /* the unpacked super-block tiles */
 #if GSL_ON
-        const int64_t rows = s1 - s0 >= GSL_MIN_PAIRS ? 16 : GSB_R;    /* rows in lanes for an expert's many pairs */
+        const int64_t rows = s1 - s0 >= GSL_MIN_PAIRS ? GSL_L : GSB_R;   /* rows in lanes for an expert's many pairs */
 #else
         const int64_t rows = GSB_R;
 #endif
@@ -666,7 +663,7 @@ static void grp_rows_pairs(int qtype, const uint8_t *w, int64_t rs, int64_t nr, 
             for (r = 0; r < nr; r += rows) {
                 const int n = (int)(nr - r < rows ? nr - r : rows);
 #if GSL_ON
-                if (rows == 16) {
+                if (rows == GSL_L) {
                     gsl_tile(qtype, w + r * rs, rs, n, (const uint8_t *const *)qx, dk, vs, np, K / 256,
                              out + r * ldo + (s - s0), ldo);
                     continue;

@@ -34,14 +34,14 @@ typedef __m256i gsb_vi;
 typedef __m256 gsb_vf;
 #endif
 #define GSB_P 64              /* pairs per call (grp_task's chunk) */
-#ifndef GSL_ON                /* AVX-512 VNNI: rows in lanes (gsl_tile, below) for an expert's rows with >= */
-#define GSL_ON (GRP_VNNI && GSB_W == 64)
+#ifndef GSL_ON                /* 256-bit dpbusd (AVX-512 VNNI, AVX-VNNI): rows in lanes (gsl_tile, below) for an */
+#define GSL_ON GRP_VNNI       /* expert's rows with >= GSL_MIN_PAIRS pairs, else this tile */
 #endif
-#ifndef GSL_MIN_PAIRS         /* GSL_MIN_PAIRS pairs, else this tile */
+#ifndef GSL_MIN_PAIRS
 #define GSL_MIN_PAIRS 8
 #endif
-#ifndef GSB_K46               /* Q4_K / Q6_K here too: AVX-512BW, where they have no other tile; AVX2 keeps its Q8_K */
-#define GSB_K46 (GSB_W == 64) /* tile for them (the same design, Q6_K 2-3% faster than here), -DGSB_K46=1 an A/B */
+#ifndef GSB_K46               /* Q4_K / Q6_K here too: AVX-512BW and VNNI builds; plain AVX2 keeps its Q8_K tile for */
+#define GSB_K46 (GSB_W == 64 || GSL_ON)   /* them (the same design, Q6_K 2-3% faster there); -DGSB_K46=1 an A/B */
 #endif
 
 static inline int gsb_type(int qtype) {
@@ -296,7 +296,12 @@ static inline __attribute__((always_inline)) void gsb_pairs(int pb, const gsb_ro
         for (int p = 0; p < pb; p++) acc[r][p] = _mm256_setzero_si256();
     for (int c = 0; c < 8; c++) {
         __m256i y[GSB_B];
-        for (int p = 0; p < pb; p++) y[p] = _mm256_loadu_si256((const __m256i *)(qx[p] + 256 * b + 32 * c));
+        for (int p = 0; p < pb; p++) {
+            y[p] = _mm256_loadu_si256((const __m256i *)(qx[p] + 256 * b + 32 * c));
+#if GSL_ON
+            y[p] = _mm256_xor_si256(y[p], _mm256_set1_epi8((char)0x80));   /* the side holds y + 128 (gsl_tile's) */
+#endif
+        }
         for (int r = 0; r < GSB_R; r++) {
             const __m256i wv = _mm256_load_si256((const __m256i *)(u->q[r] + 32 * c));
             const __m256i sv = _mm256_load_si256((const __m256i *)(u->s[r] + 16 * c));
@@ -351,35 +356,85 @@ __attribute__((noinline)) static void gsb_tile(int qtype, const uint8_t *w, int6
 }
 
 #if GSL_ON
-/* AVX-512 VNNI: rows in lanes. 16 rows' super-blocks are unpacked (gsb_unpack_core), made signed (q - off) and
- * transposed so that one register holds 4 consecutive values of each of the 16 rows (a quad); a pair's 4 activation
- * bytes broadcast to all lanes make one dpbusd a 4-value step of 16 rows' dots, and a group of 16 values (4 dpbusd)
- * is converted once and scaled by the 16 rows' d sc_g in one FMA: 5-6 port-0 uops per 16 rows x 16 values against
- * 8 for the maddubs + dpwssd tile above. dpbusd multiplies unsigned by signed bytes: the activations are stored
- * as y + 128 (the side's u8), the 128 sum w it adds taken off per row and super-block in float (corr); the mins of
- * Q2_K / Q4_K / Q5_K (their q centred by 2 / 8 / 16) go through the pair's vs as above. */
+/* Rows in lanes (256-bit dpbusd: AVX-512 VNNI 16 rows a zmm, AVX-VNNI 8 a ymm). GSL_L rows' super-blocks are
+ * unpacked (gsb_unpack_core), made signed (q - off) and transposed so that one register holds 4 consecutive values
+ * of each row (a quad); a pair's 4 activation bytes broadcast to all lanes make one dpbusd a 4-value step of all
+ * the rows' dots, and a group of 16 values (4 dpbusd) is converted once and scaled by the rows' d sc_g in one FMA:
+ * 5-6 uops per GSL_L rows x 16 values against 8 (AVX-512) or 12 (AVX2) for the maddubs + madd tile above.
+ * dpbusd multiplies unsigned by signed bytes: the activations are stored as y + 128 (the side's u8), the 128 sum w
+ * it adds taken off per row and super-block in float (corr); the mins of Q2_K / Q4_K / Q5_K (their q centred by
+ * 2 / 8 / 16) go through the pair's vs as above. */
+#if GSB_W == 64
+#define GSL_L 16              /* rows = lanes */
 #define GSL_P 8               /* pairs at a time: 8 accumulators + 8 group sums + the quad in registers */
+typedef __m512i gl_i;
+typedef __m512 gl_f;
+#define GL_LOAD_I(p) _mm512_load_si512((const void *)(p))
+#define GL_STORE_I(p, v) _mm512_store_si512((void *)(p), v)
+#define GL_ZERO_I() _mm512_setzero_si512()
+#define GL_SET1_I(v) _mm512_set1_epi32(v)
+#define GL_SUB_I8(a, b) _mm512_sub_epi8(a, b)
+#define GL_SET1_I8(v) _mm512_set1_epi8(v)
+#define GL_DPBUSD(acc, u, w) _mm512_dpbusd_epi32(acc, u, w)
+#define GL_LOAD_F(p) _mm512_load_ps(p)
+#define GL_STORE_F(p, v) _mm512_store_ps(p, v)
+#define GL_ZERO_F() _mm512_setzero_ps()
+#define GL_SET1_F(v) _mm512_set1_ps(v)
+#define GL_CVT(v) _mm512_cvtepi32_ps(v)
+#define GL_MUL(a, b) _mm512_mul_ps(a, b)
+#define GL_ADD(a, b) _mm512_add_ps(a, b)
+#define GL_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GL_FNMADD(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#else
+#define GSL_L 8
+#define GSL_P 4               /* 4 accumulators + 4 group sums + quad, broadcast, scales of the 16 registers */
+typedef __m256i gl_i;
+typedef __m256 gl_f;
+#define GL_LOAD_I(p) _mm256_load_si256((const __m256i *)(p))
+#define GL_STORE_I(p, v) _mm256_store_si256((__m256i *)(p), v)
+#define GL_ZERO_I() _mm256_setzero_si256()
+#define GL_SET1_I(v) _mm256_set1_epi32(v)
+#define GL_SUB_I8(a, b) _mm256_sub_epi8(a, b)
+#define GL_SET1_I8(v) _mm256_set1_epi8(v)
+#define GL_DPBUSD(acc, u, w) DPBUSD256(acc, u, w)
+#define GL_LOAD_F(p) _mm256_load_ps(p)
+#define GL_STORE_F(p, v) _mm256_store_ps(p, v)
+#define GL_ZERO_F() _mm256_setzero_ps()
+#define GL_SET1_F(v) _mm256_set1_ps(v)
+#define GL_CVT(v) _mm256_cvtepi32_ps(v)
+#define GL_MUL(a, b) _mm256_mul_ps(a, b)
+#define GL_ADD(a, b) _mm256_add_ps(a, b)
+#define GL_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GL_FNMADD(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#endif
 
 typedef struct {
-    int32_t w[64][16];        /* quad j (values 4 j .. 4 j + 3), lane r: those 4 signed bytes of row r */
-    float s[16][16];          /* group g, row r: d sc_g */
-    float mn[16][16];         /* group g, row r: dmin m_g - o d sc_g (formats with mins, centred by o) */
-    float corr[16];           /* row r: -128 sum_g s_g sum_{i in g} w_i */
+    int32_t w[64][GSL_L];     /* quad j (values 4 j .. 4 j + 3), lane r: those 4 signed bytes of row r */
+    float s[16][GSL_L];       /* group g, row r: d sc_g */
+    float mn[16][GSL_L];      /* group g, row r: dmin m_g - o d sc_g (formats with mins, centred by o) */
+    float corr[GSL_L];        /* row r: -128 sum_g s_g sum_{i in g} w_i */
 } gsl_rows;
 
-/* r[i] lane j -> r[j] lane i (16 x 16 int32) */
-static inline __attribute__((always_inline)) void gsl_tr16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+/* r[i] lane j -> r[j] lane i (GSL_L x GSL_L int32) */
+static inline __attribute__((always_inline)) void gsl_tr(gl_i r[GSL_L]) {
+    gl_i t[GSL_L];
+#if GSL_L == 16
+#define GL_UNPACK(op, a, b) _mm512_##op(a, b)
+#else
+#define GL_UNPACK(op, a, b) _mm256_##op(a, b)
+#endif
+    for (int i = 0; i < GSL_L / 2; i++) {
+        t[2 * i] = GL_UNPACK(unpacklo_epi32, r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = GL_UNPACK(unpackhi_epi32, r[2 * i], r[2 * i + 1]);
     }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    for (int i = 0; i < GSL_L / 4; i++) {
+        r[4 * i] = GL_UNPACK(unpacklo_epi64, t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = GL_UNPACK(unpackhi_epi64, t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = GL_UNPACK(unpacklo_epi64, t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = GL_UNPACK(unpackhi_epi64, t[4 * i + 1], t[4 * i + 3]);
     }
+#undef GL_UNPACK
+#if GSL_L == 16
     for (int h = 0; h < 2; h++)               /* rows 8 h ..: 128-bit lanes 0 | 2 and 1 | 3 of r[i], r[i + 4] */
         for (int i = 0; i < 4; i++) {
             t[8 * h + i] = _mm512_shuffle_i32x4(r[8 * h + i], r[8 * h + i + 4], 0x88);
@@ -389,104 +444,118 @@ static inline __attribute__((always_inline)) void gsl_tr16(__m512i r[16]) {
         r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
         r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
     }
+#else
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) r[i] = t[i];
+#endif
 }
 
-/* super-block b of 16 rows (row r at w + r rs; rows >= nr repeat row 0) -> u; returns whether the format has mins.
- * The per-row scales, mins and weights reach the lanes by 16 x 16 transposes; the group sums of the signed weights
- * (for corr) are dpbusd's of the transposed quads with ones. */
-static int gsl_unpack16(int qtype, const uint8_t *w, int64_t rs, int nr, int64_t b, gsl_rows *u) {
-    uint8_t q[16][256] __attribute__((aligned(64)));
-    float mn[16][16] __attribute__((aligned(64))), d[16] __attribute__((aligned(64)));
-    __m512i t[16];
+/* super-block b of GSL_L rows (row r at w + r rs; rows >= nr repeat row 0) -> u; returns whether the format has
+ * mins. The per-row scales, mins and weights reach the lanes by GSL_L x GSL_L transposes; the group sums of the
+ * signed weights (for corr) are dpbusd's of the transposed quads with ones. */
+static int gsl_unpack(int qtype, const uint8_t *w, int64_t rs, int nr, int64_t b, gsl_rows *u) {
+    uint8_t q[GSL_L][256] __attribute__((aligned(64)));
+    int32_t sc[GSL_L][16] __attribute__((aligned(64)));
+    float mn[GSL_L][16] __attribute__((aligned(64))), d[GSL_L] __attribute__((aligned(64)));
+    gl_i t[GSL_L];
     const int64_t bb = block_bytes(qtype);
     int off = 0;
-    for (int r = 0; r < 16; r++) {
+    for (int r = 0; r < GSL_L; r++) {
         const uint8_t *blk = w + (r < nr ? r : 0) * rs + b * bb;
         PREFETCH(blk + bb);
         PREFETCH(blk + bb + 64);
         __m256i scv;
         off = gsb_unpack_core(qtype, blk, q[r], &scv, mn[r], &d[r]);
-        t[r] = _mm512_cvtepi16_epi32(scv);
+        _mm256_store_si256((__m256i *)sc[r], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(scv)));
+        _mm256_store_si256((__m256i *)(sc[r] + 8), _mm256_cvtepi16_epi32(_mm256_extracti128_si256(scv, 1)));
     }
     /* the formats with mins are centred too (q - o, o d sc_g moved into their mins): 128 sum q on unsigned q cost
      * Q4_K / Q5_K ~8e-6 of the result in float against 4e-7 */
     const int mins = off < 0, o = !mins ? off : qtype == Q2_K ? 2 : qtype == Q4_K ? 8 : 16;
-    const __m512i ov = _mm512_set1_epi8((char)o);
-    for (int r = 0; r < 16; r++)
-        for (int c = 0; c < 4; c++)
-            _mm512_store_si512((void *)(q[r] + 64 * c),
-                               _mm512_sub_epi8(_mm512_load_si512((const void *)(q[r] + 64 * c)), ov));
-    gsl_tr16(t);                                /* t[g] lane r: sc of row r, group g */
-    const __m512 dv = _mm512_load_ps(d);
-    for (int g = 0; g < 16; g++) _mm512_store_ps(u->s[g], _mm512_mul_ps(_mm512_cvtepi32_ps(t[g]), dv));
-    if (mins) {
-        for (int r = 0; r < 16; r++) t[r] = _mm512_castps_si512(_mm512_load_ps(mn[r]));
-        gsl_tr16(t);
-        const __m512 of = _mm512_set1_ps((float)o);
-        for (int g = 0; g < 16; g++)
-            _mm512_store_ps(u->mn[g], _mm512_fnmadd_ps(of, _mm512_load_ps(u->s[g]), _mm512_castsi512_ps(t[g])));
+    const gl_i ov = GL_SET1_I8((char)o);
+    for (int r = 0; r < GSL_L; r++)
+        for (int c = 0; c < 256; c += 4 * GSL_L)
+            GL_STORE_I(q[r] + c, GL_SUB_I8(GL_LOAD_I(q[r] + c), ov));
+    const gl_f dv = GL_LOAD_F(d);
+    for (int g0 = 0; g0 < 16; g0 += GSL_L) {    /* groups g0 .. g0 + GSL_L */
+        for (int r = 0; r < GSL_L; r++) t[r] = GL_LOAD_I(sc[r] + g0);
+        gsl_tr(t);                              /* t[j] lane r: sc of row r, group g0 + j */
+        for (int j = 0; j < GSL_L; j++) GL_STORE_F(u->s[g0 + j], GL_MUL(GL_CVT(t[j]), dv));
+        if (mins) {
+            for (int r = 0; r < GSL_L; r++) t[r] = GL_LOAD_I(mn[r] + g0);
+            gsl_tr(t);
+            for (int j = 0; j < GSL_L; j++) {
+                gl_f m;
+                memcpy(&m, &t[j], sizeof m);
+                GL_STORE_F(u->mn[g0 + j], GL_FNMADD(GL_SET1_F((float)o), GL_LOAD_F(u->s[g0 + j]), m));
+            }
+        }
     }
-    for (int jb = 0; jb < 4; jb++) {            /* quads 16 jb .. 16 jb + 15 */
-        for (int r = 0; r < 16; r++) t[r] = _mm512_load_si512((const void *)(q[r] + 64 * jb));
-        gsl_tr16(t);
-        for (int j = 0; j < 16; j++) _mm512_store_si512((void *)u->w[16 * jb + j], t[j]);
+    for (int jb = 0; jb < 64; jb += GSL_L) {    /* quads jb .. jb + GSL_L */
+        for (int r = 0; r < GSL_L; r++) t[r] = GL_LOAD_I(q[r] + 4 * jb);
+        gsl_tr(t);
+        for (int j = 0; j < GSL_L; j++) GL_STORE_I(u->w[jb + j], t[j]);
     }
-    const __m512i ones = _mm512_set1_epi8(1);
-    __m512 c = _mm512_setzero_ps();
+    const gl_i ones = GL_SET1_I8(1);
+    gl_f c = GL_ZERO_F();
     for (int g = 0; g < 16; g++) {              /* sum of row r's signed weights in group g, lane r */
-        __m512i sum = _mm512_setzero_si512();
-        for (int j = 0; j < 4; j++) sum = _mm512_dpbusd_epi32(sum, ones, _mm512_load_si512((const void *)u->w[4 * g + j]));
-        c = _mm512_fmadd_ps(_mm512_load_ps(u->s[g]), _mm512_cvtepi32_ps(sum), c);
+        gl_i sum = GL_ZERO_I();
+        for (int j = 0; j < 4; j++) sum = GL_DPBUSD(sum, ones, GL_LOAD_I(u->w[4 * g + j]));
+        c = GL_FMADD(GL_LOAD_F(u->s[g]), GL_CVT(sum), c);
     }
-    _mm512_store_ps(u->corr, _mm512_mul_ps(_mm512_set1_ps(-128.f), c));
+    GL_STORE_F(u->corr, GL_MUL(GL_SET1_F(-128.f), c));
     return mins;
 }
 
-/* pairs p < pb (<= GSL_P) over super-block b of the unpacked 16 rows, into facc[p] (16 rows' float sums) */
+/* pairs p < pb (<= GSL_P) over super-block b of the unpacked rows, into facc[p] (the rows' float sums) */
 static inline __attribute__((always_inline)) void gsl_pairs(int pb, const gsl_rows *u, int mins,
-        const uint8_t *const *qx, const float *const *dk, const float *const *vs, int64_t b, __m512 *facc) {
-    __m512 fs[GSL_P];
-    for (int p = 0; p < pb; p++) fs[p] = _mm512_setzero_ps();
+        const uint8_t *const *qx, const float *const *dk, const float *const *vs, int64_t b, gl_f *facc) {
+    gl_f fs[GSL_P];
+    for (int p = 0; p < pb; p++) fs[p] = GL_ZERO_F();
     for (int g = 0; g < 16; g++) {
-        __m512i acc[GSL_P];
-        for (int p = 0; p < pb; p++) acc[p] = _mm512_setzero_si512();
+        gl_i acc[GSL_P];
+        for (int p = 0; p < pb; p++) acc[p] = GL_ZERO_I();
         for (int j = 0; j < 4; j++) {
-            const __m512i wv = _mm512_load_si512((const void *)u->w[4 * g + j]);
+            const gl_i wv = GL_LOAD_I(u->w[4 * g + j]);
             for (int p = 0; p < pb; p++) {
                 int32_t y4;
                 memcpy(&y4, qx[p] + 256 * b + 16 * g + 4 * j, 4);
-                acc[p] = _mm512_dpbusd_epi32(acc[p], _mm512_set1_epi32(y4), wv);
+                acc[p] = GL_DPBUSD(acc[p], GL_SET1_I(y4), wv);
             }
         }
-        const __m512 sg = _mm512_load_ps(u->s[g]);
-        for (int p = 0; p < pb; p++) fs[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[p]), sg, fs[p]);
+        const gl_f sg = GL_LOAD_F(u->s[g]);
+        for (int p = 0; p < pb; p++) fs[p] = GL_FMADD(GL_CVT(acc[p]), sg, fs[p]);
         if (mins) {
-            const __m512 m = _mm512_load_ps(u->mn[g]);
-            for (int p = 0; p < pb; p++) facc[p] = _mm512_fnmadd_ps(m, _mm512_set1_ps(vs[p][16 * b + g]), facc[p]);
+            const gl_f m = GL_LOAD_F(u->mn[g]);
+            for (int p = 0; p < pb; p++) facc[p] = GL_FNMADD(m, GL_SET1_F(vs[p][16 * b + g]), facc[p]);
         }
     }
-    const __m512 corr = _mm512_load_ps(u->corr);
-    for (int p = 0; p < pb; p++)
-        facc[p] = _mm512_fmadd_ps(_mm512_add_ps(fs[p], corr), _mm512_set1_ps(dk[p][b]), facc[p]);
+    const gl_f corr = GL_LOAD_F(u->corr);
+    for (int p = 0; p < pb; p++) facc[p] = GL_FMADD(GL_ADD(fs[p], corr), GL_SET1_F(dk[p][b]), facc[p]);
 }
 
-/* as gsb_tile for up to 16 rows, the activations as u8 (y + 128) */
+/* as gsb_tile for up to GSL_L rows, the activations as u8 (y + 128) */
 __attribute__((noinline)) static void gsl_tile(int qtype, const uint8_t *w, int64_t rs, int nr,
         const uint8_t *const *qx, const float *const *dk, const float *const *vs, int np, int64_t nsb,
         float *out, int64_t ldo) {
     gsl_rows u __attribute__((aligned(64)));
-    __m512 facc[GSB_P];
-    for (int p = 0; p < np; p++) facc[p] = _mm512_setzero_ps();
+    gl_f facc[GSB_P];
+    for (int p = 0; p < np; p++) facc[p] = GL_ZERO_F();
     for (int64_t b = 0; b < nsb; b++) {
-        const int mins = gsl_unpack16(qtype, w, rs, nr, b, &u);
+        const int mins = gsl_unpack(qtype, w, rs, nr, b, &u);
         int p = 0;
         for (; p + GSL_P <= np; p += GSL_P) gsl_pairs(GSL_P, &u, mins, qx + p, dk + p, vs + p, b, facc + p);
+#if GSL_P > 4
         for (; p + 4 <= np; p += 4) gsl_pairs(4, &u, mins, qx + p, dk + p, vs + p, b, facc + p);
+#endif
         for (; p < np; p++) gsl_pairs(1, &u, mins, qx + p, dk + p, vs + p, b, facc + p);
     }
     for (int p = 0; p < np; p++) {
-        float f[16];
-        _mm512_storeu_ps(f, facc[p]);
+        float f[GSL_L] __attribute__((aligned(64)));
+        GL_STORE_F(f, facc[p]);
         for (int r = 0; r < nr; r++) out[r * ldo + p] = f[r];
     }
 }

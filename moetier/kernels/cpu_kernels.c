@@ -83,6 +83,18 @@ static inline vf vq6f(vi lo, int ls, vi hi, int hs) { return vq56f(lo, ls, hi, h
 static inline vf vq5f(vi lo, int ls, vi hi, int hs) { return vq56f(lo, ls, hi, hs, 1, 0); }
 #endif
 
+/* 256-bit u8 x s8 dot products without maddubs' int16 saturation: AVX-512 VNNI's (EVEX) or AVX-VNNI's (VEX: Intel
+ * 12th-generation and later client CPUs, which have no AVX-512) vpdpbusd; VNNI256 gates every path that needs it */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI256 1
+#define DPBUSD256(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define VNNI256 1
+#define DPBUSD256(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#else
+#define VNNI256 0
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 static inline float hsum8(__m256 v) {                /* sum of 8 float lanes */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -184,8 +184,8 @@ static inline void q6_k_q8_groups(const uint8_t *w, int h, __m256i *q) {   /* ha
 }
 
 static inline __m256i q6_k_q8_dot(__m256i q, __m256i y, __m256i neg32y) {   /* sum (q - 32) y per int32 lane */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(neg32y, q, y);
+#if VNNI256
+    return DPBUSD256(neg32y, q, y);
 #else
     return _mm256_add_epi32(moe_dot_u8s8(q, y), neg32y);
 #endif

@@ -40,8 +40,8 @@ static void moe_quantize_q8(const float *x, int64_t K, int8_t *qx, float *dx, fl
 }
 
 static inline __m256i moe_dot_u8s8(__m256i a, __m256i b) {     /* 8 int32 partial sums of a (u8) * b (s8) */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#if VNNI256
+    return DPBUSD256(_mm256_setzero_si256(), a, b);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 #endif
@@ -52,8 +52,8 @@ static inline __m256i moe_dot_u8s8(__m256i a, __m256i b) {     /* 8 int32 partia
  * (the offset 8 taken off in the integer sum); acc_l += float(p) * (d_b dx_b) into 8 lanes for even blocks and 8 for
  * odd ones (an odd last block: the even lanes); the row's value is hsum8(even + odd). */
 static inline __m256i moe_dot_u8s8_acc(__m256i acc, __m256i a, __m256i b) {    /* acc + moe_dot_u8s8(a, b) */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, a, b);
+#if VNNI256
+    return DPBUSD256(acc, a, b);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 #endif
@@ -569,7 +569,7 @@ int moetier_moe_tokens(int gq, int dq, const uint8_t *gate, const uint8_t *up, i
 #define IQ4_XS_X8 (0x100 | IQ4_XS)
 
 #ifdef MOE_Q8
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if VNNI256
 #define X8_Q8_OFFSET 128        /* acc + sum (w + 128) x: the stored bytes straight into dpbusd, 128 sum x taken off */
 static inline __m256i moe_x8_q8_dot(__m256i acc, __m256i stored, __m256i x) { return moe_dot_u8s8_acc(acc, stored, x); }
 /* IQ4_NL / MXFP4: nibbles -> codebook value + 128 (one shuffle of `values`), into dpbusd; 128 sum x taken off
