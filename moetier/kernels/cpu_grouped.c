@@ -253,10 +253,11 @@ static void grp_quantize_q8k(const float *x, int64_t K, int8_t *qx, float *dk, f
 }
 
 #else
-/* The same tile on AVX2 (no AVX-512): 32 values per instruction, one sub-block's integer dot per maddubs (the
+/* Q4_K / Q6_K rows x int8 activations per 256 values on AVX2 without VNNI (with AVX-VNNI or AVX-512 they take
+ * cpu_grouped_sb.c's tiles, GSB_K46): 32 values per instruction, one sub-block's integer dot per maddubs (the
  * unsigned weights, Q4_K's 4 bits or Q6_K's 6, x int8 activations in int16 pair sums), then a 16-bit madd with the
  * sub-block's scale (Q4_K: one per 32 values; Q6_K: one per 16, the two 128-bit halves) into int32; the float
- * conversion, the mins and Q6_K's -32 as in the AVX-512 tile, once per super-block. 16 registers cannot hold a
+ * conversion, the mins and Q6_K's -32 once per super-block. 16 registers cannot hold a
  * tile's accumulators and its rows' weights for many pairs, so each super-block of GRP_QR rows is unpacked once
  * (weights and broadcast scales, 512 bytes a row, in L1) and every pair of the call (GRP_QP: all of grp_task's
  * 64-pair chunk) runs over it, GRP_QB pairs x GRP_QR rows of int32 accumulators at a time. Measured (same layer as
@@ -336,8 +337,9 @@ static inline __attribute__((always_inline)) void grp_q8k_pairs(int pb, __m256i 
     }
 }
 
-/* as the AVX-512 grp_tile_q8k (same arguments, np <= GRP_QP pairs at run time): Q4_K d sum_j sc_j dot_j - dmin
- * sum_j mn_j bsum_j; Q6_K d sum_g sc_g (dot_g(q6 unsigned) - 32 bsum_g); each times the pair's dk. Sub-block j (32
+/* out[r * ldo + p] = rows w + r * rs (r < GRP_QR) . pairs p < np <= GRP_QP (qx, dk, vs as grp_quantize_q8k):
+ * Q4_K d sum_j sc_j dot_j - dmin sum_j mn_j bsum_j; Q6_K d sum_g sc_g (dot_g(q6 unsigned) - 32 bsum_g); each times
+ * the pair's dk. Sub-block j (32
  * values): Q4_K bytes 32 (j / 2) of qs, low nibbles for even j; Q6_K half j / 4, group g = j % 4: ql bytes
  * 32 (g & 1), bits 4 (g / 2), qh bits 2 g */
 static inline __attribute__((always_inline)) void grp_tile_q8k(int qtype, const uint8_t *w, int64_t rs,

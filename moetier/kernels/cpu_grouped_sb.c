@@ -1,7 +1,7 @@
-/* The unpacked super-block tile: prefill rows (moetier_moe_grouped, moetier_qgemm) of the 256-value formats without
- * a tile of their own (Q2_K, Q3_K, Q5_K, IQ2_XXS / IQ2_XS / IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) x int8 activations
- * with one scale per 256 values (llama.cpp's Q8_K: grp_quantize_q8k, as the Q4_K / Q6_K tile). Part of
- * cpu_grouped.c, which #includes this file inside its MOE_Q8 block after the Q8_K tiles; not compiled on its own.
+/* The unpacked super-block tiles: prefill rows (moetier_moe_grouped, moetier_qgemm) of the 256-value formats (Q2_K,
+ * Q3_K, Q5_K, IQ2_XXS / IQ2_XS / IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M; Q4_K / Q6_K too but in plain AVX2 builds, which
+ * keep grp_tile_q8k for them) x int8 activations with one scale per 256 values (llama.cpp's Q8_K:
+ * grp_quantize_q8k). Part of cpu_grouped.c, which #includes it after grp_quantize_q8k; not compiled on its own.
  * Before, these rows prefilled with float activations: each row dequantized to float once a call and a float FMA
  * tile (0.82-0.92x llama.cpp's prefill on 2-3-bit files, docs/perf-log.md session 39).
  *
