@@ -621,6 +621,33 @@ def test_prefill_multiplies_q4_0_blocks_through_qgemm(tmp_path, monkeypatch):
 
 
 @needs_c
+def test_prefill_multiplies_k_quant_blocks_through_qgemm_with_lanes(tmp_path, monkeypatch):
+    """A Q2_K file's dense projections (Q2_K / Q3_K / Q4_K / Q6_K blocks, llama.cpp's mix) multiply the prompt's rows
+    on their blocks (cpu.qgemm) where the build has the rows-in-lanes tile (grouped_lanes: AVX-512 VNNI or AVX-VNNI),
+    and stay on the float GEMM without it; the logits stay the float prefill's up to the int8 activations."""
+    if not cpu.grouped_int8_tile("Q2_K"):
+        pytest.skip("no integer tile for Q2_K in this build (needs AVX2)")
+    model = build_qwen3_moe(tmp_path / "model", scale=2.0, init=sharpen, **K_QUANT_MODEL)
+    path = quantize(model, "Q2_K", tmp_path / "m-Q2_K.gguf")
+    cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
+    calls, inner = [], cpu.qgemm
+    monkeypatch.setattr(cpu, "qgemm", lambda *a, **k: calls.append(a[2].shape) or inner(*a, **k))
+    prompt = torch.tensor([5, 17, 33, 2, 90, 41, 7, 64, 3])
+    logits = {}
+    for lanes in (16, 0):
+        monkeypatch.setattr(cpu, "grouped_lanes", lambda lib=None, n=lanes: n)
+        eng = Engine.load(path, cfg)
+        eng.complete(prompt_ids=[1, 2, 3], max_tokens=2, params=SamplingParams(temperature=0), ignore_eos=True)
+        calls.clear()
+        with torch.inference_mode():
+            logits[lanes] = eng.model(prompt, eng.new_session().cache)
+        assert (len(calls) > 0) == (lanes > 0) and all(c[0] == len(prompt) for c in calls), (lanes, calls)
+    a, b = logits[16], logits[0]
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert kl.max() < 0.01 and not torch.equal(a, b)
+
+
+@needs_c
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", ("Q4_K", "Q8_0")])
 def test_moe_tokens_on_experts_interleaved_by_8(qtype):
     """moetier_moe_tokens on expert banks interleaved by 8 rows (x8 ids) gives the row kernels' layer up to the order

@@ -158,6 +158,7 @@ def open_library(path: Path) -> ctypes.CDLL:
                                        ptr, ptr, ptr, ptr, c_int, c_int]
     lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
     lib.moetier_grouped_int8_tile.argtypes = [c_int]
+    lib.moetier_grouped_lanes.argtypes = []
     lib.moetier_qgemm.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int, c_int]
     f32 = ctypes.c_float
     lib.moetier_decode_attn.argtypes = [ptr, ptr, ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32,
@@ -412,6 +413,14 @@ def moe_grouped(qtype, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                                                  f"in [0, {e}); got ids in [{int(ids.min())}, {int(ids.max())}]")
         raise RuntimeError(f"CPU grouped MoE kernel failed ({fmt.name}/{dfmt.name}): {why}")
     return y
+
+
+def grouped_lanes(lib: ctypes.CDLL | None = None) -> int:
+    """Rows a step of the 256-value formats' rows-in-lanes prefill tile in this build (16 with AVX-512 VNNI, 8 with
+    AVX-VNNI), 0 without one (plain AVX2: those formats' dense prefill stays on MKL, which their tile only matches)."""
+    if lib is not None:
+        return int(lib.moetier_grouped_lanes())
+    return int(_lib.moetier_grouped_lanes()) if backend() == "c" else 0
 
 
 def grouped_int8_tile(qtype, lib: ctypes.CDLL | None = None) -> bool:

@@ -904,6 +904,15 @@ int moetier_grouped_int8_tile(int qtype) {
     return grp_int8_tile(qtype);
 }
 
+/* Rows per rows-in-lanes step of the Q8_K tiles in this build (16: AVX-512 VNNI, 8: AVX-VNNI), 0 without one */
+int moetier_grouped_lanes(void) {
+#if defined(GRP_Q8K) && GSL_ON
+    return GSL_L;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, -1 for an unsupported type / shape / expert id, -2 if out of memory. */
 int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, int64_t g_estride, int64_t g_rstride,
                         const uint8_t *down, int64_t d_estride, int64_t d_rstride, int64_t E, int64_t D, int64_t I,

@@ -301,6 +301,12 @@ EAGER_QLINEAR_ROWS = 1
 # back in order included) against 49.1 ms for the float32 GEMM, o [2048, 4096] 20.0 against 29.9. Q8_0's tile lost
 # there (48.9 against 31-36 ms at q/k/v's shape): not taken.
 PREFILL_QGEMM_TYPES = {"Q4_0"}
+# The 256-value formats likewise where the build has their rows-in-lanes tile (kernels.cpu.grouped_lanes: AVX-512
+# VNNI or AVX-VNNI). Dev box, 1 thread, 256 rows x [1024, 1024]: 1.01-1.23x MKL's AVX-512 sgemm (AVX-VNNI build:
+# 1.33-1.57x MKL limited to AVX2); the wide test model's prefill +3-5% (Q2_K, IQ2_XXS, IQ3_XXS; Q4_K_M 1.00x). A
+# plain AVX2 build's tile only matches MKL (0.95-1.00x): not taken there.
+LANES_QGEMM_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+                     "IQ1_M"}
 
 
 def _eager_quant_linears(model: torch.nn.Module) -> None:
@@ -377,13 +383,14 @@ def _on_blocks(eager, attr: str, bias: str):
 
 def _prefill_qgemm(m: torch.nn.Module, qtype: int) -> bool:
     """Whether module m's prefill multiplies its blocks of type id `qtype` through kernels.cpu.qgemm
-    (PREFILL_QGEMM_TYPES); decided on its first prefill and kept on the module."""
+    (PREFILL_QGEMM_TYPES, LANES_QGEMM_TYPES); decided on its first prefill and kept on the module."""
     said = m.__dict__.get("_prefill_qgemm")
     if said is None:
         base = cpu_kernels._interleaved_base(qtype)
         name = get_format(qtype if base is None else base).name
-        said = m._prefill_qgemm = (name in PREFILL_QGEMM_TYPES and Q8_ACTIVATIONS
-                                   and cpu_kernels.grouped_int8_tile(name) and prefill_int8(name))
+        tile = Q8_ACTIVATIONS and cpu_kernels.grouped_int8_tile(name) and prefill_int8(name)
+        said = m._prefill_qgemm = bool(tile and (name in PREFILL_QGEMM_TYPES
+                                                 or name in LANES_QGEMM_TYPES and cpu_kernels.grouped_lanes() > 0))
     return said
 
 
