@@ -640,6 +640,17 @@ typedef struct {
 
 static inline const float *grp_x(const grp_side *a, int64_t s) { return a->x + a->row[s] * a->ldx; }
 
+/* the Q8_K-form activations of sorted pairs s .. s + np: int8 values, scales per 256 values, scaled sums per 16 */
+static inline void grp_q8k_side(const grp_side *a, int64_t s, int np, const int8_t **qx, const float **dk,
+                                const float **vs) {
+    for (int p = 0; p < np; p++) {
+        const int64_t row = a->row[s + p];
+        qx[p] = a->qx + row * a->K;
+        dk[p] = a->dx + row * (a->K / 32);
+        vs[p] = a->vs + row * (a->K / 16);
+    }
+}
+
 /* out[(r0 + r) * ldo + (s - s0)] = row r0 + r (w + r * rs, r < nr) . activation of sorted pair s in [s0, s1) */
 static void grp_rows_pairs(int qtype, const uint8_t *w, int64_t rs, int64_t nr, const grp_side *a,
                            int64_t s0, int64_t s1, float *out, int64_t ldo) {
@@ -656,12 +667,7 @@ static void grp_rows_pairs(int qtype, const uint8_t *w, int64_t rs, int64_t nr, 
             const int np = (int)(s1 - s < GSB_P ? s1 - s : GSB_P);
             const int8_t *qx[GSB_P];
             const float *dk[GSB_P], *vs[GSB_P];
-            for (int p = 0; p < np; p++) {
-                const int64_t row = a->row[s + p];
-                qx[p] = a->qx + row * K;
-                dk[p] = a->dx + row * nb;
-                vs[p] = a->vs + row * (K / 16);
-            }
+            grp_q8k_side(a, s, np, qx, dk, vs);
             for (r = 0; r < nr; r += rows) {
                 const int n = (int)(nr - r < rows ? nr - r : rows);
 #if GSL_ON
@@ -691,14 +697,8 @@ static void grp_rows_pairs(int qtype, const uint8_t *w, int64_t rs, int64_t nr, 
             for (int64_t s = s0; s < s1; s += GRP_QP) {
                 const int np = (int)(s1 - s < GRP_QP ? s1 - s : GRP_QP);
                 const int8_t *qx[GRP_QP];
-                const float *dk[GRP_QP];
-                const float *vs[GRP_QP];
-                for (int p = 0; p < np; p++) {
-                    const int64_t row = a->row[s + p];
-                    qx[p] = a->qx + row * K;
-                    dk[p] = a->dx + row * nb;
-                    vs[p] = a->vs + row * (K / 16);
-                }
+                const float *dk[GRP_QP], *vs[GRP_QP];
+                grp_q8k_side(a, s, np, qx, dk, vs);
                 grp_tile_q8k_any(qtype, wr, wrs, qx, dk, vs, np, K / 256, part, GRP_QP);
                 for (int64_t i = 0; i < GRP_QR && r + i < nr; i++)
                     for (int p = 0; p < np; p++) out[(r + i) * ldo + (s - s0) + p] = part[i * GRP_QP + p];
