@@ -95,12 +95,36 @@ def random_planes(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) 
     raise ValueError(f"no random planes for {fmt}")
 
 
+# the fp16 d fields of the formats read as stored (triton_rawq), byte offsets in a block; IQ1_M's d: its scales' nibbles
+RAW_D_AT = {"Q2_K": (80, 82), "Q3_K": (108,)}
+
+
+def random_raw(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) -> dict:
+    """Random GGML rows of a format read as stored: random bytes, each block's fp16 d set to a finite value sized so
+    that rows give O(1) dot products."""
+    _, block, size = tm.RAW_FORMATS[fmt]
+    nb = k // block
+    raw = torch.randint(0, 256, (slots, n, nb, size), device=device, generator=gen, dtype=torch.int32).to(torch.uint8)
+    d = (torch.rand(slots, n, nb, device=device, generator=gen) * 4 / (64 * math.sqrt(k)) + 1e-4).half()
+    bits = d.view(torch.int16).int() & 0xFFFF
+    if fmt == "IQ1_M":                           # nibble j of d: the top nibble of scale word j (bytes 48 + 2j, +1)
+        for j in range(4):
+            hi = raw[..., 49 + 2 * j].int()
+            raw[..., 49 + 2 * j] = ((hi & 0x0F) | (((bits >> (4 * j)) & 0xF) << 4)).to(torch.uint8)
+    else:
+        for at in RAW_D_AT.get(fmt, (0,)):
+            raw[..., at], raw[..., at + 1] = (bits & 0xFF).to(torch.uint8), (bits >> 8).to(torch.uint8)
+    return {"raw": raw.reshape(slots, n, nb * size)}
+
+
 def make_weights(fmt: str, slots: int, n: int, k: int, gen: torch.Generator | None, device: str = DEV):
     """Random [slots, n, k] weights in the kernel layout, built on the GPU (quantized formats by a
     vectorised torch quantizer: same block layout as GGML, values need not match gguf-py's rounding;
-    the newer formats as random planes)."""
+    the newer formats as random planes or random GGML rows)."""
     if fmt in ("Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"):
         return random_planes(fmt, slots, n, k, gen, device)
+    if fmt in tm.RAW_FORMATS:
+        return random_raw(fmt, slots, n, k, gen, device)
     w = torch.randn(slots, n, k, device=device, generator=gen, dtype=torch.float32) / math.sqrt(k)
     if fmt == "dense":
         return w.to(XDT)

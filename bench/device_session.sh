@@ -57,6 +57,7 @@
 #               vocabularies 8,192 and 151,936)
 #   topo        the box: CPUs, cores, NUMA nodes, huge pages, load, the busiest processes
 #   cpumv       no GPU: the CPU int8 matvec alone at a decode layer's one-row shapes, 8 and 16 threads (CMTHREADS)
+#   rawq        the formats read as stored (Q2_K, IQ2_*, ...): GPU tests, decode pairs (RQFMT, RQONLY)
 #   pcie        a kernel reading experts from pinned host memory: GB/s vs the copy engine, with CPU load
 #   cpuyard     no GPU: moetier vs llama.cpp (xllamacpp) on the CPU, the same 48-layer Q4_0 GGUF, 16 threads
 #               (bench/bench_cpu_vs_llamacpp.py --gguf; CYCOMPILE="off on": the eager step, then the compiled one;
@@ -483,6 +484,17 @@ PY
     timeout ${LSECS:-200} python3 bench/bench_cpu_layout.py --threads ${LTHREADS:-1,15} --gib ${LGIB:-2} \
       --types ${LTYPES:-Q4_0,Q8_0} --rounds ${LROUNDS:-3} > "$OUT/layout.json" 2> "$OUT/layout.err"
     tail -3 "$OUT/layout.err"; grep -v '^{"machine' "$OUT/layout.json" ;;
+  rawq)
+    # the formats the GPU reads as stored (kernels/triton_rawq.py: Q2_K, Q3_K, IQ4_XS, IQ2_*, IQ3_S, IQ1_*): their GPU
+    # tests, then the decode pair (v2: element gathers) at Qwen3-30B-A3B's shapes against Q4_0's v2 and default pairs
+    timeout ${RQTSECS:-240} python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_kernels_triton.py \
+      tests/test_quant_experts.py -k "${RQK:-Q2_K or Q3_K or IQ4_XS or IQ2_ or IQ3_S or IQ1_}" --tb=short \
+      > "$OUT/rawq_tests.txt" 2>&1
+    grep -E "^E |passed|failed|FAILED" "$OUT/rawq_tests.txt" | tail -14
+    timeout ${RQBSECS:-240} python3 bench/bench_gpu_kernels.py --variants --only ${RQONLY:-v2,v5qx} \
+      --fmt ${RQFMT:-Q4_0,Q2_K,Q3_K,IQ4_XS,IQ2_XXS,IQ2_XS,IQ2_S,IQ3_S,IQ1_S,IQ1_M} --budget ${RQBUDGET:-200} \
+      --out "$OUT/rawq.json" 2> "$OUT/rawq.err" > /dev/null
+    grep "gate_up + down" "$OUT/rawq.err" | cut -c1-200 ;;
   v5new)
     # the v5 kernels no GPU had run (session 15: MXFP4, Q5_K, IQ3_XXS; Q4_K's math moved): their GPU tests, then
     # their pairs against v2 (the log goes to $OUT as it runs: the first compiles of ~40 kernels take minutes)

@@ -43,7 +43,8 @@ def _fixed_seed():
 SMALL_DECODE = {"cfg_gate_up": (512, 256, 4), "cfg_down": (512, 256, 4)}   # rows masked, K tail masked
 SMALL_GROUPED = {"cfg": (64, 256, 4, 1)}
 FMT_SHAPES = {"dense": (72, 40), "Q8_0": (64, 96), "Q4_0": (64, 96), "Q4_K": (256, 256), "Q5_K": (256, 256),
-              "Q6_K": (256, 256), "MXFP4": (64, 96), "IQ3_XXS": (256, 256)}  # (D, I)
+              "Q6_K": (256, 256), "MXFP4": (64, 96), "IQ3_XXS": (256, 256),
+              **{f: (256, 256) for f in tm.RAW_FORMATS}}  # (D, I)
 QUANT = [f for f in ops.KERNEL_FORMATS if f != "dense"]
 
 
@@ -57,6 +58,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+_PACKED: dict[tuple, tuple] = {}
+
+
 def make_experts(fmt: str, slots: int, d: int, i: int, bias: bool, dtype=torch.float32, seed: int = 0):
     """Random experts in the kernel layout: float tensors, or quant.repack planes of GGML blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -67,9 +71,12 @@ def make_experts(fmt: str, slots: int, d: int, i: int, bias: bool, dtype=torch.f
     else:
         if fmt.endswith("_K") or fmt.startswith("IQ"):
             pytest.importorskip("libgguf", reason="packing K- and i-quants needs libgguf")
-        from moetier.quant.pack import quantize
-        from moetier.quant.repack import repack
-        gu, dn = repack(fmt, quantize(gu, fmt)), repack(fmt, quantize(dn, fmt))
+        key = (fmt, slots, d, i, seed)
+        if key not in _PACKED:           # (libgguf takes seconds for an i-quant's few experts: packed once a run)
+            from moetier.quant.pack import quantize
+            from moetier.quant.repack import repack
+            _PACKED[key] = repack(fmt, quantize(gu, fmt)), repack(fmt, quantize(dn, fmt))
+        gu, dn = _PACKED[key]
     move = (lambda t: t.to(DEV)) if fmt == "dense" else (lambda p: {n: t.to(DEV) for n, t in p.items()})
     biases = None
     if bias:
@@ -324,7 +331,7 @@ def test_decode_variant_errors_say_what_reads_what():
     assert tm.variant_of("dense", None) == "v1"
     # timed faster on the H200 (sessions 8-38): v5q (h quantized by gate_up) where its pair won, v5qx (and x) for Q4_0
     assert {f: tm.variant_of(f, None) for f in QUANT} == {f: "v5qx" if f == "Q4_0" else "v5q" if f in ("Q6_K", "Q4_K")
-                                                          else "v5pdl" for f in QUANT}
+                                                          else "v2" if f in tm.RAW_FORMATS else "v5pdl" for f in QUANT}
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
     assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels
     assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v5 kernels too (triton_decode_q8)
@@ -335,7 +342,7 @@ def test_decode_variant_errors_say_what_reads_what():
 
 
 @pytest.mark.parametrize("fmt,t", [("dense", 3), ("dense", 17), ("Q8_0", 17), ("Q4_0", 17), ("Q4_K", 9), ("Q5_K", 9),
-                                   ("Q6_K", 9), ("MXFP4", 17), ("IQ3_XXS", 9)])
+                                   ("Q6_K", 9), ("MXFP4", 17), ("IQ3_XXS", 9), *((f, 9) for f in tm.RAW_FORMATS)])
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
 def test_grouped_matches_twin(fmt, t, gpt_oss):
     d, i = FMT_SHAPES[fmt]
@@ -523,7 +530,8 @@ def test_dequantize_kernel_is_bit_exact(fmt):
     from moetier.kernels.triton_dequant import dequantize
     from moetier.quant.repack import dequantize_repacked
     d, i = FMT_SHAPES[fmt]
-    gu, dn, _ = make_experts(fmt, 5, d, i, bias=False, seed=3)
+    raw = fmt in tm.RAW_FORMATS          # the decode tests' experts (packed once) and the format's own tile only
+    gu, dn, _ = make_experts(fmt, 6 if raw else 5, d, i, bias=False, seed=0 if raw else 3)
     idx = torch.tensor([4, 0, 2], device=DEV)
     for planes in (gu, dn):
         if fmt == "dense":
@@ -531,7 +539,7 @@ def test_dequantize_kernel_is_bit_exact(fmt):
         else:
             want = dequantize_repacked(fmt, {name: p[idx] for name, p in planes.items()})
             n, k = want.shape[1:]
-        for tile in (None, (8, 1024, 4)):         # the format's tile; 4 super-blocks / 32 blocks a step (masked)
+        for tile in (None,) if raw else (None, (8, 1024, 4)):   # the format's tile; 4 super-blocks a step (masked)
             out = torch.full((3, n, k), float("nan"), device=DEV)
             got = dequantize(fmt, planes, idx, torch.float32, out=out, tile=tile)
             assert got is out and torch.equal(got, want.to(DEV)), tile

@@ -77,10 +77,14 @@ def no_mmap_experts(monkeypatch):
     return lambda: monkeypatch.setattr(GGUFFile, "raw", guarded)
 
 
-def check(gguf, path=None, **kw) -> Engine:
+def check(gguf, path=None, qtypes=None, **kw) -> Engine:
     out, tokens, want, want_toks = gguf
     eng = Engine.load(path or out, EngineConfig(progress=False, max_context=CTX, **kw))
-    assert eng.tiers.layout.qtype in KINDS.values()
+    if qtypes is None:
+        assert eng.tiers.layout.qtype in KINDS.values()
+    else:                                                   # the formats the fast tier's kernels read, any layer
+        fmts = {eng.tiers.fast.kernel_weights(li)[0] for li in range(len(eng.tiers.layout.layers))}
+        assert {f for fmt in fmts for f in ((fmt,) if isinstance(fmt, str) else fmt)} == set(qtypes)
     got = logits(eng.model, tokens)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= TOL, f"logits differ under {kw}: max rel {err:.2e}"
@@ -170,9 +174,24 @@ def test_float_gguf_is_bit_identical(model_dir, tmp_path, ftype):
 
 
 def test_unsupported_expert_type_is_a_user_error(model_dir, tmp_path):
-    out = quantize(model_dir, "IQ4_XS", tmp_path / "m-iq4xs.gguf")   # no GPU kernel (Q4_K_M: tests/test_gguf_mixed.py)
-    with pytest.raises(UserError, match="IQ4_XS"):
+    out = quantize(model_dir, "Q5_1", tmp_path / "m-q5_1.gguf")   # no GPU kernel (Q4_K_M: tests/test_gguf_mixed.py)
+    with pytest.raises(UserError, match="Q5_1"):
         Engine.load(out, EngineConfig(progress=False, max_context=CTX, ram_mem=1 << 30))
+
+
+@pytest.mark.parametrize("ftype,qtypes", [("Q2_K", {"Q2_K", "Q3_K"}), ("IQ3_M", {"IQ3_S", "Q4_K"})])
+def test_low_bit_files_in_the_tiers(model_dir, tmp_path, ftype, qtypes):
+    """llama.cpp's 2-3-bit mixes (Q2_K: gate / up Q2_K, down Q3_K; IQ3_M: IQ3_S, some downs Q4_K) stay packed in
+    every tier (their GPU
+    kernels read the GGML rows as stored, kernels/triton_rawq.py): all experts in the fast tier (the torch twin here)
+    exactly the file dequantized at load, all in RAM (the C kernels) within TOL."""
+    out = quantize(model_dir, ftype, tmp_path / f"m-{ftype}.gguf")
+    dense, _, _ = load_model(out)
+    tokens = torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    gguf = out, tokens, logits(dense, tokens), greedy_tokens(dense, tokens[:SPLIT].tolist(), N_GREEDY)
+    for kw in ({"gpu_mem": 1 << 30, "ram_mem": 1 << 30}, {"ram_mem": 1 << 30}):
+        eng = check(gguf, qtypes=qtypes, **kw)
+        assert eng.memory_stats()["hit_rate"] == (1.0 if "gpu_mem" in kw else 0.0)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])

@@ -238,7 +238,8 @@ def test_matvec_and_dequantize_paths_agree(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "Q2_K", "Q3_K", "IQ4_XS",
+                                   "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_S", "IQ1_S", "IQ1_M"])
 @pytest.mark.parametrize("t", [1, 5, 8, 37])
 def test_cuda_module_matches_dequantized(qtype, t):
     """Every format with GPU kernels, through the module at its default variant (decode: int8 activations; prefill

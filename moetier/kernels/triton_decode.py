@@ -26,10 +26,13 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from .triton_rawq import FIRST_RAW, deq_raw
 from .triton_tiles import e8m0_half
+from .triton_weights import RAW_FORMATS
 
 Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS = (tl.constexpr(c) for c in (1, 2, 3, 4, 5, 6, 7))
-STEP_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 128, "MXFP4": 32, "IQ3_XXS": 32}
+STEP_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 128, "MXFP4": 32, "IQ3_XXS": 32,
+              **{f: 32 for f in RAW_FORMATS}}
 ONE_BITS = 0x3F800000                  # bits of 1.0f: the kernels' `one` argument (module doc)
 SWIGLU = tl.constexpr(0)
 
@@ -254,10 +257,23 @@ def _dot_iq3_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0
 
 
 @triton.jit
+def _dot_raw(q_ptr, lut_ptr, rq, mask, g0, NBK, x_ptr, xo, FMT: tl.constexpr, NB: tl.constexpr):
+    """Formats read as stored (triton_rawq): 32-element steps, each element gathered and dequantized."""
+    g = g0 + tl.arange(0, NB)
+    mg = g < NBK
+    e = g[:, None] * 32 + tl.arange(0, 32)[None, :]                      # [NB, 32]
+    w = deq_raw(q_ptr, lut_ptr, rq[:, None, None], e[None, :, :], (mask[:, None] & mg[None, :])[:, :, None], FMT)
+    x = _xload(x_ptr, xo, e, mg[:, None])
+    return tl.sum(w * x[None, :, :], axis=2)
+
+
+@triton.jit
 def _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, rmn, rh, mask, g0, NBK,
          x_ptr, xo, one, FMT: tl.constexpr, NB: tl.constexpr):
     """[BN, NB] scaled partial dot products of step blocks g0 .. g0+NB (of NBK) of rows (offsets r*)."""
-    if FMT == Q8_0:
+    if FMT >= FIRST_RAW:
+        return _dot_raw(q_ptr, lut_ptr, rq, mask, g0, NBK, x_ptr, xo, FMT, NB)
+    elif FMT == Q8_0:
         return _dot_q8_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB)
     elif FMT == Q4_0 or FMT == MXFP4:
         return _dot_q4_0(q_ptr, d_ptr, rq, rd, mask, g0, NBK, x_ptr, xo, one, NB, FMT == MXFP4)

@@ -2,7 +2,8 @@
 
 Weights: gate_up [S, 2I, D] (gate rows, then up rows) and down [S, D, I] per slot, either a float
 tensor (bf16/fp16/fp32) or the planes of `quant.repack` with leading dims [S, N] (PLANE_DIV: Q8_0,
-Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS). Any strides, unit stride on the last dim. A slot id < 0
+Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS; RAW_FORMATS, e.g. Q2_K, IQ2_XXS: the GGML rows as stored, {"raw": rows},
+read by triton_rawq). Any strides, unit stride on the last dim. A slot id < 0
 means "not here" (a miss computed elsewhere): the pair adds nothing.
 
 decode (T <= 8): two launches, no host sync, CUDA-graph capturable. Quantized formats run the "v2"
@@ -37,7 +38,7 @@ from . import triton_decode_q8 as v5
 from .pdl import supported as pdl_supported
 from .triton_decode import _act, gate_up_act, pair_rows
 from .triton_tiles import deq_tile
-from .triton_weights import BLOCK, FMT_CODES, PLANE_DIV, Weights  # noqa: F401 (re-exported)
+from .triton_weights import BLOCK, FMT_CODES, PLANE_DIV, RAW_FORMATS, Weights  # noqa: F401 (re-exported)
 
 DENSE, Q8_0, Q4_0, Q4_K = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 SWIGLU = tl.constexpr(0)
@@ -73,7 +74,8 @@ GROUPED = {"dense": GroupedTile(128, 64, 4, 4), "Q8_0": GroupedTile(128, 64, 4, 
            "Q4_0": GroupedTile(128, 64, 4, 3), "Q4_K": GroupedTile(128, 64, 4, 3),
            # element-gathered tiles (triton_tiles): no cp.async pipeline (its buffers would not fit)
            "Q5_K": GroupedTile(128, 64, 8, 1), "Q6_K": GroupedTile(128, 64, 8, 1),
-           "MXFP4": GroupedTile(128, 64, 8, 1), "IQ3_XXS": GroupedTile(128, 64, 8, 1)}
+           "MXFP4": GroupedTile(128, 64, 8, 1), "IQ3_XXS": GroupedTile(128, 64, 8, 1),
+           **{f: GroupedTile(128, 64, 8, 1) for f in RAW_FORMATS}}
 
 
 # ------------------------------------------------------------------ element helpers

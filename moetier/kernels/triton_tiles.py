@@ -1,12 +1,15 @@
 """Weight tiles in element order for the grouped (prefill) GEMM, formats without a dedicated path
 (Q5_K, Q6_K, MXFP4, IQ3_XXS): each element gathered from the byte planes of moetier.quant.repack
-(q = qs / ql, h = qh / sg; see its doc for the layouts) and dequantized, as `dequantize_repacked`.
+(q = qs / ql, h = qh / sg; see its doc for the layouts) and dequantized, as `dequantize_repacked`; the formats read
+as stored (Q2_K, Q3_K, the other i-quants, Q5_1: triton_rawq) from their GGML rows in the q plane.
 Gathers, not wide loads: prefill is bound by the tensor-core work, the tile is reused BM times.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .triton_rawq import FIRST_RAW, deq_raw
 
 Q5_K, Q6_K, MXFP4, IQ3_XXS = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6), tl.constexpr(7)
 
@@ -38,7 +41,9 @@ def deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rs
     e = k0 + tl.arange(0, BK)
     m = mask[:, None] & (e < K)[None, :]
     e = e[None, :]
-    if FMT == Q5_K or FMT == Q6_K:
+    if FMT >= FIRST_RAW:
+        return deq_raw(q_ptr, lut_ptr, rq[:, None], e, m, FMT)
+    elif FMT == Q5_K or FMT == Q6_K:
         sb = e // 256
         r = e % 256
         if FMT == Q5_K:        # byte 32 (r // 64) + r % 32 of the sb's 128 (nibble r // 32 % 2), qh bit r // 32

@@ -12,8 +12,13 @@ from __future__ import annotations
 import torch
 
 FMT_CODES = {"dense": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ3_XXS": 7}
+# GGML formats read as stored (triton_rawq: one "raw" plane of the file's rows): (code, block, bytes a block)
+RAW_FORMATS = {"Q2_K": (8, 256, 84), "Q3_K": (9, 256, 110), "IQ4_XS": (10, 256, 136), "IQ2_XXS": (11, 256, 66),
+               "IQ2_XS": (12, 256, 74), "IQ2_S": (13, 256, 82), "IQ3_S": (14, 256, 110), "IQ1_S": (15, 256, 50),
+               "IQ1_M": (16, 256, 56)}
+FMT_CODES.update({f: code for f, (code, _, _) in RAW_FORMATS.items()})
 BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,
-         "IQ3_XXS": 256}                                        # row length must be a multiple
+         "IQ3_XXS": 256, **{f: block for f, (_, block, _) in RAW_FORMATS.items()}}   # row length must be a multiple
 
 # per format: plane -> elements of a row per entry of the plane's last dim (its length is K / that)
 PLANE_DIV = {"dense": {"w": 1}, "Q8_0": {"qs": 1, "d": 32}, "Q4_0": {"qs": 2, "d": 32},
@@ -35,6 +40,9 @@ class Weights:
 
     def __init__(self, weight, fmt: str):
         self.fmt, self.code = fmt, FMT_CODES[fmt]
+        if fmt in RAW_FORMATS:
+            self._init_raw(weight)
+            return
         planes = {"w": weight} if fmt == "dense" else dict(weight)
         if fmt == "dense" and not weight.dtype.is_floating_point:
             raise ValueError(f"float weights expected for fmt 'dense'; got {weight.dtype} (pass the GGML format name)")
@@ -76,6 +84,22 @@ class Weights:
         self.h_plane = by_slot.get("h", main)
         self.lut = _iq3_grid(main.device) if fmt == "IQ3_XXS" else (self.v2_planes or [main])[0]
 
+    def _init_raw(self, weight) -> None:
+        """A format read as stored: one plane of GGML rows [slots, N, row_bytes] in every slot (triton_rawq)."""
+        _, block, size = RAW_FORMATS[self.fmt]
+        raw = weight.get("raw") if isinstance(weight, dict) else None
+        if raw is None or raw.dtype != torch.uint8 or raw.dim() != 3 or raw.shape[2] % size or raw.stride(-1) != 1:
+            got = sorted(weight) if isinstance(weight, dict) else type(weight).__name__
+            raise ValueError(f"{self.fmt} weights are read as stored: {{'raw': uint8 [slots, N, row_bytes]}} with "
+                             f"row_bytes a multiple of {size} and unit last stride (quant.repack); got {got}")
+        self.slots, self.n, self.k = raw.shape[0], raw.shape[1], raw.shape[2] // size * block
+        self.planes = [raw] * 5
+        self.strides = [raw.stride(0), raw.stride(1)] * 5
+        self.v2_planes = [raw] * 6
+        self.v2_strides = [raw.stride(0), raw.stride(1)] * 6
+        self.h_plane = raw
+        self.lut = raw_lut(self.fmt, raw.device)
+
     def args(self) -> list:
         """v1 kernel arguments: 5 planes, 10 strides."""
         return [*self.planes, *self.strides]
@@ -83,7 +107,8 @@ class Weights:
     def extra_args(self) -> list:
         """Grouped kernels' arguments after args(): the h plane (bytes / int32), the table, 2 strides."""
         h = self.h_plane
-        return [h, self.lut, *((h.stride(0), h.stride(1)) if h is not self.planes[0] else (0, 0))]
+        return [h, self.lut, *((h.stride(0), h.stride(1)) if h is not self.planes[0] or self.fmt in RAW_FORMATS
+                               else (0, 0))]
 
     def v2_args(self) -> list:
         """v2 kernel arguments: 6 planes, the lookup table, 12 strides."""
@@ -97,3 +122,23 @@ def _iq3_grid(device) -> torch.Tensor:
     from moetier.quant.bits import table
     from moetier.quant.iquants import _grid
     return table("iq3xxs_flat", device, lambda: _grid(gq.IQ3_XXS).reshape(-1).contiguous())
+
+
+_RAW_TABLES = {"IQ4_XS": "IQ4_NL", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
+               "IQ3_S": "IQ3_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_S"}
+
+
+def raw_lut(fmt: str, device) -> torch.Tensor:
+    """The value table triton_rawq reads for fmt, float32 on device (cached): IQ4_XS the 16 values of IQ4_NL, the i-quants
+    their grids flattened; formats without a table get a one-element placeholder."""
+    from gguf import quants as gq
+
+    from moetier.quant.bits import table
+    from moetier.quant.iquants import _grid
+    name = _RAW_TABLES.get(fmt)
+    if name is None:
+        return table("raw_none", device, lambda: torch.zeros(1))
+    cls = getattr(gq, name)
+    build = (lambda: torch.tensor(cls.kvalues, dtype=torch.float32)) if name == "IQ4_NL" else \
+        (lambda: _grid(cls).reshape(-1).float().contiguous())
+    return table(f"raw_{name}", device, build)
