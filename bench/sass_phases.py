@@ -76,6 +76,26 @@ def compile_pair(fmt: str, model: str) -> dict:
     return {"gate_up": gu.compiled, "down": dn.compiled, "variant": variant, "tiles": [list(tile), list(q8.DOWN5[fmt])]}
 
 
+def compile_v2_pair(fmt: str, model: str) -> dict:
+    """As compile_pair, for a format whose default pair is v2 (float activations: the formats read as stored,
+    triton_rawq), through triton_decode.gate_up / down."""
+    from moetier.kernels import triton_decode as v2
+    d, i, k = MODELS[model][:3]
+    gw = Weights(make_weights(fmt, 2, 2 * i, d, None, device="cpu"), fmt)
+    dw = Weights(make_weights(fmt, 2, d, i, None, device="cpu"), fmt)
+    x = torch.randn(1, d).to(torch.bfloat16)
+    ids, wt = torch.zeros(k, dtype=torch.int32), torch.ones(k, dtype=torch.bfloat16)
+    gu, dn = _Capture(v2._gate_up_kernel), _Capture(v2._down_kernel)
+    v2._gate_up_kernel, v2._down_kernel = gu, dn
+    try:
+        v2.gate_up(x, ids, gw, 0, 1.0, 7.0, None, torch.empty(k, i))
+        v2.down(torch.empty(k, i), ids, wt, dw, None, torch.empty_like(x))
+    finally:
+        v2._gate_up_kernel, v2._down_kernel = gu.fn, dn.fn
+    return {"gate_up": gu.compiled, "down": dn.compiled, "variant": "v2",
+            "tiles": [list(v2.GATE_UP[fmt]), list(v2.DOWN[fmt])]}
+
+
 def sass_of(kernel, dump: Path | None, name: str) -> tuple[str, dict]:
     """The kernel's SASS listing (cuobjdump, bundled with Triton) and its resource usage."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -119,6 +139,8 @@ def count(sass: str) -> dict:
     ops = [opcode(t) for t in ins]
     loads = Counter(m.group(0) for t in ins if (m := re.search(r"\bLDG\S*", t)))
     out = {"total": len(ins), "ops": {k: ops.count(k) for k in KEYS}, "loads": dict(loads), "phases": {}}
+    if "IDP" not in ops:                     # v2 (float math): no dp4a phases
+        return out
     for name, (a, b) in phases(ins).items():
         c = Counter(ops[a:b])
         out["phases"][name] = {"n": b - a, **{k: c[k] for k in KEYS if c[k]}}
@@ -132,7 +154,7 @@ def main() -> int:
     ap.add_argument("--dump", type=Path, help="write each kernel's .sass, .ptx and .ttgir here")
     a = ap.parse_args()
     driver.set_active(Hopper())
-    pair = compile_pair(a.fmt, a.model)
+    pair = (compile_v2_pair if triton_moe.variant_of(a.fmt, None) == "v2" else compile_pair)(a.fmt, a.model)
     out = {"fmt": a.fmt, "model": a.model, "variant": pair["variant"], "tiles": pair["tiles"], "kernels": {}}
     for name in ("gate_up", "down"):
         sass, use = sass_of(pair[name], a.dump, f"{a.fmt}_{name}")
