@@ -129,8 +129,8 @@ _RAW_TABLES = {"IQ4_XS": "IQ4_NL", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ
 
 
 def raw_lut(fmt: str, device) -> torch.Tensor:
-    """The value table triton_rawq reads for fmt, float32 on device (cached): IQ4_XS the 16 values of IQ4_NL, the i-quants
-    their grids flattened; formats without a table get a one-element placeholder."""
+    """The value table triton_rawq reads for fmt, float32 on device (cached): IQ4_XS the 16 values of IQ4_NL, the
+    i-quants their grids flattened; formats without a table get a one-element placeholder."""
     from gguf import quants as gq
 
     from moetier.quant.bits import table
