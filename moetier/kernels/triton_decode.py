@@ -396,6 +396,11 @@ class Tile(NamedTuple):
 _GU, _DN = Tile(16, 512, 4), Tile(8, 1024, 4)
 GATE_UP = {f: _GU for f in STEP_BLOCK}
 DOWN = {f: _DN for f in STEP_BLOCK}
+# the formats read as stored (element gathers): half the elements a gate_up step, half the rows a down program, so
+# that the i-quants' gathers fit in registers (sm_90 build of IQ2_XXS: 255 registers and 144 / 128 bytes of spills at
+# the tiles above; 168 / 148 registers, no spills at these)
+GATE_UP.update({f: Tile(16, 256, 4) for f in RAW_FORMATS})
+DOWN.update({f: Tile(4, 1024, 4) for f in RAW_FORMATS})
 
 
 def _nb(bk: int, k: int, fmt: str) -> int:
