@@ -58,7 +58,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="disk budget of --prompt-cache; the least recently used files go first (default 2GiB)")
     g.add_argument("--dequantize-experts", action="store_true",
                    help="GGUF: dequantize the expert tensors at load (to --dtype) instead of computing on "
-                        "their stored Q8_0/Q4_0/Q4_K blocks (the old behaviour; more memory)")
+                        "their stored blocks (more memory; on CUDA faster for the IQ2/IQ3_S/IQ1 formats where "
+                        "the experts then fit)")
     g.add_argument("--dequantize-dense", action="store_true",
                    help="GGUF on CUDA: dequantize the attention, lm_head and dense MLP weights at load (to --dtype) "
                         "instead of computing on their stored Q8_0/Q4_0/Q4_K/Q6_K blocks (the old behaviour; more VRAM)")
