@@ -74,7 +74,7 @@ def log(*a):
 
 
 def random_planes(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) -> dict:
-    """Random repack planes of `fmt` (Q5_K, Q6_K, MXFP4, IQ3_XXS): random quant bits, scales sized so
+    """Random repack planes of `fmt` (Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS): random quant bits, scales sized so
     that rows give O(1) dot products. Valid input for the kernels and their twin alike."""
     def ints(cols, lo=0, hi=256, dtype=torch.uint8):
         return torch.randint(lo, hi, (slots, n, cols), device=device, generator=gen, dtype=torch.int32).to(dtype)
@@ -89,8 +89,9 @@ def random_planes(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) 
                 "d": scale(k // 256, 1 / 256)}
     if fmt == "MXFP4":
         return {"qs": ints(k // 2), "e": ints(k // 32, 118, 122)}
-    if fmt == "IQ3_XXS":
-        return {"qs": ints(k // 4), "sg": ints(k // 32, -2 ** 31, 2 ** 31 - 1, torch.int32), "sc": ints(k // 32, 0, 16),
+    if fmt in ("IQ3_XXS", "IQ2_XXS"):
+        sg = ints(k // 32, -2 ** 31, 2 ** 31 - 1, torch.int32)
+        return {"qs": ints(k // (4 if fmt == "IQ3_XXS" else 8)), "sg": sg, "sc": ints(k // 32, 0, 16),
                 "d": scale(k // 256, 1 / 16)}
     raise ValueError(f"no random planes for {fmt}")
 
@@ -121,7 +122,7 @@ def make_weights(fmt: str, slots: int, n: int, k: int, gen: torch.Generator | No
     """Random [slots, n, k] weights in the kernel layout, built on the GPU (quantized formats by a
     vectorised torch quantizer: same block layout as GGML, values need not match gguf-py's rounding;
     the newer formats as random planes or random GGML rows)."""
-    if fmt in ("Q5_K", "Q6_K", "MXFP4", "IQ3_XXS"):
+    if fmt in ("Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ2_XXS"):
         return random_planes(fmt, slots, n, k, gen, device)
     if fmt in tm.RAW_FORMATS:
         return random_raw(fmt, slots, n, k, gen, device)
@@ -591,7 +592,7 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
 def sweep(c: Case, gen, what: str = "all") -> dict:
     """Decode tiles (T=1) and grouped tiles (T=512): the fastest of a small grid per kernel."""
     elem = {"dense": 2, "Q8_0": 1, "Q4_0": 0.5, "Q4_K": 0.5, "Q5_K": 0.625, "Q6_K": 0.75, "MXFP4": 0.5,
-            "IQ3_XXS": 0.4}[c.fmt]
+            "IQ3_XXS": 0.4, "IQ2_XXS": 0.29}[c.fmt]
     words = (True,)                      # quantized formats: v2 tiles (BN, BK, warps, stages; words unused)
 
     def tiles(bns, bks, k_len, rows, lo, hi):               # bytes per K step within [lo, hi]

@@ -6,7 +6,7 @@ i64 without divisibility: its Q4_0 gate_up came out at 1,408 instructions with 6
 JIT's 1,360 with 16 LDG.128. Environment variables the launchers read at each launch (MOETIER_V5_ADDR,
 MOETIER_V5_SPLIT) apply.
 
-    python bench/sass_phases.py [--fmt Q4_0] [--model qwen3-30b-a3b] [--dump DIR] > phases.json
+    python bench/sass_phases.py [--fmt Q4_0] [--variant v5pdl] [--model qwen3-30b-a3b] [--dump DIR] > phases.json
     MOETIER_V5_ADDR=1 python bench/sass_phases.py
 
 Phases (by markers in the listing): setup (to the first weight load, LDG.E.EF*), weight loads (first to last), x copy
@@ -51,17 +51,19 @@ class _Capture:
         return launch
 
 
-def compile_pair(fmt: str, model: str) -> dict:
-    """{"gate_up": compiled, "down": compiled} of the format's default T=1 pair (moe_decode's v5q / v5qx launches; the
-    tiles GATE_UP5Q / DOWN5), compiled through the launch functions."""
+def compile_pair(fmt: str, model: str, variant: str | None = None) -> dict:
+    """{"gate_up": compiled, "down": compiled} of the format's T=1 v5 pair, its default (variant None) or v5 / v5pdl /
+    v5q / v5qx (moe_decode's launches; the tiles GATE_UP5Q where v5q / v5qx, else GATE_UP5, and DOWN5), compiled
+    through the launch functions."""
     d, i, k = MODELS[model][:3]
-    variant = triton_moe.DEFAULT_VARIANT.get(fmt, "v5pdl")
+    variant = variant or triton_moe.DEFAULT_VARIANT.get(fmt, "v5pdl")
+    pdl = variant != "v5"
     gw = Weights(make_weights(fmt, 2, 2 * i, d, None, device="cpu"), fmt)
     dw = Weights(make_weights(fmt, 2, d, i, None, device="cpu"), fmt)
     x = torch.randn(1, d).to(torch.bfloat16)
     ids, wt = torch.zeros(k, dtype=torch.int32), torch.ones(k, dtype=torch.bfloat16)
     h = torch.empty(k, i)
-    tile = q8.Tile(*q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt])[:4])
+    tile = q8.Tile(*(q8.GATE_UP5Q.get(fmt, q8.GATE_UP5[fmt]) if variant in ("v5q", "v5qx") else q8.GATE_UP5[fmt])[:4])
     qh = q8.h_quantizer(tile.bn) if variant in ("v5q", "v5qx") else 0
     hx = q8.h_int8(h)
     xq = None if variant == "v5qx" else (torch.empty(1, d, dtype=torch.int8), torch.empty(1, d // 32),
@@ -69,8 +71,8 @@ def compile_pair(fmt: str, model: str) -> dict:
     gu, dn = _Capture(q8._gate_up_kernel), _Capture(q8._down_kernel)
     q8._gate_up_kernel, q8._down_kernel = gu, dn
     try:
-        q8.launch_gate_up(xq, ids, gw, 0, 1.0, 7.0, None, h, hx, tile, qh, True, 1, x if variant == "v5qx" else None)
-        q8.launch_down(hx, ids, wt, dw, None, torch.empty_like(x), q8.Tile(*q8.DOWN5[fmt][:4]), True)
+        q8.launch_gate_up(xq, ids, gw, 0, 1.0, 7.0, None, h, hx, tile, qh, pdl, 1, x if variant == "v5qx" else None)
+        q8.launch_down(hx, ids, wt, dw, None, torch.empty_like(x), q8.Tile(*q8.DOWN5[fmt][:4]), pdl)
     finally:
         q8._gate_up_kernel, q8._down_kernel = gu.fn, dn.fn
     return {"gate_up": gu.compiled, "down": dn.compiled, "variant": variant, "tiles": [list(tile), list(q8.DOWN5[fmt])]}
@@ -150,11 +152,14 @@ def count(sass: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fmt", default="Q4_0")
+    ap.add_argument("--variant", choices=("v2", "v5", "v5pdl", "v5q", "v5qx"),
+                    help="the pair to compile (default: the format's default variant)")
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=[m for m in MODELS if m != "tiny"])
     ap.add_argument("--dump", type=Path, help="write each kernel's .sass, .ptx and .ttgir here")
     a = ap.parse_args()
     driver.set_active(Hopper())
-    pair = (compile_v2_pair if triton_moe.variant_of(a.fmt, None) == "v2" else compile_pair)(a.fmt, a.model)
+    variant = triton_moe.variant_of(a.fmt, a.variant)
+    pair = compile_v2_pair(a.fmt, a.model) if variant == "v2" else compile_pair(a.fmt, a.model, variant)
     out = {"fmt": a.fmt, "model": a.model, "variant": pair["variant"], "tiles": pair["tiles"], "kernels": {}}
     for name in ("gate_up", "down"):
         sass, use = sass_of(pair[name], a.dump, f"{a.fmt}_{name}")

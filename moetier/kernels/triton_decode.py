@@ -13,7 +13,7 @@ weight in gate_up and 9-13 in down (sm_90 SASS, bench --compile-sm90); v2 4.9-5.
     the down projection multiplies the per-block sums, not every x element;
   - h between the projections is kept in float32 (values rounded to x's dtype first, as the twin
     does): the down kernel's x loads need no conversion.
-Blocks of a step: Q8_0 / Q4_0 / MXFP4 / IQ3_XXS 32 elements, Q4_K / Q5_K 64 (two 32-sub-blocks),
+Blocks of a step: Q8_0 / Q4_0 / MXFP4 / IQ3_XXS / IQ2_XXS 32 elements, Q4_K / Q5_K 64 (two 32-sub-blocks),
 Q6_K 128 (half a super-block). Each `_dot_*` returns [BN, NB] scaled partial dot products.
 Planes (moetier.quant.repack; word planes as int32 views): q (qs / ql), d, dmin, sc, mn, h (qh / sg).
 Q4_K / Q5_K read d and sc as words too (triton_weights): a super-block's (d, dmin) in one (`k_dmin`), a
@@ -30,8 +30,8 @@ from .triton_rawq import FIRST_RAW, deq_raw
 from .triton_tiles import e8m0_half
 from .triton_weights import RAW_FORMATS
 
-Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS = (tl.constexpr(c) for c in (1, 2, 3, 4, 5, 6, 7))
-STEP_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 128, "MXFP4": 32, "IQ3_XXS": 32,
+Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS = (tl.constexpr(c) for c in range(1, 9))
+STEP_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 128, "MXFP4": 32, "IQ3_XXS": 32, "IQ2_XXS": 32,
               **{f: 32 for f in RAW_FORMATS}}
 ONE_BITS = 0x3F800000                  # bits of 1.0f: the kernels' `one` argument (module doc)
 SWIGLU = tl.constexpr(0)
@@ -230,30 +230,33 @@ def _dot_q6_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, c0, NCK, x_ptr
 
 
 @triton.jit
-def _dot_iq3_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo,
-                 NB: tl.constexpr):
-    """32-blocks of 2 grid-index words; byte j of word w -> grid row (4 values, float table lut) of
-    elements 16w + 4j .. + 3; sign of element e = bit e of the sg word (h plane); scale
-    d * (0.5 + sc) * 0.5."""
+def _dot_iq_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo,
+                FMT: tl.constexpr, NB: tl.constexpr):
+    """IQ3_XXS: 32-blocks of 2 grid-index words; byte j of word w -> grid row (4 values, float table lut) of
+    elements 16w + 4j .. + 3. IQ2_XXS: one word; byte j -> grid row (8 values) of elements 8j .. + 7. Sign of
+    element e = bit e of the sg word (h plane); scale d * (0.5 + sc) * 0.5 (IQ2_XXS: * 0.25)."""
+    W: tl.constexpr = 1 if FMT == IQ2_XXS else 2           # words a block
+    G: tl.constexpr = 8 if FMT == IQ2_XXS else 4           # grid values a byte
+    HALF: tl.constexpr = 0.25 if FMT == IQ2_XXS else 0.5
     g = g0 + tl.arange(0, NB)
     mg = g < NBK
     m2 = mask[:, None] & mg[None, :]
-    wi = tl.arange(0, 2)
-    words = tl.load(q_ptr + rq[:, None, None] + (g[:, None] * 2 + wi[None, :])[None, :, :],
+    wi = tl.arange(0, W)
+    words = tl.load(q_ptr + rq[:, None, None] + (g[:, None] * W + wi[None, :])[None, :, :],
                     mask=m2[:, :, None], other=0)
     sg = tl.load(h_ptr + rh[:, None] + g[None, :], mask=m2, other=0)[:, :, None]
     p = tl.zeros(words.shape, dtype=tl.float32)
     for j in tl.static_range(4):
-        row = _field(words, -8 * j, 0xFF) * 4
-        for v in tl.static_range(4):
-            e = wi * 16 + (4 * j + v)                                     # [2]
+        row = _field(words, -8 * j, 0xFF) * G
+        for v in tl.static_range(G):
+            e = wi * (4 * G) + (G * j + v)                                # [W]
             gv = tl.load(lut_ptr + row + v).to(tl.int32, bitcast=True)
             sign = (sg << (31 - e)[None, None, :]) & -2147483648
             x = _xload(x_ptr, xo, g[:, None] * 32 + e[None, :], mg[:, None])
             p += (gv ^ sign).to(tl.float32, bitcast=True) * x[None, :, :]
     d = tl.load(d_ptr + rd[:, None] + (g // 8)[None, :], mask=m2, other=0.0).to(tl.float32)
     sc = tl.load(sc_ptr + rsc[:, None] + g[None, :], mask=m2, other=0).to(tl.float32)
-    return (d * (0.5 + sc) * 0.5) * tl.sum(p, axis=2)
+    return (d * (0.5 + sc) * HALF) * tl.sum(p, axis=2)
 
 
 @triton.jit
@@ -283,7 +286,7 @@ def _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, r
     elif FMT == Q6_K:
         return _dot_q6_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, one, NB)
     else:
-        return _dot_iq3_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, NB)
+        return _dot_iq_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, FMT, NB)
 
 
 @triton.jit

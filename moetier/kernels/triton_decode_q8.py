@@ -1,5 +1,5 @@
 """Decode GEMV kernels, variant "v5": int8 activations and integer dot products (dp4a) for Q8_0 / Q4_0 / Q4_K /
-Q5_K / Q6_K / MXFP4 / IQ3_XXS.
+Q5_K / Q6_K / MXFP4 / IQ3_XXS / IQ2_XXS.
 
 Why (H200, Qwen3-30B-A3B layer, T=1, session 8): v3 reads Q4_0 at 21% of HBM (gate_up 12.2 us, down 12.2 us
 for half of Q8_0's bytes) and Q8_0 at 49%: the float math is the limit, not the memory. v3 spends per 4-bit
@@ -32,6 +32,9 @@ float32, 8 experts per program) is the worst. As llama.cpp's MMVQ does, x is qua
     int8 values 4..62; the table rides in the dmin slot), signs from 4 bits of the block's sg word spread to
     byte masks m (a multiply and prmt's sign copy), (row ^ m) + (m & 0x01010101), one dp4a per byte with
     its x word; v = d * (0.5 + sc) * 0.5 * dx * r;
+  - IQ2_XXS word (one a 32-block: 4 grid indices, 32 weights: `_iq2_math`): byte b -> two int32 gathers of grid row
+    lut[b] (8 int8 values 8 / 25 / 43, 4 a word), signs from 8 bits of the block's sg word, a nibble a word as
+    IQ3_XXS's, two dp4a with x words 8g + 2b, + 1; v = d * (0.5 + sc) * 0.25 * dx * r;
   - Q8_0 / Q4_0 / MXFP4 sum a 32-block's dp4a results as int32 first (a thread holds the block's words of each of
     its rows: `_per_block`), then take the float step above once a block (|sum| < 2^22, exact in the mantissa);
   - x per token (gate_up) and h per pair (down) are quantized by `quantize`, a separate small launch each
@@ -54,8 +57,8 @@ from .triton_decode import STEP_BLOCK, Tile, _act, _v3_bload, _v3_load, k_byte, 
 from .triton_tiles import e8m0_half
 from .triton_weights import BLOCK
 
-Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS = (tl.constexpr(c) for c in range(1, 8))   # triton_weights.FMT_CODES
-FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS")
+Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS = (tl.constexpr(c) for c in range(1, 9))   # FMT_CODES
+FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS", "IQ2_XXS")
 MAGIC = tl.constexpr(0x4B400000)      # bits of 1.5 * 2^23: an int32 added to them is read as 12582912 + int
 MAGIC_F = tl.constexpr(12582912.0)
 # MXFP4's doubled E2M1 codebook as int8 bytes, 4 a word: codes 0..7 (0, 1, 2, 3 | 4, 6, 8, 12), 8..15 negated
@@ -311,12 +314,42 @@ def _iq3_math(words, d, sc, sg, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB: 
 
 
 @triton.jit
+def _iq2_math(words, d, sc, sg, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB: tl.constexpr, EMU: tl.constexpr):
+    """IQ2_XXS row dot products (as _v5_math's) of _v5_load's grid-index words: word e = 32-block g0 + e, byte b ->
+    grid row lut[byte] (8 int8 values 8 / 25 / 43 in words 2 byte, 2 byte + 1) of elements 32g + 8b..+7 (x words
+    8g + 2b, + 1), their signs bits 8b..+7 of the block's sg word, a nibble a grid word: _iq3_math's byte masks m and
+    (row ^ m) + (m & 0x01010101). Scale d * (0.5 + sc) * 0.25."""
+    e = g0 + tl.arange(0, NB)
+    me = tl.broadcast_to((e < NBK)[:, None, None], words.shape)
+    xp = tl.broadcast_to(xw_ptr + xwo[None, :, :] + (8 * e)[:, None, None], words.shape)
+    dx = tl.load(xd_ptr + tl.broadcast_to(xdo[None, :, :] + e[:, None, None], words.shape), mask=me, other=0.0)
+    sign_copy = tl.full(words.shape, 0xBA98, tl.int32)                 # prmt: bytes 0..3, each its bit 7 copied
+    r = tl.full(words.shape, MAGIC, tl.int32)
+    for b in tl.static_range(4):
+        row = lut_ptr + 2 * ((words >> (8 * b)) & 0xFF)
+        for h in tl.static_range(2):
+            m = ((sg >> (8 * b + 4 * h)) & 15) * 0x10204080
+            m = _prmt(m, m, sign_copy, EMU)
+            r = _dp4a((tl.load(row + h) ^ m) + (m & 0x01010101), tl.load(xp + (2 * b + h), mask=me, other=0), r, EMU)
+    scale = d.to(tl.float32) * (0.5 + sc.to(tl.float32)) * 0.25
+    return tl.sum(scale * ((r.to(tl.float32, bitcast=True) - MAGIC_F) * dx), axis=0)
+
+
+@triton.jit
 def _v5_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, FMT: tl.constexpr, NB: tl.constexpr):
     """Weight loads of step blocks g0 .. g0+NB (of NBK) of rows [A, B], word axis first: _v3_load's words and
     two scales (MXFP4 as Q4_0: its e byte in d) and a 4th value, Q5_K the qh words of the 64-chunks' 5th bits
     (word e: qh word 8 (e // 32) + e % 8 of the row), the words again for other formats. IQ3_XXS: its 2
-    grid-index words per 32-block, d (per 8 blocks), sc, the block's sg word 4th."""
-    if FMT == IQ3_XXS:
+    grid-index words per 32-block, d (per 8 blocks), sc, the block's sg word 4th. IQ2_XXS: one grid-index word per
+    32-block, d (per 8 blocks), sc and sg loaded as the words are (one each a word: consecutive, vector loads)."""
+    if FMT == IQ2_XXS:
+        e = g0 + tl.arange(0, NB)
+        m3 = (e < NBK)[:, None, None] & mask[None, :, :]
+        words = tl.load(q_ptr + rq[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
+        d = _v3_bload(d_ptr, rd, g0 // 8, NB // 8, 8, 1, 0, NBK // 8)
+        s = tl.load(sc_ptr + rsc[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
+        hw = tl.load(h_ptr + rh[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
+    elif FMT == IQ3_XXS:
         e = g0 * 2 + tl.arange(0, NB * 2)
         m3 = (e < NBK * 2)[:, None, None] & mask[None, :, :]
         words = tl.load(q_ptr + rq[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
@@ -339,10 +372,12 @@ def _v5_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, FMT: t
 def _v5_step(words, d, s, hw, g0, NBK, lut_ptr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT: tl.constexpr,
              NB: tl.constexpr, EMU: tl.constexpr):
     """Row dot products of _v5_load's values: Q5_K's 5th bits (bits 8b + 2 (c % 4), + 1 of qh word hw, c the
-    word's 64-chunk) OR-ed into the nibbles of byte b, then _k_math; IQ3_XXS _iq3_math (lut: the grid words,
-    _planes); other formats _v5_math."""
+    word's 64-chunk) OR-ed into the nibbles of byte b, then _k_math; IQ3_XXS _iq3_math, IQ2_XXS _iq2_math (lut: the
+    grid words, _planes); other formats _v5_math."""
     if FMT == IQ3_XXS:
         res = _iq3_math(words, d, s, hw, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB, EMU)
+    elif FMT == IQ2_XXS:
+        res = _iq2_math(words, d, s, hw, lut_ptr, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, NB, EMU)
     elif FMT == Q5_K:
         c = g0 + tl.arange(0, NB * 8) // 8
         hb = hw >> (2 * (c % 4))[:, None, None]
@@ -451,7 +486,7 @@ def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK: tl.c
             PDL_WAIT: tl.constexpr, EMU: tl.constexpr):
     """[A, B] dot products of whole rows: the weight loads of both pieces, (PDL_WAIT: the wait for the
     activations' grid), then the math. Planes beyond q, d: sc (Q4_K; Q5_K + h; d and sc as words), sc, h (Q6_K),
-    the grid in dmin's slot (m_ptr), sc, h (IQ3_XXS)."""
+    the grid in dmin's slot (m_ptr), sc, h (IQ3_XXS, IQ2_XXS)."""
     a, b = _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK, FMT, NB1, NB2)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -646,9 +681,9 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
 # (session 16: 25.88, 15.09 us), their tiles not swept yet. Session 17, the v5pdl pair at 15 tile combinations
 # (bench --only v5pdl,v5tiles): MXFP4 gate_up (4, 0, 1) 11.56-11.97 us vs (4, 0, 2) 12.03-12.44 at each down tile;
 # Q6_K gate_up (4, 0, 1) with down (8, 0, 2) 14.36 vs (16, 0, 4) / (8, 0, 4) 15.05; Q4_0 and Q4_K: no combination
-# beat their tiles (10.87, 13.0) by more than the run-to-run spread.
+# beat their tiles (10.87, 13.0) by more than the run-to-run spread. IQ2_XXS: IQ3_XXS's tiles, not timed yet.
 GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(4, 0, 1),
-            "MXFP4": Tile(4, 0, 1), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2)}
+            "MXFP4": Tile(4, 0, 1), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2), "IQ2_XXS": Tile(4, 0, 2)}
 # v5q's gate_up (h quantized by its programs; session 18, pairs with v5pdl's down tile, two calls on two boxes):
 # Q4_0 (32, 0, 8) 10.65 / 10.49 us vs v5pdl 10.97 / 10.89; Q6_K (32, 0, 8) 13.97 / 14.21 vs 14.31 / 14.29; Q4_K at
 # GATE_UP5's (8, 0, 4) 12.58 / 12.65 vs 13.02 / 12.98. (32, 0, 2): 17-234 us (spills); 64 rows slower.
@@ -659,29 +694,30 @@ GATE_UP5Q = {"Q4_0": Tile(32, 0, 8), "Q6_K": Tile(32, 0, 8), "Q4_K": Tile(32, 0,
 # programs (98 registers) load their weights beside gate_up's before their PDL wait; (4, 0, 8) 9.92-9.95, others
 # 10.0-11.3. The same sweep on Q4_K / Q6_K / Q8_0 / MXFP4's default pairs moved none beyond the spread.
 DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(16, 0, 8), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 2),
-         "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4)}
+         "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4), "IQ2_XXS": Tile(4, 0, 4)}
 
 
 def _planes(w):
     """The 6 planes (q and h as int32 words; Q4_K / Q5_K's d and sc too) and their 12 slot / row strides in
-    elements: v2_args without the table (sc read by Q4_K / Q5_K, Q6_K and IQ3_XXS, h by Q5_K / Q6_K / IQ3_XXS;
-    dmin and mn by none: Q4_K / Q5_K's are in the d and sc words; MXFP4's e in d). IQ3_XXS has no dmin: its slot
-    carries the grid as int32 words (4 int8 values each, stride 0)."""
+    elements: v2_args without the table (sc read by Q4_K / Q5_K, Q6_K and IQ3_XXS / IQ2_XXS, h by Q5_K / Q6_K /
+    IQ3_XXS / IQ2_XXS; dmin and mn by none: Q4_K / Q5_K's are in the d and sc words; MXFP4's e in d). IQ3_XXS and
+    IQ2_XXS have no dmin: its slot carries the grid as int32 words (4 int8 values each, stride 0)."""
     a = w.v2_args()
     planes = a[0:6]
-    if w.fmt == "IQ3_XXS":
-        planes[2] = _iq3_grid_words(planes[0].device)
+    if w.fmt in ("IQ3_XXS", "IQ2_XXS"):
+        planes[2] = _grid_words(w.fmt, planes[0].device)
     return planes + a[7:19]
 
 
-def _iq3_grid_words(device) -> torch.Tensor:
-    """IQ3_XXS grid as int32 [256] on `device` (cached): row i's 4 values (4..62) as the bytes of word i."""
+def _grid_words(fmt: str, device) -> torch.Tensor:
+    """The IQ3_XXS / IQ2_XXS grid as int32 [256] / [512] on `device` (cached): 4 values of a row (IQ3_XXS 4..62,
+    IQ2_XXS 8 / 25 / 43) as the bytes of a word, IQ2_XXS's row i in words 2i, 2i + 1."""
     from gguf import quants as gq
 
     from moetier.quant.bits import table
     from moetier.quant.iquants import _grid
-    return table("iq3xxs_words", device, lambda: _grid(gq.IQ3_XXS).to(torch.uint8).contiguous().view(torch.int32)
-                 .reshape(-1))
+    return table(f"{fmt.lower()}_words", device, lambda: _grid(getattr(gq, fmt)).to(torch.uint8).contiguous()
+                 .view(torch.int32).reshape(-1))
 
 
 def gate_up_v5(x, ids, w, act: int, alpha: float, limit: float, bias, h, cfg=None, pdl: bool = False,
@@ -823,5 +859,5 @@ def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool):
 
 
 def supports(w, k: int) -> bool:
-    """v5 reads FORMATS rows of whole blocks (32; Q4_K / Q5_K / Q6_K / IQ3_XXS 256-super-blocks)."""
+    """v5 reads FORMATS rows of whole blocks (32; Q4_K / Q5_K / Q6_K / IQ3_XXS / IQ2_XXS 256-super-blocks)."""
     return w.fmt in FORMATS and k % BLOCK[w.fmt] == 0

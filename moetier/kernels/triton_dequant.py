@@ -3,7 +3,7 @@ grouped GEMMs. The torch dequantizer (`dequantize_repacked`) takes several float
 every weight; at 8K-token prefill chunks it was most of the time of a 30B-A3B layer (~12 ms for
 the 128 experts of one Q4_0 layer on the H200, docs/perf-log.md). This kernel reads each block
 once and writes the weight once in the output dtype, with the tile loaders of the grouped kernels (Q8_0, Q4_0,
-Q4_K), whole bytes of each super-block / block (Q6_K, Q5_K, MXFP4: `_*_halves`), or element gathers (IQ3_XXS).
+Q4_K), whole bytes of each super-block / block (Q6_K, Q5_K, MXFP4: `_*_halves`), or element gathers (IQ3_XXS, IQ2_XXS).
 
     dequantize(fmt, planes, idx, dtype) -> [len(idx), N, K]     (planes [slots, N, K'] of one projection)
 """

@@ -74,7 +74,7 @@ def gemv(x: torch.Tensor, planes: dict[str, torch.Tensor], fmt: str, bias: torch
     pdl = use_pdl(x) if pdl is None else pdl and pdl_supported(x)
     out = torch.empty(t, w.n, dtype=x.dtype, device=x.device) if out is None else out
     xq, xd, xs = pre if pre is not None else q8.quantize(x, trigger=pdl)
-    words_per_row = k // STEP_BLOCK[fmt] * {"Q4_0": 4, "MXFP4": 4, "IQ3_XXS": 2}.get(fmt, 8)
+    words_per_row = k // STEP_BLOCK[fmt] * {"Q4_0": 4, "MXFP4": 4, "IQ3_XXS": 2, "IQ2_XXS": 1}.get(fmt, 8)
     bn = max(1, min(32, WORDS_PER_PROGRAM // words_per_row))
     bn = 1 << (bn.bit_length() - 1)
     nb1, nb2 = v3_pieces(k, fmt)

@@ -1,4 +1,4 @@
-"""GGML formats the GPU reads as stored (no repack planes): Q2_K, Q3_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S,
+"""GGML formats the GPU reads as stored (no repack planes): Q2_K, Q3_K, IQ4_XS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S,
 IQ1_M, the experts of llama.cpp's 1-3-bit files (Q2_K / Q3_K_M mixes, the i-quant mixes, DeepSeek's 1.58-bit IQ1_S /
 IQ1_M) and of IQ4_XS files.
 
@@ -11,16 +11,16 @@ GPU, the CPU kernels and the staging copies share one layout. The kernels that u
 bytes through L1: a first GPU path for these formats, not a tuned one (docs/perf-log.md has its figures).
 
 lut: the format's value table as float32 (triton_weights.raw_lut): IQ4_XS the 16 non-linear values, the i-quants
-their grids (IQ2_XXS [256, 8], IQ2_XS [512, 8], IQ2_S [1024, 8], IQ3_S [512, 4], IQ1_S / IQ1_M [2048, 8] of -1, 0, 1).
+their grids (IQ2_XS [512, 8], IQ2_S [1024, 8], IQ3_S [512, 4], IQ1_S / IQ1_M [2048, 8] of -1, 0, 1).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-# format codes (triton_weights.FMT_CODES; after the repacked formats' 0 .. 7)
-Q2_K, Q3_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M = (tl.constexpr(c) for c in range(8, 17))
-FIRST_RAW = tl.constexpr(8)
+# format codes (triton_weights.FMT_CODES; after the repacked formats' 0 .. 8: IQ2_XXS, read as stored before, is 8)
+Q2_K, Q3_K, IQ4_XS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M = (tl.constexpr(c) for c in range(9, 17))
+FIRST_RAW = tl.constexpr(9)
 
 
 @triton.jit
@@ -93,15 +93,6 @@ def deq_raw(q_ptr, lut_ptr, rows, e, m, FMT: tl.constexpr):
         dl = _half(_u16(q_ptr, rows, bb, m)) * ((lo | (hi << 4)) - 32).to(tl.float32)
         q = (_b(q_ptr, rows, bb + 8 + i * 16 + r % 16, m) >> (r % 32 // 16 * 4)) & 15
         return dl * tl.load(lut_ptr + q, mask=m, other=0.0)
-    elif FMT == IQ2_XXS:  # d, per 32: 4 grid bytes and a u32 of four 7-bit sign indices + the 4-bit scale
-        bb = sb * 66 + 2 + r // 32 * 8
-        j = r % 32 // 8
-        idx = _b(q_ptr, rows, bb + j, m)
-        s7 = ((_u16(q_ptr, rows, bb + 4, m) | (_u16(q_ptr, rows, bb + 6, m) << 16)) >> (7 * j)) & 0x7F
-        sc = _b(q_ptr, rows, bb + 7, m) >> 4
-        db = _half(_u16(q_ptr, rows, sb * 66, m)) * (0.5 + sc.to(tl.float32)) * 0.25
-        g = tl.load(lut_ptr + idx * 8 + r % 8, mask=m, other=0.0)
-        return db * g * _sign(_ksign(s7, r % 8))
     elif FMT == IQ2_XS:   # d, per 8: u16 (9-bit grid index, 7-bit sign index), 8 scale bytes (4 bits a 16)
         bb = sb * 74
         w = _u16(q_ptr, rows, bb + 2 + r // 8 * 2, m)

@@ -1,5 +1,5 @@
 """Weight tiles in element order for the grouped (prefill) GEMM, formats without a dedicated path
-(Q5_K, Q6_K, MXFP4, IQ3_XXS): each element gathered from the byte planes of moetier.quant.repack
+(Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS): each element gathered from the byte planes of moetier.quant.repack
 (q = qs / ql, h = qh / sg; see its doc for the layouts) and dequantized, as `dequantize_repacked`; the formats read
 as stored (Q2_K, Q3_K, the other i-quants, Q5_1: triton_rawq) from their GGML rows in the q plane.
 Gathers, not wide loads: prefill is bound by the tensor-core work, the tile is reused BM times.
@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .triton_rawq import FIRST_RAW, deq_raw
 
-Q5_K, Q6_K, MXFP4, IQ3_XXS = tl.constexpr(4), tl.constexpr(5), tl.constexpr(6), tl.constexpr(7)
+Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS = (tl.constexpr(c) for c in range(4, 9))
 
 
 @triton.jit
@@ -69,10 +69,12 @@ def deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rs
         v = e2m1_scaled(n)
         x = _ld(d_ptr, rd, e // 32, m).to(tl.int32)
         return e8m0_half(x) * (v * 32768.0)
-    else:                      # IQ3_XXS: grid byte e // 4, value e % 4, sign bit e % 32 of sg[e // 32]
-        idx = _ld(q_ptr, rq, e // 4, m).to(tl.int32)
-        gv = tl.load(lut_ptr + idx * 4 + e % 4)
+    else:                      # IQ3_XXS / IQ2_XXS: grid byte e // G, value e % G (rows of G = 4 / 8 values), sign
+        G: tl.constexpr = 8 if FMT == IQ2_XXS else 4              # bit e % 32 of sg[e // 32]
+        HALF: tl.constexpr = 0.25 if FMT == IQ2_XXS else 0.5
+        idx = _ld(q_ptr, rq, e // G, m).to(tl.int32)
+        gv = tl.load(lut_ptr + idx * G + e % G)
         sg = (_ld(h_ptr, rh, e // 32, m) >> (e % 32)) & 1
         sc = _ld(sc_ptr, rsc, e // 32, m).to(tl.float32)
-        db = _ld(d_ptr, rd, e // 256, m).to(tl.float32) * (0.5 + sc) * 0.5
+        db = _ld(d_ptr, rd, e // 256, m).to(tl.float32) * (0.5 + sc) * HALF
         return tl.where(m, db * tl.where(sg != 0, -gv, gv), 0.0)

@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import torch
 
-FMT_CODES = {"dense": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ3_XXS": 7}
-# GGML formats read as stored (triton_rawq: one "raw" plane of the file's rows): (code, block, bytes a block)
-RAW_FORMATS = {"Q2_K": (8, 256, 84), "Q3_K": (9, 256, 110), "IQ4_XS": (10, 256, 136), "IQ2_XXS": (11, 256, 66),
-               "IQ2_XS": (12, 256, 74), "IQ2_S": (13, 256, 82), "IQ3_S": (14, 256, 110), "IQ1_S": (15, 256, 50),
-               "IQ1_M": (16, 256, 56)}
+FMT_CODES = {"dense": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ3_XXS": 7,
+             "IQ2_XXS": 8}
+# GGML formats read as stored (triton_rawq: one "raw" plane of the file's rows): (code, block, bytes a block); codes
+# from triton_rawq.FIRST_RAW
+RAW_FORMATS = {"Q2_K": (9, 256, 84), "Q3_K": (10, 256, 110), "IQ4_XS": (11, 256, 136), "IQ2_XS": (12, 256, 74),
+               "IQ2_S": (13, 256, 82), "IQ3_S": (14, 256, 110), "IQ1_S": (15, 256, 50), "IQ1_M": (16, 256, 56)}
 FMT_CODES.update({f: code for f, (code, _, _) in RAW_FORMATS.items()})
-BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,
-         "IQ3_XXS": 256, **{f: block for f, (_, block, _) in RAW_FORMATS.items()}}   # row length must be a multiple
+BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,   # row lengths:
+         "IQ3_XXS": 256, "IQ2_XXS": 256, **{f: block for f, (_, block, _) in RAW_FORMATS.items()}}   # multiples
 
 # per format: plane -> elements of a row per entry of the plane's last dim (its length is K / that)
 PLANE_DIV = {"dense": {"w": 1}, "Q8_0": {"qs": 1, "d": 32}, "Q4_0": {"qs": 2, "d": 32},
              "Q4_K": {"qs": 2, "d": 128, "sc": 16}, "Q5_K": {"qs": 2, "d": 128, "sc": 16, "qh": 8},
              "Q6_K": {"ql": 2, "qh": 4, "sc": 16, "d": 256}, "MXFP4": {"qs": 2, "e": 32},
-             "IQ3_XXS": {"qs": 4, "sg": 32, "sc": 32, "d": 256}}
+             "IQ3_XXS": {"qs": 4, "sg": 32, "sc": 32, "d": 256},
+             "IQ2_XXS": {"qs": 8, "sg": 32, "sc": 32, "d": 256}}
 SLOTS = ("q", "d", "dmin", "sc", "mn", "h")            # kernel plane arguments, in order
 SLOT_OF = {"w": "q", "qs": "q", "ql": "q", "e": "d", "qh": "h", "sg": "h"}   # plane name -> slot
 WORD_SLOTS = ("q", "h")                                  # read as int32 words by the v2 kernels
@@ -82,7 +84,7 @@ class Weights:
         self.v2_strides = [st for slot, t in zip(SLOTS, self.v2_planes)
                            for st in ((t.stride(0), t.stride(1)) if slot in by_slot else (0, 0))]
         self.h_plane = by_slot.get("h", main)
-        self.lut = _iq3_grid(main.device) if fmt == "IQ3_XXS" else (self.v2_planes or [main])[0]
+        self.lut = iq_grid(fmt, main.device) if fmt in IQ_GRIDS else (self.v2_planes or [main])[0]
 
     def _init_raw(self, weight) -> None:
         """A format read as stored: one plane of GGML rows [slots, N, row_bytes] in every slot (triton_rawq)."""
@@ -115,16 +117,19 @@ class Weights:
         return [*self.v2_planes, self.lut, *self.v2_strides]
 
 
-def _iq3_grid(device) -> torch.Tensor:
-    """IQ3_XXS grid as float32 [256 * 4] on `device` (cached)."""
+IQ_GRIDS = {"IQ3_XXS": "iq3xxs_flat", "IQ2_XXS": "iq2xxs_flat"}     # the planes formats with a grid (lut)
+
+
+def iq_grid(fmt: str, device) -> torch.Tensor:
+    """IQ3_XXS / IQ2_XXS grid as float32 [256 * 4 / 256 * 8] on `device` (cached)."""
     from gguf import quants as gq
 
     from moetier.quant.bits import table
     from moetier.quant.iquants import _grid
-    return table("iq3xxs_flat", device, lambda: _grid(gq.IQ3_XXS).reshape(-1).contiguous())
+    return table(IQ_GRIDS[fmt], device, lambda: _grid(getattr(gq, fmt)).reshape(-1).float().contiguous())
 
 
-_RAW_TABLES = {"IQ4_XS": "IQ4_NL", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
+_RAW_TABLES = {"IQ4_XS": "IQ4_NL", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
                "IQ3_S": "IQ3_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_S"}
 
 

@@ -24,6 +24,7 @@ Planes per type (K = row length):
   IQ3_XXS  d f16[K/256]  sc u8[K/32] (4-bit)  sg i32[K/32] (bit e = sign of element e of the
         32-block: the four 7-bit ksigns indices expanded, parity bit included)  qs u8[K/4] (grid
         indices; byte i -> elements 4i .. 4i+3 of the 4-wide grid row)
+  IQ2_XXS  as IQ3_XXS (d, sc, sg the same) but qs u8[K/8]: byte i -> elements 8i .. 8i+7 of the 8-wide grid row
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ _FIELDS = {
     "Q6_K": {"ql": (0, 128, torch.uint8), "qh": (128, 64, torch.uint8), "sc": (192, 16, torch.int8),
              "d": (208, 2, torch.float16)},
 }
-REPACKED = set(_FIELDS) | {"IQ3_XXS"}
+REPACKED = set(_FIELDS) | {"IQ3_XXS", "IQ2_XXS"}
 
 
 def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -65,6 +66,8 @@ def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
     blocks = raw.reshape(*lead, nb, fmt.type_size)
     if fmt.name == "IQ3_XXS":
         return _repack_iq3_xxs(blocks, lead)
+    if fmt.name == "IQ2_XXS":
+        return _repack_iq2_xxs(blocks, lead)
     out = {}
     for name, (off, size, dtype) in _FIELDS[fmt.name].items():
         field = view_bytes(blocks[..., off:off + size], dtype)          # [..., nb, size / itemsize]
@@ -95,18 +98,33 @@ def k_scales(p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, to
     return (p["d"][..., 0::2], p["d"][..., 1::2], quad[..., 0:2].flatten(-2), quad[..., 2:4].flatten(-2))
 
 
-def _repack_iq3_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
-    """[..., nb, 98] blocks -> d, sc, sg, qs planes (module doc)."""
-    w = view_bytes(blocks[..., 66:98], torch.int32)                        # [..., nb, 8] u32 bit patterns
-    idx = shifts(w.unsqueeze(-1), [0, 7, 14, 21], 0x7F)                    # [..., nb, 8, 4, 1]
+def _sign_words(w: torch.Tensor) -> torch.Tensor:
+    """u32 words [..., m] whose bits 0-27 are four 7-bit ksigns indices (one per 8 elements) -> int32 [..., m]:
+    bit e = sign of element e of the 32-block (the parity bit included)."""
+    idx = shifts(w.unsqueeze(-1), [0, 7, 14, 21], 0x7F)                    # [..., m, 4, 1]
     ks = table("iq3xxs_ksigns", w.device,      # cached per device: no H2D copy per call (CUDA-graph safe)
                lambda: torch.tensor([i | (i.bit_count() & 1) << 7 for i in range(128)], dtype=torch.int32))
     sh = table("iq3xxs_shift", w.device, lambda: torch.tensor([0, 8, 16, 24], dtype=torch.int32))
-    sg = ks[idx.long()].squeeze(-1) << sh
+    return (ks[idx.long()].squeeze(-1) << sh).sum(-1, dtype=torch.int32)
+
+
+def _repack_iq3_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
+    """[..., nb, 98] blocks -> d, sc, sg, qs planes (module doc)."""
+    w = view_bytes(blocks[..., 66:98], torch.int32)                        # [..., nb, 8] u32 bit patterns
     return {"d": view_bytes(blocks[..., 0:2], torch.float16).reshape(*lead, -1),
             "sc": ((w >> 28) & 0xF).to(torch.uint8).reshape(*lead, -1),
-            "sg": sg.sum(-1, dtype=torch.int32).reshape(*lead, -1).contiguous(),
+            "sg": _sign_words(w).reshape(*lead, -1).contiguous(),
             "qs": blocks[..., 2:66].reshape(*lead, -1).contiguous()}
+
+
+def _repack_iq2_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
+    """[..., nb, 66] blocks (d, then per 32: 4 grid bytes, a u32 of signs and scale) -> d, sc, sg, qs planes."""
+    q = blocks[..., 2:66].reshape(*blocks.shape[:-1], 8, 8)                # [..., nb, 8 per 32, 8 bytes]
+    w = view_bytes(q[..., 4:8], torch.int32).squeeze(-1)                    # [..., nb, 8] u32 bit patterns
+    return {"d": view_bytes(blocks[..., 0:2], torch.float16).reshape(*lead, -1),
+            "sc": ((w >> 28) & 0xF).to(torch.uint8).reshape(*lead, -1),
+            "sg": _sign_words(w).reshape(*lead, -1).contiguous(),
+            "qs": q[..., 0:4].reshape(*lead, -1).contiguous()}
 
 
 def dequantize_repacked(qtype, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -193,16 +211,26 @@ def _q6_k(p):
     return _rows(dl * _groups(q, 16).float())
 
 
-def _iq3_xxs(p):
+def _iq_xxs(p, name: str, cls, half: float):
+    """IQ3_XXS / IQ2_XXS planes: value = d * (0.5 + sc) * half * grid[qs][j] * sign (grid rows of 4 / 8)."""
     sc = p["sc"].float()
     lead = sc.shape[:-1]
     d = p["d"].float().repeat_interleave(8, dim=-1)                      # [..., K/32]
-    db = (d * (0.5 + sc) * 0.5).unsqueeze(-1)
-    grid = table("iq3xxs", p["qs"].device, lambda: _grid(gq.IQ3_XXS))[p["qs"].long()]   # [..., K/4, 4]
+    db = (d * (0.5 + sc) * half).unsqueeze(-1)
+    grid = table(name, p["qs"].device, lambda: _grid(cls))[p["qs"].long()]   # [..., K / 4 or 8, 4 or 8]
     bits = shifts(p["sg"].unsqueeze(-1), list(range(32)), 1).flatten(-2)  # [..., K/32, 32]
     signs = torch.where(bits == 0, 1.0, -1.0)
     return _rows(db * grid.reshape(*lead, -1, 32) * signs)
 
 
+def _iq3_xxs(p):
+    return _iq_xxs(p, "iq3xxs", gq.IQ3_XXS, 0.5)
+
+
+def _iq2_xxs(p):
+    return _iq_xxs(p, "iq2xxs", gq.IQ2_XXS, 0.25)
+
+
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "IQ4_NL": _iq4_nl, "Q4_1": _q4_1, "Q5_0": _q5,
-            "Q5_1": _q5, "MXFP4": _mxfp4, "Q4_K": _q45_k, "Q5_K": _q45_k, "Q6_K": _q6_k, "IQ3_XXS": _iq3_xxs}
+            "Q5_1": _q5, "MXFP4": _mxfp4, "Q4_K": _q45_k, "Q5_K": _q45_k, "Q6_K": _q6_k, "IQ3_XXS": _iq3_xxs,
+            "IQ2_XXS": _iq2_xxs}
