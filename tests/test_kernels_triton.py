@@ -471,6 +471,11 @@ def test_bad_shapes_say_what_is_expected():
     planes, _, _ = make_experts("Q4_0", 4, 64, 96, bias=False)
     with pytest.raises(ValueError, match="planes"):
         tm.Weights({"qs": planes["qs"]}, "Q4_0")
+    rows = torch.randint(0, 256, (2, 3, 84 * 2), dtype=torch.uint8)         # two Q2_K blocks a row
+    assert tm.Weights({"raw": rows}, "Q2_K").k == 512
+    for bad in ({"qs": rows}, {"raw": rows[..., :100]}, {"raw": rows.float()}):
+        with pytest.raises(ValueError, match="read as stored"):
+            tm.Weights(bad, "Q2_K")
 
 
 # ------------------------------------------------------------------ real GPU
