@@ -73,8 +73,11 @@ def log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
+PLANES_RANDOM = ("Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ2_XXS", "Q2_K", "Q3_K")    # random_planes' formats
+
+
 def random_planes(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) -> dict:
-    """Random repack planes of `fmt` (Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS): random quant bits, scales sized so
+    """Random repack planes of `fmt` (PLANES_RANDOM: Q5_K, Q6_K, ...): random quant bits, scales sized so
     that rows give O(1) dot products. Valid input for the kernels and their twin alike."""
     def ints(cols, lo=0, hi=256, dtype=torch.uint8):
         return torch.randint(lo, hi, (slots, n, cols), device=device, generator=gen, dtype=torch.int32).to(dtype)
@@ -93,16 +96,18 @@ def random_planes(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) 
         sg = ints(k // 32, -2 ** 31, 2 ** 31 - 1, torch.int32)
         return {"qs": ints(k // (4 if fmt == "IQ3_XXS" else 8)), "sg": sg, "sc": ints(k // 32, 0, 16),
                 "d": scale(k // 256, 1 / 16)}
+    if fmt == "Q2_K":                                  # d plane: (d, dmin) a super-block
+        pair = torch.stack([scale(k // 256, 1 / 16), scale(k // 256, 1 / 16)], dim=-1).flatten(-2)
+        return {"qs": ints(k // 4), "sc": ints(k // 16), "d": pair.contiguous()}
+    if fmt == "Q3_K":
+        return {"qs": ints(k // 4), "hm": ints(k // 8), "sc": ints(k // 16, -32, 32, torch.int8),
+                "d": scale(k // 256, 1 / 64)}
     raise ValueError(f"no random planes for {fmt}")
 
 
-# the fp16 d fields of the formats read as stored (triton_rawq), byte offsets in a block; IQ1_M's d: its scales' nibbles
-RAW_D_AT = {"Q2_K": (80, 82), "Q3_K": (108,)}
-
-
 def random_raw(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) -> dict:
-    """Random GGML rows of a format read as stored: random bytes, each block's fp16 d set to a finite value sized so
-    that rows give O(1) dot products."""
+    """Random GGML rows of a format read as stored: random bytes, each block's fp16 d (bytes 0, 1; IQ1_M's: its
+    scales' top nibbles) set to a finite value sized so that rows give O(1) dot products."""
     _, block, size = tm.RAW_FORMATS[fmt]
     nb = k // block
     raw = torch.randint(0, 256, (slots, n, nb, size), device=device, generator=gen, dtype=torch.int32).to(torch.uint8)
@@ -113,8 +118,7 @@ def random_raw(fmt: str, slots: int, n: int, k: int, gen, device: str = DEV) -> 
             hi = raw[..., 49 + 2 * j].int()
             raw[..., 49 + 2 * j] = ((hi & 0x0F) | (((bits >> (4 * j)) & 0xF) << 4)).to(torch.uint8)
     else:
-        for at in RAW_D_AT.get(fmt, (0,)):
-            raw[..., at], raw[..., at + 1] = (bits & 0xFF).to(torch.uint8), (bits >> 8).to(torch.uint8)
+        raw[..., 0], raw[..., 1] = (bits & 0xFF).to(torch.uint8), (bits >> 8).to(torch.uint8)
     return {"raw": raw.reshape(slots, n, nb * size)}
 
 
@@ -122,7 +126,7 @@ def make_weights(fmt: str, slots: int, n: int, k: int, gen: torch.Generator | No
     """Random [slots, n, k] weights in the kernel layout, built on the GPU (quantized formats by a
     vectorised torch quantizer: same block layout as GGML, values need not match gguf-py's rounding;
     the newer formats as random planes or random GGML rows)."""
-    if fmt in ("Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ2_XXS"):
+    if fmt in PLANES_RANDOM:
         return random_planes(fmt, slots, n, k, gen, device)
     if fmt in tm.RAW_FORMATS:
         return random_raw(fmt, slots, n, k, gen, device)
@@ -592,7 +596,7 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
 def sweep(c: Case, gen, what: str = "all") -> dict:
     """Decode tiles (T=1) and grouped tiles (T=512): the fastest of a small grid per kernel."""
     elem = {"dense": 2, "Q8_0": 1, "Q4_0": 0.5, "Q4_K": 0.5, "Q5_K": 0.625, "Q6_K": 0.75, "MXFP4": 0.5,
-            "IQ3_XXS": 0.4, "IQ2_XXS": 0.29}[c.fmt]
+            "IQ3_XXS": 0.4, "IQ2_XXS": 0.29, "Q2_K": 0.33, "Q3_K": 0.45}[c.fmt]
     words = (True,)                      # quantized formats: v2 tiles (BN, BK, warps, stages; words unused)
 
     def tiles(bns, bks, k_len, rows, lo, hi):               # bytes per K step within [lo, hi]

@@ -94,7 +94,8 @@ def main() -> int:
         for kind, (fn, const) in cases.items():
             types = {"hq_ptr": "*i8", "cnt_ptr": "*i32", "x_ptr": "*bf16", "xq8_ptr": "*i8",
                      **({"m_ptr": "*i32"} if fmt in ("IQ3_XXS", "IQ2_XXS") else {}),
-                     **({"d_ptr": "*i32", "sc_ptr": "*i32"} if fmt in ("Q4_K", "Q5_K") else {})}   # word planes
+                     **({"d_ptr": "*i32", "sc_ptr": "*i32"} if fmt in ("Q4_K", "Q5_K", "Q2_K") else {}),  # words
+                     **({"d_ptr": "*fp16", "sc_ptr": "*i8"} if fmt == "Q3_K" else {})}
             err = compile_for_sm90(fn, const, types)
             bad += err is not None
             print(f"{fmt:5} {kind:8} {'ok' if err is None else err}")

@@ -44,7 +44,7 @@ SMALL_DECODE = {"cfg_gate_up": (512, 256, 4), "cfg_down": (512, 256, 4)}   # row
 SMALL_GROUPED = {"cfg": (64, 256, 4, 1)}
 FMT_SHAPES = {"dense": (72, 40), "Q8_0": (64, 96), "Q4_0": (64, 96), "Q4_K": (256, 256), "Q5_K": (256, 256),
               "Q6_K": (256, 256), "MXFP4": (64, 96), "IQ3_XXS": (256, 256), "IQ2_XXS": (256, 256),
-              **{f: (256, 256) for f in tm.RAW_FORMATS}}  # (D, I)
+              "Q2_K": (256, 256), "Q3_K": (256, 256), **{f: (256, 256) for f in tm.RAW_FORMATS}}  # (D, I)
 QUANT = [f for f in ops.KERNEL_FORMATS if f != "dense"]
 
 
@@ -174,7 +174,7 @@ def test_decode_v1_and_v2_agree_with_twin(fmt):
         assert rel_err(run_kernel("decode", x, ids, w, gu, dn, fmt, "swiglu", None, variant="v2"), want) <= 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K", "IQ3_XXS", "IQ2_XXS"])
+@pytest.mark.parametrize("fmt", ["Q5_K", "Q6_K", "IQ3_XXS", "IQ2_XXS", "Q2_K", "Q3_K"])
 def test_decode_v2_k_tail(fmt):
     """K = 3 super-blocks with a 2-super-block step: the second step's blocks are half masked."""
     gu, dn, _ = make_experts(fmt, 3, 768, 256, bias=False)
@@ -226,7 +226,7 @@ def test_decode_v3_default_tiles_and_h(fmt):
 
 
 V5_SHAPES = {**V3_SHAPES, "Q6_K": (768, 256), "MXFP4": (64, 96), "Q5_K": (768, 256), "IQ3_XXS": (768, 256),
-             "IQ2_XXS": (768, 256)}
+             "IQ2_XXS": (768, 256), "Q2_K": (768, 256), "Q3_K": (768, 256)}
 
 
 # gpt-oss's activation and biases are format-independent code: with the cheap formats (and MXFP4, gpt-oss's own);
@@ -239,8 +239,8 @@ def test_decode_v5_matches_its_twin(fmt, gpt_oss):
     """v5 (triton_decode_q8: x and h as int8 per 32-block, dp4a; emulated under the interpreter): against the
     twin that quantizes the same way (ops.moe_native act_q8) to 1e-4; against the float twin within int8
     activation error. 3 tokens x k=3 of 6 slots (k padded to 4 in the down tile, a missing slot), K in two
-    pieces (Q8_0/Q4_0/MXFP4 I = 96: 2 + 1 blocks; D = 768: Q4_K/Q5_K 8 + 4 chunks, Q6_K 4 + 2, IQ3_XXS / IQ2_XXS
-    16 + 8 blocks), wide tiles (rows masked), poisoned output; v5pdl likewise."""
+    pieces (Q8_0/Q4_0/MXFP4 I = 96: 2 + 1 blocks; D = 768: Q4_K/Q5_K 8 + 4 chunks, Q6_K / Q2_K / Q3_K 4 + 2,
+    IQ3_XXS / IQ2_XXS 16 + 8 blocks), wide tiles (rows masked), poisoned output; v5pdl likewise."""
     d, i = V5_SHAPES[fmt]
     gu, dn, biases = make_experts(fmt, 6, d, i, bias=gpt_oss)
     act = ops.Act("clamped_swiglu", 1.702, 7.0) if gpt_oss else "swiglu"
@@ -331,11 +331,12 @@ def test_decode_variant_errors_say_what_reads_what():
         tm.variant_of("dense", "v2")
     assert tm.variant_of("dense", None) == "v1"
     # timed faster on the H200 (sessions 8-38): v5q (h quantized by gate_up) where its pair won, v5qx (and x) for Q4_0;
-    # IQ2_XXS's v5 kernels are not timed yet: v2 by default, v5 / v5pdl on request
+    # IQ2_XXS's, Q2_K's and Q3_K's v5 kernels are not timed yet: v2 by default, v5 / v5pdl on request
+    untimed = ("IQ2_XXS", "Q2_K", "Q3_K")
     assert {f: tm.variant_of(f, None) for f in QUANT} == {f: "v5qx" if f == "Q4_0" else "v5q" if f in ("Q6_K", "Q4_K")
-                                                          else "v2" if f in tm.RAW_FORMATS or f == "IQ2_XXS"
+                                                          else "v2" if f in tm.RAW_FORMATS or f in untimed
                                                           else "v5pdl" for f in QUANT}
-    assert tm.variant_of("IQ2_XXS", "v5pdl") == "v5pdl" and tm.variant_of("IQ2_XXS", "v5") == "v5"
+    assert all(tm.variant_of(f, "v5pdl") == "v5pdl" and tm.variant_of(f, "v5") == "v5" for f in untimed)
     assert tm.variant_of("IQ3_XXS", "v2pdl") == "v2pdl"                # v2 + PDL on CUDA (bench)
     assert tm.variant_of("Q4_0", "v3") == "v3" and tm.variant_of("Q6_K", "v3pdl") == "v3pdl"  # Q6_K: v2 kernels
     assert tm.variant_of("Q4_K", "v5") == "v5"                         # Q4_K: v5 kernels too (triton_decode_q8)
@@ -346,8 +347,8 @@ def test_decode_variant_errors_say_what_reads_what():
 
 
 @pytest.mark.parametrize("fmt,t", [("dense", 3), ("dense", 17), ("Q8_0", 17), ("Q4_0", 17), ("Q4_K", 9), ("Q5_K", 9),
-                                   ("Q6_K", 9), ("MXFP4", 17), ("IQ3_XXS", 9), ("IQ2_XXS", 9),
-                                   *((f, 9) for f in tm.RAW_FORMATS)])
+                                   ("Q6_K", 9), ("MXFP4", 17), ("IQ3_XXS", 9), ("IQ2_XXS", 9), ("Q2_K", 9),
+                                   ("Q3_K", 9), *((f, 9) for f in tm.RAW_FORMATS)])
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "clamped+bias"])
 def test_grouped_matches_twin(fmt, t, gpt_oss):
     d, i = FMT_SHAPES[fmt]
@@ -471,11 +472,11 @@ def test_bad_shapes_say_what_is_expected():
     planes, _, _ = make_experts("Q4_0", 4, 64, 96, bias=False)
     with pytest.raises(ValueError, match="planes"):
         tm.Weights({"qs": planes["qs"]}, "Q4_0")
-    rows = torch.randint(0, 256, (2, 3, 84 * 2), dtype=torch.uint8)         # two Q2_K blocks a row
-    assert tm.Weights({"raw": rows}, "Q2_K").k == 512
+    rows = torch.randint(0, 256, (2, 3, 74 * 2), dtype=torch.uint8)         # two IQ2_XS blocks a row
+    assert tm.Weights({"raw": rows}, "IQ2_XS").k == 512
     for bad in ({"qs": rows}, {"raw": rows[..., :100]}, {"raw": rows.float()}):
         with pytest.raises(ValueError, match="read as stored"):
-            tm.Weights(bad, "Q2_K")
+            tm.Weights(bad, "IQ2_XS")
 
 
 # ------------------------------------------------------------------ real GPU

@@ -182,9 +182,9 @@ def test_unsupported_expert_type_is_a_user_error(model_dir, tmp_path):
 @pytest.mark.parametrize("ftype,qtypes", [("Q2_K", {"Q2_K", "Q3_K"}), ("IQ3_M", {"IQ3_S", "Q4_K"})])
 def test_low_bit_files_in_the_tiers(model_dir, tmp_path, ftype, qtypes):
     """llama.cpp's 2-3-bit mixes (Q2_K: gate / up Q2_K, down Q3_K; IQ3_M: IQ3_S, some downs Q4_K) stay packed in
-    every tier (their GPU
-    kernels read the GGML rows as stored, kernels/triton_rawq.py): all experts in the fast tier (the torch twin here)
-    exactly the file dequantized at load, all in RAM (the C kernels) within TOL."""
+    every tier (the GPU kernels read Q2_K / Q3_K as quant.repack planes, IQ3_S's GGML rows as stored,
+    kernels/triton_rawq.py): all experts in the fast tier (the torch twin here) exactly the file dequantized at load,
+    all in RAM (the C kernels) within TOL."""
     out = quantize(model_dir, ftype, tmp_path / f"m-{ftype}.gguf")
     dense, _, _ = load_model(out)
     tokens = torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(3))

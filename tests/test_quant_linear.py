@@ -11,10 +11,11 @@ from moetier.kernels import ops
 from moetier.models.quant_linear import QuantLinear, gpu_blocks, install
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS", "IQ2_XXS")
-# K in two pieces per row: 2 + 1 32-blocks (IQ3_XXS / IQ2_XXS 16 + 8); Q4_K / Q5_K 8 + 4 64-chunks, Q6_K 4 + 2
-# 128-chunks
-K_OF = {"Q8_0": 96, "Q4_0": 96, "MXFP4": 96, "Q4_K": 768, "Q5_K": 768, "Q6_K": 768, "IQ3_XXS": 768, "IQ2_XXS": 768}
+QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS", "IQ2_XXS", "Q2_K", "Q3_K")
+# K in two pieces per row: 2 + 1 32-blocks (IQ3_XXS / IQ2_XXS 16 + 8); Q4_K / Q5_K 8 + 4 64-chunks, Q6_K / Q2_K /
+# Q3_K 4 + 2 128-chunks
+K_OF = {"Q8_0": 96, "Q4_0": 96, "MXFP4": 96, "Q4_K": 768, "Q5_K": 768, "Q6_K": 768, "IQ3_XXS": 768, "IQ2_XXS": 768,
+        "Q2_K": 768, "Q3_K": 768}
 
 
 def rel_err(a, b) -> float:

@@ -10,11 +10,11 @@ from moetier.kernels.triton_repack import repack_rows, supported  # noqa: E402
 from moetier.quant.formats import get_format  # noqa: E402
 from moetier.quant.repack import repack  # noqa: E402
 
-FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q2_K"]
 
 
 def test_supported_formats():
-    assert all(supported(f) for f in FORMATS) and not supported("IQ3_XXS")
+    assert all(supported(f) for f in FORMATS) and not supported("IQ3_XXS") and not supported("Q3_K")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

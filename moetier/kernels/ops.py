@@ -25,8 +25,8 @@ import torch
 
 MAX_DECODE_TOKENS = 8        # up to this many tokens: the GEMV decode kernels, above: grouped GEMM
 # each matches its twin; the second line's formats are read as stored (kernels/triton_rawq.py: element gathers)
-KERNEL_FORMATS = ("dense", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ2_XXS",
-                  "Q2_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ2_S", "IQ3_S", "IQ1_S", "IQ1_M")
+KERNEL_FORMATS = ("dense", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ3_XXS", "IQ2_XXS", "Q2_K", "Q3_K",
+                  "IQ4_XS", "IQ2_XS", "IQ2_S", "IQ3_S", "IQ1_S", "IQ1_M")
 _FLOAT_NAMES = {None, "dense", "float", "bf16", "bfloat16", "f16", "fp16", "float16", "f32", "fp32", "float32"}
 
 

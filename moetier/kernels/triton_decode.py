@@ -14,8 +14,8 @@ weight in gate_up and 9-13 in down (sm_90 SASS, bench --compile-sm90); v2 4.9-5.
   - h between the projections is kept in float32 (values rounded to x's dtype first, as the twin
     does): the down kernel's x loads need no conversion.
 Blocks of a step: Q8_0 / Q4_0 / MXFP4 / IQ3_XXS / IQ2_XXS 32 elements, Q4_K / Q5_K 64 (two 32-sub-blocks),
-Q6_K 128 (half a super-block). Each `_dot_*` returns [BN, NB] scaled partial dot products.
-Planes (moetier.quant.repack; word planes as int32 views): q (qs / ql), d, dmin, sc, mn, h (qh / sg).
+Q6_K / Q2_K / Q3_K 128 (half a super-block). Each `_dot_*` returns [BN, NB] scaled partial dot products.
+Planes (moetier.quant.repack; word planes as int32 views): q (qs / ql), d, dmin, sc, mn, h (qh / sg / hm).
 Q4_K / Q5_K read d and sc as words too (triton_weights): a super-block's (d, dmin) in one (`k_dmin`), a
 64-chunk's sc_lo, sc_hi, mn_lo, mn_hi in another (`k_byte`), where six loads were.
 """
@@ -30,9 +30,9 @@ from .triton_rawq import FIRST_RAW, deq_raw
 from .triton_tiles import e8m0_half
 from .triton_weights import RAW_FORMATS
 
-Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS = (tl.constexpr(c) for c in range(1, 9))
+Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS, Q2_K, Q3_K = (tl.constexpr(c) for c in range(1, 11))
 STEP_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_K": 64, "Q5_K": 64, "Q6_K": 128, "MXFP4": 32, "IQ3_XXS": 32, "IQ2_XXS": 32,
-              **{f: 32 for f in RAW_FORMATS}}
+              "Q2_K": 128, "Q3_K": 128, **{f: 32 for f in RAW_FORMATS}}
 ONE_BITS = 0x3F800000                  # bits of 1.0f: the kernels' `one` argument (module doc)
 SWIGLU = tl.constexpr(0)
 
@@ -230,6 +230,56 @@ def _dot_q6_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, c0, NCK, x_ptr
 
 
 @triton.jit
+def _dot_q23_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, c0, NCK, x_ptr, xo, one, NB: tl.constexpr,
+               Q3: tl.constexpr):
+    """128-chunks c (half a super-block) of q words 8c + w, w < 8: bits 2m, 2m + 1 of byte j of word w (l = 4w + j)
+    are the 2 low bits of element 128c + 32m + l, m = 0..3; its 16-sub-block 8c + 2m + (w >= 4). Q2_K: q at bits
+    21-22 (f = 1 + q / 4), value d * sc * q - dmin * mn: (d, dmin) from d word c // 2, (sc | mn << 4) bytes from sc
+    words 2c, 2c + 1. Q3_K: the high bit h, bit 4 (c % 2) + m of byte j of hm word 8 (c // 2) + w, at bit 22 over the
+    2 low bits at 20-21 (f = 1 + u / 8, u = q + 4h), value d * sc * (u - 4), sc int8 bytes, d per super-block."""
+    c = c0 + tl.arange(0, NB)
+    mc = c < NCK
+    m2 = mask[:, None] & mc[None, :]
+    m3 = m2[:, :, None]
+    wi = tl.arange(0, 8)
+    words = tl.load(q_ptr + rq[:, None, None] + (c[:, None] * 8 + wi[None, :])[None, :, :], mask=m3, other=0)
+    if Q3:
+        hw = tl.load(h_ptr + rh[:, None, None] + ((c // 2)[:, None] * 8 + wi[None, :])[None, :, :], mask=m3, other=0)
+        hw = hw >> (4 * (c % 2))[None, :, None]            # bit 8j + m: high bit of element (m, 4w + j)
+    else:
+        s0 = tl.load(sc_ptr + rsc[:, None] + (2 * c)[None, :], mask=m2, other=0)[:, :, None]
+        s1 = tl.load(sc_ptr + rsc[:, None] + (2 * c + 1)[None, :], mask=m2, other=0)[:, :, None]
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    acc_m = tl.zeros(words.shape, dtype=tl.float32)
+    for m in tl.static_range(4):
+        p = tl.zeros(words.shape, dtype=tl.float32)
+        sx = tl.zeros([NB, 8], dtype=tl.float32)
+        for j in tl.static_range(4):
+            x = _xload(x_ptr, xo, c[:, None] * 128 + wi[None, :] * 4 + (j + 32 * m), mc[:, None])
+            if Q3:
+                f = _f(_field(words, 20 - 8 * j - 2 * m, 0x300000) | _field(hw, 22 - 8 * j - m, 0x400000), one)
+            else:
+                f = _f(_field(words, 21 - 8 * j - 2 * m, 0x600000), one)
+            p += f * x[None, :, :]
+            sx += x
+        if Q3:                 # sum (u - 4) x = 8 (p - sum x) - 4 sum x
+            sc = tl.load(sc_ptr + rsc[:, None, None] + (c[:, None] * 8 + 2 * m + wi[None, :] // 4)[None, :, :],
+                         mask=m3, other=0).to(tl.float32)
+            acc += sc * (8.0 * p - 12.0 * sx[None, :, :])
+        else:                  # the sub-block's byte: 2 (m % 2) + (w >= 4) of sc word 2c + m // 2
+            b = ((s0 if m < 2 else s1) >> (8 * (2 * (m % 2) + wi // 4))[None, None, :]) & 0xFF
+            acc += (b & 15).to(tl.float32) * (4.0 * p - 4.0 * sx[None, :, :])
+            acc_m += (b >> 4).to(tl.float32) * sx[None, :, :]
+    if Q3:
+        d = tl.load(d_ptr + rd[:, None] + (c // 2)[None, :], mask=m2, other=0.0).to(tl.float32)
+        res = d * tl.sum(acc, axis=2)
+    else:
+        d, dm = k_dmin(tl.load(d_ptr + rd[:, None] + (c // 2)[None, :], mask=m2, other=0))
+        res = d * tl.sum(acc, axis=2) - dm * tl.sum(acc_m, axis=2)
+    return res
+
+
+@triton.jit
 def _dot_iq_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo,
                 FMT: tl.constexpr, NB: tl.constexpr):
     """IQ3_XXS: 32-blocks of 2 grid-index words; byte j of word w -> grid row (4 values, float table lut) of
@@ -285,6 +335,9 @@ def _dot(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rsc, r
                           FMT == Q5_K)
     elif FMT == Q6_K:
         return _dot_q6_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, one, NB)
+    elif FMT == Q2_K or FMT == Q3_K:
+        return _dot_q23_k(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, one, NB,
+                          FMT == Q3_K)
     else:
         return _dot_iq_xxs(q_ptr, d_ptr, sc_ptr, h_ptr, lut_ptr, rq, rd, rsc, rh, mask, g0, NBK, x_ptr, xo, FMT, NB)
 

@@ -1,5 +1,5 @@
 """Decode GEMV kernels, variant "v5": int8 activations and integer dot products (dp4a) for Q8_0 / Q4_0 / Q4_K /
-Q5_K / Q6_K / MXFP4 / IQ3_XXS / IQ2_XXS.
+Q5_K / Q6_K / MXFP4 / IQ3_XXS / IQ2_XXS / Q2_K / Q3_K.
 
 Why (H200, Qwen3-30B-A3B layer, T=1, session 8): v3 reads Q4_0 at 21% of HBM (gate_up 12.2 us, down 12.2 us
 for half of Q8_0's bytes) and Q8_0 at 49%: the float math is the limit, not the memory. v3 spends per 4-bit
@@ -35,6 +35,14 @@ float32, 8 experts per program) is the worst. As llama.cpp's MMVQ does, x is qua
   - IQ2_XXS word (one a 32-block: 4 grid indices, 32 weights: `_iq2_math`): byte b -> two int32 gathers of grid row
     lut[b] (8 int8 values 8 / 25 / 43, 4 a word), signs from 8 bits of the block's sg word, a nibble a word as
     IQ3_XXS's, two dp4a with x words 8g + 2b, + 1; v = d * (0.5 + sc) * 0.25 * dx * r;
+  - Q2_K word (16 weights of a 128-chunk c, its 4 parts m: `_q23_math`): q = (w >> 2m) & 0x03030303 are elements
+    128c + 32m + 4 (e % 8)..+3 (x word 32c + 8m + e % 8, 32-block 4c + m), 16-sub-block 8c + 2m + (e % 8) // 4 with
+    its byte sc | mn << 4; q * sc stays a byte (<= 45): r = dp4a(q * sc, xw), the min's u = mn * dp4a(0x01010101,
+    xw) (x's sum over the 4 elements), each summed as int32 over the chunk's 8 words (both halves of the 32-block
+    share dx), v = dx * (d * r - dmin * u) a 32-block;
+  - Q3_K word: Q2_K's 2 low bits, the high bit of each byte from the hm word (bit 4 (c % 2) + m of each byte: clear
+    -> q - 4, the byte OR 0xFC: a signed int8 -4..3); sc (-32..31) times q does not fit a byte: r = sc * dp4a(q,
+    xw) per word, summed over the chunk's 8 words, v = d * dx * r;
   - Q8_0 / Q4_0 / MXFP4 sum a 32-block's dp4a results as int32 first (a thread holds the block's words of each of
     its rows: `_per_block`), then take the float step above once a block (|sum| < 2^22, exact in the mantissa);
   - x per token (gate_up) and h per pair (down) are quantized by `quantize`, a separate small launch each
@@ -57,8 +65,8 @@ from .triton_decode import STEP_BLOCK, Tile, _act, _v3_bload, _v3_load, k_byte, 
 from .triton_tiles import e8m0_half
 from .triton_weights import BLOCK
 
-Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS = (tl.constexpr(c) for c in range(1, 9))   # FMT_CODES
-FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS", "IQ2_XXS")
+Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS, Q2_K, Q3_K = (tl.constexpr(c) for c in range(1, 11))  # FMT_CODES
+FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4", "Q5_K", "IQ3_XXS", "IQ2_XXS", "Q2_K", "Q3_K")
 MAGIC = tl.constexpr(0x4B400000)      # bits of 1.5 * 2^23: an int32 added to them is read as 12582912 + int
 MAGIC_F = tl.constexpr(12582912.0)
 # MXFP4's doubled E2M1 codebook as int8 bytes, 4 a word: codes 0..7 (0, 1, 2, 3 | 4, 6, 8, 12), 8..15 negated
@@ -443,6 +451,71 @@ def _q6_math(wa, wb, wh, d, s0, s1, s2, s3, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, N
 
 
 @triton.jit
+def _q23_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, g0, NBK, Q3: tl.constexpr, NB: tl.constexpr):
+    """Q2_K / Q3_K loads of 128-chunks g0 .. g0+NB (of NBK) of rows [A, B], word axis first as _v3_load's: word e of
+    the step (chunk c = e // 8, w = e % 8) gets q word e and d (per 2 chunks: Q2_K's the (d, dmin) word); Q2_K the
+    sc words 2c, 2c + 1 (the bytes of 16-sub-blocks 8c .. 8c + 7); Q3_K the hm word 8 (c // 2) + w and the int8
+    scales sc[8c + 2m + w // 4] of its 4 parts m (clamped, unmasked). A 7-tuple: words, d, hm / sc word 2c, the 4
+    scales / sc word 2c + 1 (repeated)."""
+    e = g0 * 8 + tl.arange(0, NB * 8)
+    m3 = (e < NBK * 8)[:, None, None] & mask[None, :, :]
+    words = tl.load(q_ptr + rq[None, :, :] + e[:, None, None], mask=m3, other=0, eviction_policy="evict_first")
+    d = _v3_bload(d_ptr, rd, g0 // 2, NB // 2, 16, 1, 0, NBK // 2)
+    if Q3:
+        hw = tl.load(h_ptr + rh[None, :, :] + (8 * (e // 16) + e % 8)[:, None, None], mask=m3, other=0,
+                     eviction_policy="evict_first")
+        ps = sc_ptr + rsc[None, :, :] + (8 * tl.minimum(e // 8, NBK - 1) + (e % 8) // 4)[:, None, None]
+        s0, s1, s2, s3 = tl.load(ps), tl.load(ps + 2), tl.load(ps + 4), tl.load(ps + 6)
+    else:
+        hw = _v3_bload(sc_ptr, rsc, g0, NB, 8, 2, 0, NBK)
+        s0 = _v3_bload(sc_ptr, rsc, g0, NB, 8, 2, 1, NBK)
+        s1, s2, s3 = s0, s0, s0
+    return words, d, hw, s0, s1, s2, s3
+
+
+@triton.jit
+def _q23_math(words, d, hw, s0, s1, s2, s3, g0, NBK, xw_ptr, xwo, xd_ptr, xdo, Q3: tl.constexpr, NB: tl.constexpr,
+              EMU: tl.constexpr):
+    """Row dot products [A, B] of _q23_load's values with the int8 activations (as _v5_math's; module doc): per part
+    m of a word (elements 128c + 32m + 4w..+3, x word 32c + 8m + w, 32-block 4c + m) one or two dp4a, summed as int32
+    over the chunk's 8 words (|sum| < 2^22), one scale step a 32-block. Q2_K: hw and s0 are the sc words 2c, 2c + 1."""
+    e = g0 * 8 + tl.arange(0, NB * 8)
+    me = tl.broadcast_to((e < NBK * 8)[:, None, None], words.shape)
+    c = e // 8
+    w = e % 8
+    if Q3:
+        hb = hw >> (4 * (c % 2))[:, None, None]
+    else:
+        ones = tl.full(words.shape, 0x01010101, tl.int32)
+    v = tl.zeros([NB, words.shape[1], words.shape[2]], dtype=tl.float32)
+    v_m = tl.zeros([NB, words.shape[1], words.shape[2]], dtype=tl.float32)
+    for m in tl.static_range(4):
+        xw = tl.load(tl.broadcast_to(xw_ptr + xwo[None, :, :] + (32 * c + 8 * m + w)[:, None, None], words.shape),
+                     mask=me, other=0)
+        dx = tl.load(xd_ptr + tl.broadcast_to(xdo[None, :, :] + (4 * c + m)[:, None, None], words.shape), mask=me,
+                     other=0.0)
+        dx = _per_block(dx, NB, 8, False, EMU)
+        q = (words >> (2 * m)) & 0x03030303
+        if Q3:                 # a clear high bit: the byte - 4 (q | 0xFC, q < 4)
+            q = q | ((((hb >> m) & 0x01010101) ^ 0x01010101) * 0xFC)
+            sc = s0 if m == 0 else s1 if m == 1 else s2 if m == 2 else s3
+            r = _per_block(sc.to(tl.int32) * _dp4a(q, xw, 0, EMU), NB, 8, True, EMU)
+            v += dx * ((r + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F)
+        else:                  # the sub-block's byte 2 (m % 2) + w // 4 of sc word 2c + m // 2: scale | min << 4
+            b = ((hw if m < 2 else s0) >> (8 * (2 * (m % 2) + w // 4))[:, None, None]) & 0xFF
+            r = _per_block(_dp4a(q * (b & 15), xw, 0, EMU), NB, 8, True, EMU)
+            u = _per_block((b >> 4) * _dp4a(ones, xw, 0, EMU), NB, 8, True, EMU)
+            v += dx * ((r + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F)
+            v_m += dx * ((u + MAGIC).to(tl.float32, bitcast=True) - MAGIC_F)
+    if Q3:
+        res = _per_block(d, NB, 8, False, EMU).to(tl.float32) * v
+    else:
+        dd, dm = k_dmin(_per_block(d, NB, 8, False, EMU))
+        res = dd * v - dm * v_m
+    return tl.sum(res, axis=0)
+
+
+@triton.jit
 def _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK: tl.constexpr, FMT: tl.constexpr,
               NB1: tl.constexpr, NB2: tl.constexpr):
     """_v5_dot's weight loads of both pieces, as two tuples (the second is the first again where NB2 == 0)."""
@@ -451,6 +524,11 @@ def _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK: tl.conste
         b = a
         if NB2 > 0:
             b = _q6_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NB1, NBK, NB2)
+    elif FMT == Q2_K or FMT == Q3_K:
+        a = _q23_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK, FMT == Q3_K, NB1)
+        b = a
+        if NB2 > 0:
+            b = _q23_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NB1, NBK, FMT == Q3_K, NB2)
     else:
         a = _v5_load(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, 0, NBK, FMT, NB1)
         b = a
@@ -468,6 +546,12 @@ def _v5_maths(a, b, m_ptr, NBK: tl.constexpr, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, 
         if NB2 > 0:
             acc += _q6_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, NB2,
                             EMU)
+    elif FMT == Q2_K or FMT == Q3_K:
+        acc = _q23_math(a[0], a[1], a[2], a[3], a[4], a[5], a[6], 0, NBK, xw_ptr, xwo, xd_ptr, xdo, FMT == Q3_K, NB1,
+                        EMU)
+        if NB2 > 0:
+            acc += _q23_math(b[0], b[1], b[2], b[3], b[4], b[5], b[6], NB1, NBK, xw_ptr, xwo, xd_ptr, xdo, FMT == Q3_K,
+                             NB2, EMU)
     elif NB2 == NB1 and (FMT == Q4_0 or FMT == Q8_0 or FMT == MXFP4 or FMT == Q4_K):
         # equal pieces (gate_up_pieces' halves, or v3_pieces' 2^n + 2^n): block values added before one reduction
         pa = _v5_math(a[0], a[1], a[2], 0, NBK, xw_ptr, xwo, xd_ptr, xs_ptr, xdo, FMT, NB1, EMU, False)
@@ -486,7 +570,7 @@ def _v5_dot(q_ptr, d_ptr, m_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK: tl.c
             PDL_WAIT: tl.constexpr, EMU: tl.constexpr):
     """[A, B] dot products of whole rows: the weight loads of both pieces, (PDL_WAIT: the wait for the
     activations' grid), then the math. Planes beyond q, d: sc (Q4_K; Q5_K + h; d and sc as words), sc, h (Q6_K),
-    the grid in dmin's slot (m_ptr), sc, h (IQ3_XXS, IQ2_XXS)."""
+    the grid in dmin's slot (m_ptr), sc, h (IQ3_XXS, IQ2_XXS), sc (Q2_K: d and sc as words), sc, h (Q3_K)."""
     a, b = _v5_loads(q_ptr, d_ptr, sc_ptr, h_ptr, rq, rd, rsc, rh, mask, NBK, FMT, NB1, NB2)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -681,9 +765,11 @@ def _down_kernel(hw_ptr, hd_ptr, hs_ptr, ids_ptr, w_ptr, q_ptr, d_ptr, m_ptr, sc
 # (session 16: 25.88, 15.09 us), their tiles not swept yet. Session 17, the v5pdl pair at 15 tile combinations
 # (bench --only v5pdl,v5tiles): MXFP4 gate_up (4, 0, 1) 11.56-11.97 us vs (4, 0, 2) 12.03-12.44 at each down tile;
 # Q6_K gate_up (4, 0, 1) with down (8, 0, 2) 14.36 vs (16, 0, 4) / (8, 0, 4) 15.05; Q4_0 and Q4_K: no combination
-# beat their tiles (10.87, 13.0) by more than the run-to-run spread. IQ2_XXS: IQ3_XXS's tiles, not timed yet.
+# beat their tiles (10.87, 13.0) by more than the run-to-run spread. IQ2_XXS: IQ3_XXS's tiles, Q2_K / Q3_K Q6_K's
+# (128-chunks as its), not timed yet.
 GATE_UP5 = {"Q8_0": Tile(4, 0, 2), "Q4_0": Tile(4, 0, 2), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(4, 0, 1),
-            "MXFP4": Tile(4, 0, 1), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2), "IQ2_XXS": Tile(4, 0, 2)}
+            "MXFP4": Tile(4, 0, 1), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 2), "IQ2_XXS": Tile(4, 0, 2),
+            "Q2_K": Tile(4, 0, 1), "Q3_K": Tile(4, 0, 1)}
 # v5q's gate_up (h quantized by its programs; session 18, pairs with v5pdl's down tile, two calls on two boxes):
 # Q4_0 (32, 0, 8) 10.65 / 10.49 us vs v5pdl 10.97 / 10.89; Q6_K (32, 0, 8) 13.97 / 14.21 vs 14.31 / 14.29; Q4_K at
 # GATE_UP5's (8, 0, 4) 12.58 / 12.65 vs 13.02 / 12.98. (32, 0, 2): 17-234 us (spills); 64 rows slower.
@@ -694,7 +780,8 @@ GATE_UP5Q = {"Q4_0": Tile(32, 0, 8), "Q6_K": Tile(32, 0, 8), "Q4_K": Tile(32, 0,
 # programs (98 registers) load their weights beside gate_up's before their PDL wait; (4, 0, 8) 9.92-9.95, others
 # 10.0-11.3. The same sweep on Q4_K / Q6_K / Q8_0 / MXFP4's default pairs moved none beyond the spread.
 DOWN5 = {"Q8_0": Tile(16, 0, 8), "Q4_0": Tile(16, 0, 8), "Q4_K": Tile(8, 0, 4), "Q6_K": Tile(8, 0, 2),
-         "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4), "IQ2_XXS": Tile(4, 0, 4)}
+         "MXFP4": Tile(4, 0, 4), "Q5_K": Tile(8, 0, 4), "IQ3_XXS": Tile(4, 0, 4), "IQ2_XXS": Tile(4, 0, 4),
+         "Q2_K": Tile(8, 0, 2), "Q3_K": Tile(8, 0, 2)}
 
 
 def _planes(w):
@@ -859,5 +946,5 @@ def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool):
 
 
 def supports(w, k: int) -> bool:
-    """v5 reads FORMATS rows of whole blocks (32; Q4_K / Q5_K / Q6_K / IQ3_XXS / IQ2_XXS 256-super-blocks)."""
+    """v5 reads FORMATS rows of whole blocks (32; the K-quants, IQ3_XXS and IQ2_XXS 256-super-blocks)."""
     return w.fmt in FORMATS and k % BLOCK[w.fmt] == 0

@@ -2,7 +2,7 @@
 
 Weights: gate_up [S, 2I, D] (gate rows, then up rows) and down [S, D, I] per slot, either a float
 tensor (bf16/fp16/fp32) or the planes of `quant.repack` with leading dims [S, N] (PLANE_DIV: Q8_0,
-Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS; RAW_FORMATS, e.g. Q2_K, IQ2_XS: the GGML rows as stored,
+Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS, Q2_K, Q3_K; RAW_FORMATS, e.g. IQ2_XS: the GGML rows as stored,
 {"raw": rows}, read by triton_rawq). Any strides, unit stride on the last dim. A slot id < 0
 means "not here" (a miss computed elsewhere): the pair adds nothing.
 
@@ -20,8 +20,8 @@ decode (T <= 8): two launches, no host sync, CUDA-graph capturable. Quantized fo
   pair is the fastest grid axis), so L2 serves the repeats.
 grouped (prefill): pairs sorted by slot and padded to BM per slot (`align_pairs`, device ops only),
   then two tensor-core GEMMs (tl.dot, fp32 accumulation): gate_up+act -> h, down * w -> y [T*k, D];
-  quantized tiles are dequantized to x's dtype on the fly (Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS element-wise by
-  triton_tiles.deq_tile). out = y.view(T, k, D).sum(1).
+  quantized tiles are dequantized to x's dtype on the fly (Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS, Q2_K, Q3_K
+  element-wise by triton_tiles.deq_tile). out = y.view(T, k, D).sum(1).
 """
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ GROUPED = {"dense": GroupedTile(128, 64, 4, 4), "Q8_0": GroupedTile(128, 64, 4, 
            # element-gathered tiles (triton_tiles): no cp.async pipeline (its buffers would not fit)
            "Q5_K": GroupedTile(128, 64, 8, 1), "Q6_K": GroupedTile(128, 64, 8, 1),
            "MXFP4": GroupedTile(128, 64, 8, 1), "IQ3_XXS": GroupedTile(128, 64, 8, 1),
-           "IQ2_XXS": GroupedTile(128, 64, 8, 1),
+           "IQ2_XXS": GroupedTile(128, 64, 8, 1), "Q2_K": GroupedTile(128, 64, 8, 1),
+           "Q3_K": GroupedTile(128, 64, 8, 1),
            **{f: GroupedTile(128, 64, 8, 1) for f in RAW_FORMATS}}
 
 

@@ -1,6 +1,6 @@
-"""GGML formats the GPU reads as stored (no repack planes): Q2_K, Q3_K, IQ4_XS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S,
-IQ1_M, the experts of llama.cpp's 1-3-bit files (Q2_K / Q3_K_M mixes, the i-quant mixes, DeepSeek's 1.58-bit IQ1_S /
-IQ1_M) and of IQ4_XS files.
+"""GGML formats the GPU reads as stored (no repack planes): IQ4_XS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M, the experts
+of llama.cpp's i-quant mixes, DeepSeek's 1.58-bit IQ1_S / IQ1_M and IQ4_XS files (Q2_K / Q3_K, read as stored before,
+have repack planes now).
 
 `deq_raw` dequantizes any elements of GGML rows by byte gathers, as the torch dequantizers of moetier.quant
 (kquants / iquants) do, bit for bit: every product there is exact in float32 (an fp16 d times small
@@ -18,9 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# format codes (triton_weights.FMT_CODES; after the repacked formats' 0 .. 8: IQ2_XXS, read as stored before, is 8)
-Q2_K, Q3_K, IQ4_XS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M = (tl.constexpr(c) for c in range(9, 17))
-FIRST_RAW = tl.constexpr(9)
+# format codes (triton_weights.FMT_CODES; after the repacked formats' 0 .. 10: IQ2_XXS 8, Q2_K 9, Q3_K 10)
+IQ4_XS, IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M = (tl.constexpr(c) for c in range(11, 17))
+FIRST_RAW = tl.constexpr(11)
 
 
 @triton.jit
@@ -68,24 +68,7 @@ def deq_raw(q_ptr, lut_ptr, rows, e, m, FMT: tl.constexpr):
     broadcast shape) -> float32, bit for bit the torch dequantizer's value (0 where m is off)."""
     r = e % 256
     sb = e // 256
-    if FMT == Q2_K:      # 16 scale bytes (sc | mn << 4 per 16), 64 q bytes (2 bits: 4 per byte), d, dmin
-        bb = sb * 84
-        q = (_b(q_ptr, rows, bb + 16 + r // 128 * 32 + r % 32, m) >> (r // 32 % 4 * 2)) & 3
-        s = _b(q_ptr, rows, bb + r // 16, m)
-        dl = _half(_u16(q_ptr, rows, bb + 80, m)) * (s & 15).to(tl.float32)
-        ml = _half(_u16(q_ptr, rows, bb + 82, m)) * (s >> 4).to(tl.float32)
-        return dl * q.to(tl.float32) - ml
-    elif FMT == Q3_K:    # 32 hmask bytes, 64 q bytes (2 low bits), 12 bytes of 16 6-bit scales, d
-        bb = sb * 110
-        q = (_b(q_ptr, rows, bb + 32 + r // 128 * 32 + r % 32, m) >> (r // 32 % 4 * 2)) & 3
-        hb = (_b(q_ptr, rows, bb + r % 32, m) >> (r // 32)) & 1
-        q = q - ((hb ^ 1) << 2)                                  # a clear high bit takes 4 off
-        i = r // 16
-        lo = (_b(q_ptr, rows, bb + 96 + i % 8, m) >> (i // 8 * 4)) & 15
-        hi = (_b(q_ptr, rows, bb + 104 + i % 4, m) >> (i // 4 * 2)) & 3
-        dl = _half(_u16(q_ptr, rows, bb + 108, m)) * ((lo | (hi << 4)) - 32).to(tl.float32)
-        return dl * q.to(tl.float32)
-    elif FMT == IQ4_XS:  # d, scales_h u16, 4 scales_l bytes, 128 nibble bytes (16 per 32): value table
+    if FMT == IQ4_XS:  # d, scales_h u16, 4 scales_l bytes, 128 nibble bytes (16 per 32): value table
         bb = sb * 136
         i = r // 32
         lo = (_b(q_ptr, rows, bb + 4 + i // 2, m) >> (i % 2 * 4)) & 15

@@ -1,7 +1,7 @@
 """Weight tiles in element order for the grouped (prefill) GEMM, formats without a dedicated path
-(Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS): each element gathered from the byte planes of moetier.quant.repack
-(q = qs / ql, h = qh / sg; see its doc for the layouts) and dequantized, as `dequantize_repacked`; the formats read
-as stored (Q2_K, Q3_K, the other i-quants, Q5_1: triton_rawq) from their GGML rows in the q plane.
+(Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS, Q2_K, Q3_K): each element gathered from the byte planes of moetier.quant.repack
+(q = qs / ql, h = qh / sg / hm; see its doc for the layouts) and dequantized, as `dequantize_repacked`; the formats
+read as stored (the other i-quants: triton_rawq) from their GGML rows in the q plane.
 Gathers, not wide loads: prefill is bound by the tensor-core work, the tile is reused BM times.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import triton.language as tl
 
 from .triton_rawq import FIRST_RAW, deq_raw
 
-Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS = (tl.constexpr(c) for c in range(4, 9))
+Q5_K, Q6_K, MXFP4, IQ3_XXS, IQ2_XXS, Q2_K, Q3_K = (tl.constexpr(c) for c in range(4, 11))
 
 
 @triton.jit
@@ -63,6 +63,17 @@ def deq_tile(q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, h_ptr, lut_ptr, rq, rd, rm, rs
             q = q | (((_ld(h_ptr, rh, sb * 64 + half * 32 + l, m).to(tl.int32) >> (2 * qm)) & 3) << 4)
             sc = _ld(sc_ptr, rsc, e // 16, m).to(tl.float32)
             return d * sc * (q - 32).to(tl.float32)
+    elif FMT == Q2_K or FMT == Q3_K:    # 2 low bits: bits 2 (e // 32 % 4), + 1 of qs byte 32 (e // 128) + e % 32
+        q = (_ld(q_ptr, rq, e // 128 * 32 + e % 32, m).to(tl.int32) >> (2 * (e // 32 % 4))) & 3
+        if FMT == Q2_K:        # d, dmin at 2 sb, 2 sb + 1 of the d plane; sc byte e // 16: scale | min << 4
+            s = _ld(sc_ptr, rsc, e // 16, m).to(tl.int32)
+            d = _ld(d_ptr, rd, e // 256 * 2, m).to(tl.float32)
+            dmin = _ld(d_ptr, rd, e // 256 * 2 + 1, m).to(tl.float32)
+            return d * (s & 15).to(tl.float32) * q.to(tl.float32) - dmin * (s >> 4).to(tl.float32)
+        else:                  # high bit e % 256 // 32 of hm byte 32 sb + e % 32 (clear: q - 4); sc int8 e // 16
+            hb = (_ld(h_ptr, rh, e // 256 * 32 + e % 32, m).to(tl.int32) >> (e % 256 // 32)) & 1
+            sc = _ld(sc_ptr, rsc, e // 16, m).to(tl.float32)
+            return _ld(d_ptr, rd, e // 256, m).to(tl.float32) * sc * (q - 4 + 4 * hb).to(tl.float32)
     elif FMT == MXFP4:         # byte 16 (e // 32) + e % 16, high nibble for e % 32 >= 16
         b = _ld(q_ptr, rq, e // 32 * 16 + e % 16, m).to(tl.int32)
         n = (b >> (4 * (e % 32 // 16))) & 15

@@ -5,33 +5,38 @@ Q4_K / Q5_K store dmin beside d (one d plane) and a 64-chunk's mins beside its s
 slots dmin and mn are views of those planes from element 1 and 2 (dmin of super-block b at 2b, the mins of
 chunk c at 4c, 4c + 1; d at 2b and the scales at 4c, 4c + 1 in their own slots). The v2 kernels get the two
 as int32 words instead: d's word b = (d, dmin) (fp16 bits, low half first), sc's word c = sc_lo, sc_hi,
-mn_lo, mn_hi (bytes 0-3), in the d / dmin and sc / mn slots alike.
+mn_lo, mn_hi (bytes 0-3), in the d / dmin and sc / mn slots alike. Q2_K's d plane holds (d, dmin) pairs too and
+its sc bytes a scale (low nibble) and a min (high) each: its v2 kernels read d and sc as words (d's word b = (d,
+dmin), sc's word i = the 4 bytes of sub-blocks 4i .. 4i + 3); the element gathers read dmin at 2b + 1 of d.
 """
 from __future__ import annotations
 
 import torch
 
 FMT_CODES = {"dense": 0, "Q8_0": 1, "Q4_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6, "IQ3_XXS": 7,
-             "IQ2_XXS": 8}
+             "IQ2_XXS": 8, "Q2_K": 9, "Q3_K": 10}
 # GGML formats read as stored (triton_rawq: one "raw" plane of the file's rows): (code, block, bytes a block); codes
 # from triton_rawq.FIRST_RAW
-RAW_FORMATS = {"Q2_K": (9, 256, 84), "Q3_K": (10, 256, 110), "IQ4_XS": (11, 256, 136), "IQ2_XS": (12, 256, 74),
-               "IQ2_S": (13, 256, 82), "IQ3_S": (14, 256, 110), "IQ1_S": (15, 256, 50), "IQ1_M": (16, 256, 56)}
+RAW_FORMATS = {"IQ4_XS": (11, 256, 136), "IQ2_XS": (12, 256, 74), "IQ2_S": (13, 256, 82), "IQ3_S": (14, 256, 110),
+               "IQ1_S": (15, 256, 50), "IQ1_M": (16, 256, 56)}
 FMT_CODES.update({f: code for f, (code, _, _) in RAW_FORMATS.items()})
 BLOCK = {"dense": 1, "Q8_0": 32, "Q4_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "MXFP4": 32,   # row lengths:
-         "IQ3_XXS": 256, "IQ2_XXS": 256, **{f: block for f, (_, block, _) in RAW_FORMATS.items()}}   # multiples
+         "IQ3_XXS": 256, "IQ2_XXS": 256, "Q2_K": 256, "Q3_K": 256,                             # multiples
+         **{f: block for f, (_, block, _) in RAW_FORMATS.items()}}
 
 # per format: plane -> elements of a row per entry of the plane's last dim (its length is K / that)
 PLANE_DIV = {"dense": {"w": 1}, "Q8_0": {"qs": 1, "d": 32}, "Q4_0": {"qs": 2, "d": 32},
              "Q4_K": {"qs": 2, "d": 128, "sc": 16}, "Q5_K": {"qs": 2, "d": 128, "sc": 16, "qh": 8},
              "Q6_K": {"ql": 2, "qh": 4, "sc": 16, "d": 256}, "MXFP4": {"qs": 2, "e": 32},
              "IQ3_XXS": {"qs": 4, "sg": 32, "sc": 32, "d": 256},
-             "IQ2_XXS": {"qs": 8, "sg": 32, "sc": 32, "d": 256}}
+             "IQ2_XXS": {"qs": 8, "sg": 32, "sc": 32, "d": 256},
+             "Q2_K": {"qs": 4, "sc": 16, "d": 128}, "Q3_K": {"qs": 4, "hm": 8, "sc": 16, "d": 256}}
 SLOTS = ("q", "d", "dmin", "sc", "mn", "h")            # kernel plane arguments, in order
-SLOT_OF = {"w": "q", "qs": "q", "ql": "q", "e": "d", "qh": "h", "sg": "h"}   # plane name -> slot
+SLOT_OF = {"w": "q", "qs": "q", "ql": "q", "e": "d", "qh": "h", "sg": "h", "hm": "h"}   # plane name -> slot
 WORD_SLOTS = ("q", "h")                                  # read as int32 words by the v2 kernels
 K_PAIRS = {"dmin": ("d", 1), "mn": ("sc", 2)}            # Q4_K / Q5_K: slot -> (plane, first element) (module doc)
 K_WORDS = {"d": "d", "dmin": "d", "sc": "sc", "mn": "sc"}   # Q4_K / Q5_K: v2 slot -> plane read as int32 words
+V2_WORDS = {"Q4_K": K_WORDS, "Q5_K": K_WORDS, "Q2_K": {"d": "d", "sc": "sc"}}   # Q2_K: (d, dmin), 4 scale bytes
 
 
 class Weights:
@@ -69,7 +74,7 @@ class Weights:
         word_planes = {slot: by_slot[slot] for slot in WORD_SLOTS if slot in by_slot and fmt != "dense"}
         if fmt in ("Q4_K", "Q5_K"):
             by_slot.update({slot: planes[name][..., first:] for slot, (name, first) in K_PAIRS.items()})
-            word_planes.update({slot: planes[name] for slot, name in K_WORDS.items()})
+        word_planes.update({slot: planes[name] for slot, name in V2_WORDS.get(fmt, {}).items()})
         words = {}
         for slot, t in word_planes.items():
             if t.element_size() * t.stride(0) % 4 or t.element_size() * t.stride(1) % 4 or t.data_ptr() % 4:

@@ -251,7 +251,7 @@ class GraphTiers:
     def _stage_repack(self, li: int) -> None:
         """Staging rows -> stage slots in torch ops (FastTier.repack_into), or with MOETIER_STAGE_REPACK=triton
         the GGML field formats by one Triton launch per param that skips the rows this layer left unused
-        (kernels/triton_repack.py; other params, float or IQ3_XXS, stay in torch ops)."""
+        (kernels/triton_repack.py; other params, float, IQ3_XXS, IQ2_XXS or Q3_K, stay in torch ops)."""
         from ..kernels import triton_repack
         fast, rest = self.tiers.fast, []
         # torch ops by default: what was measured on the H200; the kernel is verified under the Triton interpreter

@@ -25,6 +25,10 @@ Planes per type (K = row length):
         32-block: the four 7-bit ksigns indices expanded, parity bit included)  qs u8[K/4] (grid
         indices; byte i -> elements 4i .. 4i+3 of the 4-wide grid row)
   IQ2_XXS  as IQ3_XXS (d, sc, sg the same) but qs u8[K/8]: byte i -> elements 8i .. 8i+7 of the 8-wide grid row
+  Q2_K  sc u8[K/16] (low nibble the scale, high the min of 16 elements)  qs u8[K/4] (per 256: 2 x 32 bytes, bits
+        2s, 2s + 1 of byte 32j + l = element 128j + 32s + l)  d f16[K/128] (per 256: d, dmin): the block's fields
+  Q3_K  qs as Q2_K's (the 2 low bits)  hm u8[K/8] (per 256: bit r // 32 of byte r % 32 = high bit of element r;
+        clear: q - 4)  sc i8[K/16] (the 6-bit scales, 32 off: q3_k_scales)  d f16[K/256]
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from gguf import quants as gq
 from .bits import shifts, table, view_bytes
 from .formats import dequantize, get_format
 from .iquants import _grid, _values, e8m0_half
-from .kquants import scale_min_k4
+from .kquants import q3_k_scales, scale_min_k4
 
 # field name -> (byte offset, byte length, dtype) inside one block
 _FIELDS = {
@@ -50,8 +54,9 @@ _FIELDS = {
     "Q5_K": {"d": (0, 4, torch.float16), "qh": (16, 32, torch.uint8), "qs": (48, 128, torch.uint8)},
     "Q6_K": {"ql": (0, 128, torch.uint8), "qh": (128, 64, torch.uint8), "sc": (192, 16, torch.int8),
              "d": (208, 2, torch.float16)},
+    "Q2_K": {"sc": (0, 16, torch.uint8), "qs": (16, 64, torch.uint8), "d": (80, 4, torch.float16)},  # d: d, dmin
 }
-REPACKED = set(_FIELDS) | {"IQ3_XXS", "IQ2_XXS"}
+REPACKED = set(_FIELDS) | {"IQ3_XXS", "IQ2_XXS", "Q3_K"}
 
 
 def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -68,6 +73,8 @@ def repack(qtype, raw: torch.Tensor) -> dict[str, torch.Tensor]:
         return _repack_iq3_xxs(blocks, lead)
     if fmt.name == "IQ2_XXS":
         return _repack_iq2_xxs(blocks, lead)
+    if fmt.name == "Q3_K":
+        return _repack_q3_k(blocks, lead)
     out = {}
     for name, (off, size, dtype) in _FIELDS[fmt.name].items():
         field = view_bytes(blocks[..., off:off + size], dtype)          # [..., nb, size / itemsize]
@@ -125,6 +132,14 @@ def _repack_iq2_xxs(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
             "sc": ((w >> 28) & 0xF).to(torch.uint8).reshape(*lead, -1),
             "sg": _sign_words(w).reshape(*lead, -1).contiguous(),
             "qs": q[..., 0:4].reshape(*lead, -1).contiguous()}
+
+
+def _repack_q3_k(blocks: torch.Tensor, lead) -> dict[str, torch.Tensor]:
+    """[..., nb, 110] blocks (hmask, qs, 12 scale bytes, d) -> qs, hm, sc, d planes (module doc)."""
+    return {"qs": blocks[..., 32:96].reshape(*lead, -1).contiguous(),
+            "hm": blocks[..., 0:32].reshape(*lead, -1).contiguous(),
+            "sc": q3_k_scales(blocks[..., 96:108].reshape(-1, 12)).reshape(*lead, -1),
+            "d": view_bytes(blocks[..., 108:110], torch.float16).reshape(*lead, -1)}
 
 
 def dequantize_repacked(qtype, packed: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -231,6 +246,26 @@ def _iq2_xxs(p):
     return _iq_xxs(p, "iq2xxs", gq.IQ2_XXS, 0.25)
 
 
+def _q2_bits(qs: torch.Tensor) -> torch.Tensor:
+    """[..., K/4] Q2_K / Q3_K qs plane -> [..., K/16, 16] uint8 2-bit values in element order."""
+    q = shifts(_groups(qs, 32).unflatten(-2, (-1, 2)), [0, 2, 4, 6], 3)     # [..., K/256, 2, 4, 32]
+    return q.reshape(*qs.shape[:-1], -1, 16)
+
+
+def _q2_k(p):
+    d = p["d"][..., 0::2].float().repeat_interleave(16, dim=-1)            # [..., K/16]
+    dmin = p["d"][..., 1::2].float().repeat_interleave(16, dim=-1)
+    dl, ml = (d * (p["sc"] & 0x0F).float()).unsqueeze(-1), (dmin * (p["sc"] >> 4).float()).unsqueeze(-1)
+    return _rows(dl * _q2_bits(p["qs"]).float() - ml)
+
+
+def _q3_k(p):
+    dl = (p["d"].float().repeat_interleave(16, dim=-1) * p["sc"].float()).unsqueeze(-1)   # [..., K/16, 1]
+    hb = shifts(_groups(p["hm"], 32), list(range(8)), 1) ^ 1              # [..., K/256, 8, 32]: 1 = take 4 off
+    q = _q2_bits(p["qs"]).to(torch.int8) - (hb.reshape(*hb.shape[:-3], -1, 16) << 2).to(torch.int8)
+    return _rows(dl * q.float())
+
+
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "IQ4_NL": _iq4_nl, "Q4_1": _q4_1, "Q5_0": _q5,
             "Q5_1": _q5, "MXFP4": _mxfp4, "Q4_K": _q45_k, "Q5_K": _q45_k, "Q6_K": _q6_k, "IQ3_XXS": _iq3_xxs,
-            "IQ2_XXS": _iq2_xxs}
+            "IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q3_K": _q3_k}
