@@ -10,7 +10,7 @@ GPU, the CPU kernels and the staging copies share one layout. The kernels that u
 `_dot_raw`; prefill's grouped GEMM and the one-pass dequantizer: triton_tiles.deq_tile) gather each element's
 bytes through L1: a first GPU path for these formats, not a tuned one (docs/perf-log.md has its figures).
 
-lut: the format's value table as float32 (triton_weights.raw_lut): IQ4_XS the 16 non-linear values, the i-quants
+lut: the format's value table as float32 (triton_weights.value_table): IQ4_XS the 16 non-linear values, the i-quants
 their grids (IQ2_XS [512, 8], IQ2_S [1024, 8], IQ3_S [512, 4], IQ1_S / IQ1_M [2048, 8] of -1, 0, 1).
 """
 from __future__ import annotations

@@ -89,7 +89,8 @@ class Weights:
         self.v2_strides = [st for slot, t in zip(SLOTS, self.v2_planes)
                            for st in ((t.stride(0), t.stride(1)) if slot in by_slot else (0, 0))]
         self.h_plane = by_slot.get("h", main)
-        self.lut = iq_grid(fmt, main.device) if fmt in IQ_GRIDS else (self.v2_planes or [main])[0]
+        self.h_strides = (self.h_plane.stride(0), self.h_plane.stride(1)) if "h" in by_slot else (0, 0)
+        self.lut = value_table(fmt, main.device) if fmt in VALUE_TABLES else (self.v2_planes or [main])[0]
 
     def _init_raw(self, weight) -> None:
         """A format read as stored: one plane of GGML rows [slots, N, row_bytes] in every slot (triton_rawq)."""
@@ -104,8 +105,8 @@ class Weights:
         self.strides = [raw.stride(0), raw.stride(1)] * 5
         self.v2_planes = [raw] * 6
         self.v2_strides = [raw.stride(0), raw.stride(1)] * 6
-        self.h_plane = raw
-        self.lut = raw_lut(self.fmt, raw.device)
+        self.h_plane, self.h_strides = raw, (raw.stride(0), raw.stride(1))
+        self.lut = value_table(self.fmt, raw.device)
 
     def args(self) -> list:
         """v1 kernel arguments: 5 planes, 10 strides."""
@@ -113,42 +114,27 @@ class Weights:
 
     def extra_args(self) -> list:
         """Grouped kernels' arguments after args(): the h plane (bytes / int32), the table, 2 strides."""
-        h = self.h_plane
-        return [h, self.lut, *((h.stride(0), h.stride(1)) if h is not self.planes[0] or self.fmt in RAW_FORMATS
-                               else (0, 0))]
+        return [self.h_plane, self.lut, *self.h_strides]
 
     def v2_args(self) -> list:
         """v2 kernel arguments: 6 planes, the lookup table, 12 strides."""
         return [*self.v2_planes, self.lut, *self.v2_strides]
 
 
-IQ_GRIDS = {"IQ3_XXS": "iq3xxs_flat", "IQ2_XXS": "iq2xxs_flat"}     # the planes formats with a grid (lut)
+# the value table a format's kernels read (float32, flattened): the grid of gguf-py's class of that name, or IQ4_NL's
+# 16 values (IQ4_XS)
+VALUE_TABLES = {"IQ3_XXS": "IQ3_XXS", "IQ2_XXS": "IQ2_XXS", "IQ4_XS": "IQ4_NL", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
+                "IQ3_S": "IQ3_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_S"}
 
 
-def iq_grid(fmt: str, device) -> torch.Tensor:
-    """IQ3_XXS / IQ2_XXS grid as float32 [256 * 4 / 256 * 8] on `device` (cached)."""
+def value_table(fmt: str, device) -> torch.Tensor:
+    """fmt's value table (VALUE_TABLES) as float32 on `device` (cached per device)."""
     from gguf import quants as gq
 
     from moetier.quant.bits import table
     from moetier.quant.iquants import _grid
-    return table(IQ_GRIDS[fmt], device, lambda: _grid(getattr(gq, fmt)).reshape(-1).float().contiguous())
-
-
-_RAW_TABLES = {"IQ4_XS": "IQ4_NL", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
-               "IQ3_S": "IQ3_S", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_S"}
-
-
-def raw_lut(fmt: str, device) -> torch.Tensor:
-    """The value table triton_rawq reads for fmt, float32 on device (cached): IQ4_XS the 16 values of IQ4_NL, the
-    i-quants their grids flattened; formats without a table get a one-element placeholder."""
-    from gguf import quants as gq
-
-    from moetier.quant.bits import table
-    from moetier.quant.iquants import _grid
-    name = _RAW_TABLES.get(fmt)
-    if name is None:
-        return table("raw_none", device, lambda: torch.zeros(1))
+    name = VALUE_TABLES[fmt]
     cls = getattr(gq, name)
     build = (lambda: torch.tensor(cls.kvalues, dtype=torch.float32)) if name == "IQ4_NL" else \
         (lambda: _grid(cls).reshape(-1).float().contiguous())
-    return table(f"raw_{name}", device, build)
+    return table(f"values_{name}", device, build)
