@@ -11,6 +11,7 @@ from moetier import EngineConfig, SamplingParams
 from moetier.commands.quantize import quantize
 from moetier.kernels import cpu
 from moetier.models.quant_experts import QuantExperts
+from moetier.models.quant_linear import QuantEmbedding
 from moetier.quant.formats import get_format
 from moetier.quant.pack import quantize as pack
 from moetier.runtime import cpu_compile
@@ -460,9 +461,14 @@ def test_eager_decode_on_gguf_reads_the_blocks(tmp_path, monkeypatch):
     from moetier.tools.bench_core import bytes_per_token
     path = quantize(build_qwen3_moe(tmp_path / "model"), "Q4_0", tmp_path / "m-Q4_0.gguf", pure=True)
     cfg = EngineConfig(device="cpu", threads=1, progress=False, max_context=256, cpu_compile="off")
-    ours, ref = Engine.load(path, cfg), Engine.load(path, cfg)
+    ours = Engine.load(path, cfg)           # dense weights and embeddings on their blocks from the load
+    assert isinstance(ours.model.model.embed_tokens, QuantEmbedding)
+    assert all(getattr(m.weight, "released", False) for m in ours.model.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(cpu_compile, "KEEP_FLOATS", True)
+    ref = Engine.load(path, cfg)            # the float copies, as before session 42 (MOETIER_FLOAT_COPIES=1)
+    monkeypatch.setattr(cpu_compile, "KEEP_FLOATS", False)
     monkeypatch.setenv("MOETIER_CPU_LAYERS", "0")   # the modules' calls, counted (cpu_step: test_cpu_small)
-    float_bytes = bytes_per_token(ours, 16)["dense"]
+    float_bytes = bytes_per_token(ref, 16)["dense"]
     calls = []
     inner, inner_attn = cpu.qlinear_op, cpu.attn_block   # _on_blocks' call (x, blocks, qtype, q8); a block's
     monkeypatch.setattr(cpu, "qlinear_op", lambda *a, **k: calls.append(a[2]) or inner(*a, **k))

@@ -27,7 +27,15 @@ BASE = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 5
 TOKENS = torch.randint(0, 300, (PROMPT,), generator=torch.Generator().manual_seed(3))
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "float_dense")
+
+
+@pytest.fixture
+def float_dense(monkeypatch):
+    """Engines keep their dense weights' float32 copies (MOETIER_FLOAT_COPIES=1): on their blocks the linears' int8
+    activations would follow how each engine chunks a prompt, and these tests compare where the experts are."""
+    from moetier.runtime import cpu_compile
+    monkeypatch.setattr(cpu_compile, "KEEP_FLOATS", True)
 
 
 def q4km(tmp_path_factory, name: str, mlp_only: list[int]):

@@ -37,7 +37,15 @@ MODEL = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 
          "mlp_only_layers": [1], "num_experts": 8, "num_experts_per_tok": 2}     # MoE layers 0, 2, 3
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "float_dense")
+
+
+@pytest.fixture
+def float_dense(monkeypatch):
+    """The engines keep their dense weights' float32 copies (MOETIER_FLOAT_COPIES=1), as the reference load_model
+    does: the logits compared then differ only where the experts are placed."""
+    from moetier.runtime import cpu_compile
+    monkeypatch.setattr(cpu_compile, "KEEP_FLOATS", True)
 
 
 @pytest.fixture(scope="module")

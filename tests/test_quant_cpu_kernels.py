@@ -95,11 +95,10 @@ def test_shape_errors_are_explained():
         cpu.matvec("Q8_0", raw, x, out=torch.empty(4, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K", "MXFP4", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K",
-                                   "Q3_K", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", sorted(cpu.DEQUANT_TYPES))
 def test_dequantize_rows_is_bit_exact(qtype):
-    """The C dequantizer (CPU prefill of packed experts) equals quant.dequantize and gguf-py's
-    dequantizer bit for bit; leading dims, odd row counts; Q4_K goes through torch."""
+    """The C dequantizer (CPU prefill of packed experts, released dense weights) equals quant.dequantize and gguf-py's
+    dequantizer bit for bit for every format the C kernels read (and F16 / BF16); leading dims, odd row counts."""
     from gguf import GGMLQuantizationType
     from gguf import quants as gq
 

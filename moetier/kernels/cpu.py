@@ -51,8 +51,7 @@ FAST_TYPES = {"Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "M
 # 16-bit float rows the C matvec reads too (float32 products): the dense copies of weights that are exactly 16-bit
 # floats (runtime.cpu_compile.QUANT_COPY_TYPES); not kept from GGUF files (weights.loader._keep_blocks reads FAST_TYPES)
 HALF_TYPES = {"BF16", "F16"}
-DEQUANT_TYPES = {"Q8_0", "Q4_0", "MXFP4", "IQ3_XXS", "IQ3_S", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
-                 "IQ1_M", "IQ4_XS"}   # moetier_dequant (dequantize_rows)
+DEQUANT_TYPES = FAST_TYPES | HALF_TYPES     # moetier_dequant (dequantize_rows)
 NUMBA_TYPES = {"Q8_0", "Q4_0", "Q4_K"}     # cpu_numba.py
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CFLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -148,6 +147,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.moetier_matvec.argtypes = [c_int, ptr, i64, i64, i64, ptr, ptr, c_int]
     lib.moetier_dequant.argtypes = [c_int, ptr, i64, i64, i64, ptr, c_int]
+    lib.moetier_embed_rows.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, ptr, c_int]
     lib.moetier_matvec_batch.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int]
     lib.moetier_sum_f32.argtypes = [ptr, i64, c_int]
     lib.moetier_sum_f32.restype = ctypes.c_float
@@ -642,6 +642,33 @@ def _(h, a, norm_w, eps, router_w, k, normalize, gate, up, down, gate_type, down
     return torch.empty_like(h)
 
 
+# The CPU's token embeddings kept in their GGML blocks (models.quant_linear.QuantEmbedding): the rows of `tokens`
+# dequantized, as a torch op so the compiled step's trace keeps the table a uint8 buffer (C++ kernel in cpu_ops.cpp).
+_ops.define("embed_rows(Tensor tokens, Tensor w, int qtype, int k) -> Tensor")
+
+
+def embed_rows_op(tokens, w, qtype: int, k: int):
+    tokens = tokens.reshape(-1).long().contiguous()
+    fmt = get_format(qtype)
+    if fmt.name not in DEQUANT_TYPES or backend() != "c":
+        from moetier.quant.formats import dequantize
+        if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < w.shape[0]):
+            raise IndexError(f"moetier::embed_rows: a token id is outside the vocabulary [0, {w.shape[0]})")
+        return dequantize(w[tokens].contiguous(), fmt, (tokens.numel(), k))
+    out = torch.empty(tokens.numel(), k)
+    rc = _lib.moetier_embed_rows(fmt.type_id, w.data_ptr(), w.stride(0), w.shape[0], k, tokens.data_ptr(),
+                                 tokens.numel(), out.data_ptr(), torch.get_num_threads())
+    if rc == -3:
+        raise IndexError(f"moetier::embed_rows: a token id is outside the vocabulary [0, {w.shape[0]})")
+    _raise_on(rc, fmt, k)
+    return out
+
+
+@torch.library.register_fake("moetier::embed_rows")
+def _(tokens, w, qtype, k):
+    return tokens.new_empty(tokens.shape[0], k, dtype=torch.float32)
+
+
 _py_kernels: torch.library.Library | None = None
 
 
@@ -652,6 +679,7 @@ def _register_python_kernels() -> None:
     _py_kernels.impl("qlinear", qlinear_op, "CPU")
     _py_kernels.impl("attn_block", attn_block_op, "CPU")
     _py_kernels.impl("moe_block", moe_block_op, "CPU")
+    _py_kernels.impl("embed_rows", embed_rows_op, "CPU")
 
 
 _register_python_kernels()
@@ -683,7 +711,7 @@ def load_native_ops() -> bool:
                     raise
                 ctypes.CDLL(str(path)).moetier_ops_bind(*(ctypes.cast(f, ctypes.c_void_p) for f in (
                     _lib.moetier_matvec, _lib.moetier_matvec_q8, _lib.moetier_moe_tokens, _lib.moetier_row_bytes,
-                    _lib.moetier_attn_block, _lib.moetier_moe_block)))
+                    _lib.moetier_attn_block, _lib.moetier_moe_block, _lib.moetier_embed_rows)))
                 _native_ops = True
             except (RuntimeError, OSError) as e:
                 log.warning("C++ kernels of the moetier torch ops unavailable (%s); the Python ones stay", e)

@@ -508,76 +508,14 @@ static void grp_swiglu(float *g, const float *u, int64_t n) {
     for (; i < n; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-/* K-quant super-blocks (256 values) -> float, layouts as cpu_kquants.c's row kernels (d sc q - dmin mn) */
-static void grp_dequant_q45_k(const uint8_t *w, float *o, int q5) {
-    uint8_t sc[8], mn[8];
-    float d, dmin;
-    kq_unpack(w, sc, mn, &d, &dmin);
-    const uint8_t *qh = w + 16, *qs = w + (q5 ? 48 : 16);
-    PREFETCH(w);
-    PREFETCH(w + 64);
-    PREFETCH(w + 128);
-    for (int c = 0; c < 4; c++, qs += 32, o += 64) {
-        const float d0 = d * sc[2 * c], m0 = dmin * mn[2 * c], d1 = d * sc[2 * c + 1], m1 = dmin * mn[2 * c + 1];
-#ifdef VW
-        for (int j = 0; j < 32; j += VW) {
-            const vi q = vbytes_u8(qs + j);
-            vf lo, hi;
-            if (q5) {
-                const vi h = vbytes_u8(qh + j);
-                lo = vq5f(q, 0, h, 2 * c), hi = vq5f(q, 4, h, 2 * c + 1);
-            } else {
-                lo = vlo4f(q), hi = vhi4f(q);
-            }
-            vstore(o + j, vfma(vset1(d0), lo, vset1(-m0)));
-            vstore(o + 32 + j, vfma(vset1(d1), hi, vset1(-m1)));
-        }
-#else
-        for (int j = 0; j < 32; j++) {
-            const int h0 = q5 ? ((qh[j] >> (2 * c)) & 1) << 4 : 0, h1 = q5 ? ((qh[j] >> (2 * c + 1)) & 1) << 4 : 0;
-            o[j] = d0 * (float)((qs[j] & 0x0F) | h0) - m0;
-            o[32 + j] = d1 * (float)((qs[j] >> 4) | h1) - m1;
-        }
-#endif
-    }
-}
-
-static void grp_dequant_q6_k(const uint8_t *w, float *o) {
-    const float d = fp16_to_f32(w + 208);
-    const int8_t *sc = (const int8_t *)(w + 192);
-    for (int i = 0; i < 210; i += 64) PREFETCH(w + i);
-    for (int h = 0; h < 2; h++, o += 128) {
-        const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-        const int8_t *sg = sc + 8 * h;            /* group g, element l: sg[2 g + l / 16] */
-#ifdef VW
-        for (int l = 0; l < 32; l += VW) {
-            const vi a = vbytes_u8(ql + l), b = vbytes_u8(ql + 32 + l), hb = vbytes_u8(qh + l);
-            const int u = l / 16;
-            vstore(o + l, vmul(vset1(d * sg[u]), vq6f(a, 0, hb, 0)));
-            vstore(o + 32 + l, vmul(vset1(d * sg[2 + u]), vq6f(b, 0, hb, 2)));
-            vstore(o + 64 + l, vmul(vset1(d * sg[4 + u]), vq6f(a, 4, hb, 4)));
-            vstore(o + 96 + l, vmul(vset1(d * sg[6 + u]), vq6f(b, 4, hb, 6)));
-        }
-#else
-        for (int g = 0; g < 4; g++) {
-            const uint8_t *qg = ql + 32 * (g & 1);
-            const int ls = 4 * (g >> 1);
-            for (int l = 0; l < 32; l++)
-                o[32 * g + l] = d * sg[2 * g + l / 16]
-                                * (float)((((qg[l] >> ls) & 0x0F) | ((qh[l] >> (2 * g)) & 3) << 4) - 32);
-        }
-#endif
-    }
-}
-
 /* n values of a row from its blocks at w -> o (Q4_0 / Q8_0 vectorised, as dequant_row; K-quants above) */
 static void grp_dequant(int qtype, const uint8_t *w, int64_t n, float *o) {
     switch (qtype) {
     case Q4_K: case Q5_K:
-        for (int64_t b = 0; b < n / 256; b++) grp_dequant_q45_k(w + b * block_bytes(qtype), o + 256 * b, qtype == Q5_K);
+        for (int64_t b = 0; b < n / 256; b++) dequant_q45_k(w + b * block_bytes(qtype), o + 256 * b, qtype == Q5_K);
         return;
     case Q6_K:
-        for (int64_t b = 0; b < n / 256; b++) grp_dequant_q6_k(w + 210 * b, o + 256 * b);
+        for (int64_t b = 0; b < n / 256; b++) dequant_q6_k(w + 210 * b, o + 256 * b);
         return;
     default: break;
     }

@@ -513,21 +513,52 @@ static void dequant_row(int qtype, const uint8_t *r, float *o, int64_t K) {   /*
     case IQ4_NL: for (int64_t b = 0; b < K / 32; b++) dequant_iq4_nl(r + 18 * b, o + 32 * b); break;
     case Q2_K: for (int64_t b = 0; b < K / 256; b++) dequant_q2_k(r + 84 * b, o + 256 * b); break;
     case Q3_K: for (int64_t b = 0; b < K / 256; b++) dequant_q3_k(r + 110 * b, o + 256 * b); break;
+    case Q4_K: for (int64_t b = 0; b < K / 256; b++) dequant_q45_k(r + 144 * b, o + 256 * b, 0); break;
+    case Q5_K: for (int64_t b = 0; b < K / 256; b++) dequant_q45_k(r + 176 * b, o + 256 * b, 1); break;
+    case Q6_K: for (int64_t b = 0; b < K / 256; b++) dequant_q6_k(r + 210 * b, o + 256 * b); break;
+    case F16: for (int64_t k = 0; k < K; k++) o[k] = fp16_to_f32(r + 2 * k); break;
+    case BF16:
+        for (int64_t k = 0; k < K; k++) {
+            uint16_t h;
+            memcpy(&h, r + 2 * k, 2);
+            const uint32_t u = (uint32_t)h << 16;
+            memcpy(o + k, &u, 4);
+        }
+        break;
     default: break;
     }
 }
 
 /* Rows of GGML blocks -> float32, bit-exact with the torch dequantizer (one multiply per value):
- * the CPU prefill dequantizes each used expert once per call. Q8_0, Q4_0, MXFP4, IQ3_XXS, IQ3_S, Q2_K, Q3_K,
- * IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M. 0, or -1 (type / K). */
+ * the CPU prefill dequantizes each used expert once per call. Every FAST_TYPES format and F16 / BF16
+ * (kernels.cpu.DEQUANT_TYPES).
+ * 0, or -1 (type / K). */
+static int dequant_ok(int qtype, int64_t K) {
+    return !((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != IQ3_S && qtype != Q2_K
+         && qtype != Q3_K && qtype != Q4_K && qtype != Q5_K && qtype != Q6_K && qtype != IQ2_XXS && qtype != IQ2_XS
+         && qtype != IQ2_S && qtype != IQ1_S && qtype != IQ1_M && qtype != IQ4_XS && qtype != Q5_1 && qtype != IQ4_NL
+         && !half_type(qtype))
+        || K % block_elems(qtype));
+}
+
 int moetier_dequant(int qtype, const uint8_t *w, int64_t row_stride, int64_t N, int64_t K, float *out,
                     int nthreads) {
-    if ((qtype != Q8_0 && qtype != Q4_0 && qtype != MXFP4 && qtype != IQ3_XXS && qtype != IQ3_S && qtype != Q2_K
-         && qtype != Q3_K && qtype != IQ2_XXS && qtype != IQ2_XS && qtype != IQ2_S && qtype != IQ1_S && qtype != IQ1_M
-         && qtype != IQ4_XS)
-        || K % block_elems(qtype)) return -1;
+    if (!dequant_ok(qtype, K)) return -1;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) dequant_row(qtype, w + n * row_stride, out + n * K, K);
+    return 0;
+}
+
+/* Rows `tokens` [T] of a table of V GGML rows (K values each) -> out [T, K] float32, as moetier_dequant: the CPU's
+ * token embeddings kept in their blocks (models.quant_linear.QuantEmbedding). 0, -1 (type / K), -3 (a token outside
+ * [0, V)). */
+int moetier_embed_rows(int qtype, const uint8_t *w, int64_t row_stride, int64_t V, int64_t K, const int64_t *tokens,
+                       int64_t T, float *out, int nthreads) {
+    if (!dequant_ok(qtype, K)) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (tokens[t] < 0 || tokens[t] >= V) return -3;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
+    for (int64_t t = 0; t < T; t++) dequant_row(qtype, w + tokens[t] * row_stride, out + t * K, K);
     return 0;
 }
 

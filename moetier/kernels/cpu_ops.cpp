@@ -1,4 +1,5 @@
-// The CPU kernels of the torch ops moetier::qlinear / moetier::moe_tokens (schemas in cpu.py) in C++:
+// The CPU kernels of the torch ops moetier::qlinear / moe_tokens / attn_block / moe_block / embed_rows (schemas in
+// cpu.py) in C++:
 // the AOT-compiled decode step calls them through the dispatcher without Python (~6 us a call less
 // than the Python kernels, 13 calls a token on the default model). The C functions of
 // cpu_kernels.c are bound at load (moetier_ops_bind) from the library cpu.py already opened.
@@ -26,15 +27,19 @@ typedef int (*moe_block_fn)(const float *, const float *, const float *, float, 
 static matvec_fn g_matvec, g_matvec_q8;
 static moe_fn g_moe;
 static row_bytes_fn g_row_bytes;
+typedef int (*embed_rows_fn)(int, const uint8_t *, int64_t, int64_t, int64_t, const int64_t *, int64_t, float *, int);
 static attn_block_fn g_attn_block;
 static moe_block_fn g_moe_block;
-void moetier_ops_bind(void *matvec, void *matvec_q8, void *moe, void *row_bytes, void *attn_block, void *moe_block) {
+static embed_rows_fn g_embed_rows;
+void moetier_ops_bind(void *matvec, void *matvec_q8, void *moe, void *row_bytes, void *attn_block, void *moe_block,
+                      void *embed_rows) {
     g_matvec = (matvec_fn)matvec;
     g_matvec_q8 = (matvec_fn)matvec_q8;
     g_moe = (moe_fn)moe;
     g_row_bytes = (row_bytes_fn)row_bytes;
     g_attn_block = (attn_block_fn)attn_block;
     g_moe_block = (moe_block_fn)moe_block;
+    g_embed_rows = (embed_rows_fn)embed_rows;
 }
 }
 
@@ -132,7 +137,22 @@ static at::Tensor moe_block(const at::Tensor &h, const at::Tensor &a, const at::
     return out;
 }
 
+// tokens [T] int64 -> [T, K] float32: rows of a GGML table uint8 [V, row_bytes(K)] (cpu_kernels.c moetier_embed_rows)
+static at::Tensor embed_rows(const at::Tensor &tokens, const at::Tensor &w, int64_t qtype, int64_t k) {
+    TORCH_CHECK(g_embed_rows, "moetier::embed_rows: the C kernel is not bound");
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() && w.dim() == 2
+                && w.scalar_type() == at::kByte && w.stride(1) == 1,
+                "moetier::embed_rows needs int64 tokens [T] and uint8 blocks [V, row_bytes] with contiguous rows");
+    at::Tensor out = at::empty({tokens.size(0), k}, tokens.options().dtype(at::kFloat));
+    int rc = g_embed_rows((int)qtype, w.data_ptr<uint8_t>(), w.stride(0), w.size(0), k, tokens.data_ptr<int64_t>(),
+                          tokens.size(0), out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(rc != -3, "moetier::embed_rows: a token id is outside the vocabulary [0, ", w.size(0), ")");
+    TORCH_CHECK(rc == 0, "moetier::embed_rows: GGML type ", qtype, " rows do not hold ", k, " values");
+    return out;
+}
+
 TORCH_LIBRARY_IMPL(moetier, CPU, m) {
+    m.impl("embed_rows", embed_rows);
     m.impl("qlinear", qlinear);
     m.impl("moe_tokens", moe_tokens);
     m.impl("attn_block", attn_block);

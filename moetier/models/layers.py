@@ -15,7 +15,7 @@ from torch import nn
 from ..config import ModelArgs
 from ..kernels import ops, small_ops
 from ..runtime.kv_cache import KVCache
-from .quant_linear import QuantLinear
+from .quant_linear import QuantLinear, released_weight
 
 
 class RMSNorm(nn.Module):
@@ -228,12 +228,17 @@ class Attention(nn.Module):
         blocks = [b if b is not None and b[2] == lin.weight._version else None for b, lin in zip(blocks, lins)]
         if any(blocks) and len({b and (b[1], b[0].shape[1]) for b in blocks}) > 1:
             return
+        released = [getattr(lin.weight, "released", False) for lin in lins]   # GGUF on the CPU: blocks, no values
+        if any(released) and not all(released):
+            return
         with torch.no_grad():
-            w = torch.cat([lin.weight for lin in lins])                      # [(H + 2 Hkv) Dh, D]
-            b = None if lins[0].bias is None else torch.cat([lin.bias for lin in lins])
             n = [lin.weight.shape[0] for lin in lins]
+            w = released_weight((sum(n), lins[0].weight.shape[1])) if all(released) else \
+                torch.cat([lin.weight for lin in lins])                      # [(H + 2 Hkv) Dh, D]
+            b = None if lins[0].bias is None else torch.cat([lin.bias for lin in lins])
             for lin, wp, bp in zip(lins, w.split(n), b.split(n) if b is not None else (None,) * 3):
                 lin.weight = nn.Parameter(wp, requires_grad=False)
+                lin.weight.released = all(released)
                 if bp is not None:
                     lin.bias = nn.Parameter(bp, requires_grad=False)
         # non-persistent buffers: not in checkpoints, but named (compiled steps bind weights by name)

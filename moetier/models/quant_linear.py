@@ -75,6 +75,31 @@ class QuantLinear(nn.Module):
         return cls(planes, parts[0].fmt, parts[0].in_features, sum(p.out_features for p in parts), bias)
 
 
+class QuantEmbedding(nn.Module):
+    """nn.Embedding whose table stays in its GGUF blocks on the CPU, as llama.cpp keeps token_embd: forward(tokens
+    [...]) -> [..., D] float32, the rows dequantized in C (torch op moetier::embed_rows: bit for bit the float32 table
+    the loader made before; the compiled CPU step's trace keeps the table a uint8 buffer). A token reads one row. Why:
+    the float32 table is 4 bytes a value beside the file's blocks (Qwen3-235B-A22B: 2.5 GB; DeepSeek-V3: 3.7 GB)."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, dim: int):
+        super().__init__()
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.qtype, self.num_embeddings, self.embedding_dim = qtype, blocks.shape[0], dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from ..kernels import cpu  # noqa: F401  (defines the op)
+        rows = torch.ops.moetier.embed_rows(tokens.reshape(-1), self.blocks, self.qtype, self.embedding_dim)
+        return rows.view(*tokens.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        from ..quant.formats import get_format
+        return f"{self.num_embeddings}, {self.embedding_dim}, {get_format(self.qtype).name} blocks"
+
+
 def gpu_blocks(ckpt, names, device: str) -> dict[str, tuple[torch.Tensor, int]]:
     """The params of `names` that load as QuantLinear on `device`: {name: (blocks, GGML type)} for QUANT_DENSE
     names stored as one GGUF tensor in a GPU_FORMATS format with whole blocks per row; {} off CUDA or for a
@@ -122,3 +147,18 @@ def gpu_bytes(ckpt, names, device: str) -> dict[str, int]:
         fmt = get_format(qtype)
         out[n] = b.numel() // fmt.type_size * REPACKED_BLOCK_BYTES[fmt.name]
     return out
+
+
+def released_weight(shape: tuple, blocks: tuple | None = None, param: bool = False) -> torch.Tensor:
+    """A float32 weight of `shape` without values (an nn.Parameter if `param`): every element views one NaN (views of
+    it stay one storage; a reader that was missed computes NaN, not plausible numbers). `.released` is True; blocks:
+    its GGUF (uint8 rows, type id), kept as `.ggml_blocks` (weights.loader._keep_blocks). The CPU multiplies such
+    weights on their blocks (runtime.cpu_compile.dense_copies); runtime.cpu_compile._restore_floats dequantizes them
+    back."""
+    w = torch.full((1, 1), float("nan")).expand(shape)
+    if param:
+        w = nn.Parameter(w, requires_grad=False)
+    w.released = True
+    if blocks is not None:
+        w.ggml_blocks = (*blocks, w._version)
+    return w

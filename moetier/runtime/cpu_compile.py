@@ -43,6 +43,7 @@ from ..kernels import small_ops
 from ..memory import hugepages
 from ..memory.budget import ram_info
 from ..models.layers import Attention, DenseExperts
+from ..models.quant_linear import released_weight
 from ..models.quant_experts import FUSED_CPU_TOKENS
 from ..quant.formats import get_format
 from .kv_cache import Cache, KVCache
@@ -190,6 +191,8 @@ def _stored_blocks(w: torch.Tensor):
     kept = getattr(w, "ggml_blocks", None)
     if kept is None or kept[2] != w._version or kept[0].shape[0] != w.shape[0]:
         return None
+    if getattr(w, "released", False):        # loaded without values (weights.loader release_dense): the file's blocks
+        return kept[0], kept[1]
     rows = min(64, w.shape[0])
     if not torch.equal(dequantize(kept[0][:rows].contiguous(), kept[1], (rows, w.shape[1])), w[:rows]):
         return None
@@ -200,16 +203,29 @@ INTERLEAVE = os.environ.get("MOETIER_X8", "1") != "0"     # 0: Q4_0 / Q8_0 copie
 
 
 def _quantized_copies(model: torch.nn.Module) -> None:
+    """dense_copies, then the packed experts' interleaved copies (_x8_experts) and 16-bit experts' copies
+    (_half_expert_copies). Once per model."""
+    if cpu_kernels.backend() != "c" or getattr(model, "_quant_copies_done", False):
+        return
+    model._quant_copies_done = True
+    dense_copies(model)
+    _x8_experts(model)
+    _half_expert_copies(model)          # stacked float experts of a 16-bit checkpoint: 16-bit copies
+
+
+def dense_copies(model: torch.nn.Module) -> None:
     """Float weights of Linear modules (and 2-D `*weight` buffers: Attention.qkv_weight) get their GGML
     blocks as a buffer `<name>_q`: the blocks a GGUF file stored them in (any C-kernel format: Q6_K
     lm_heads, Q4_K attention), else the Q4_0 / Q8_0 blocks they are exactly the values of. The compiled
     step multiplies on them with the C kernels (3.8-7x fewer bytes than float32). Q4_0 / Q8_0 / IQ4_NL / Q5_1 / Q4_K
     copies of 8k rows are kept interleaved by 8 rows (kernels.cpu.INTERLEAVED: the one-token matvec with rows in lanes;
     on the default model's lm_head, Zen 4 box, Q4_0 2.1x faster; Q4_K 1.4-1.9x from cache, bench/bench_cpu_layout.py).
-    MOETIER_X8=0: the file's rows. Once per model."""
-    if cpu_kernels.backend() != "c" or getattr(model, "_quant_copies_done", False):
+    MOETIER_X8=0: the file's rows. Then the floats are released (_release_floats, unless MOETIER_FLOAT_COPIES=1) and
+    every eager call multiplies on the copies (_eager_quant_linears). Engine.load calls it for a CPU model (its GGUF
+    linears were loaded released: no values until here). Once per model."""
+    if cpu_kernels.backend() != "c" or model.__dict__.get("_dense_copies_done", False):
         return
-    model._quant_copies_done = True
+    model._dense_copies_done = True
     found = []                                          # (module, attribute, weight)
     for m in model.modules():
         names = ["weight"] if isinstance(m, torch.nn.Linear) else []
@@ -232,13 +248,16 @@ def _quantized_copies(model: torch.nn.Module) -> None:
             blocks, tid = hit
             if tid in cpu_kernels.INTERLEAVED and blocks.shape[0] % 8 == 0 and Q8_ACTIVATIONS and INTERLEAVE \
                     and cpu_kernels.interleaved_supported(tid):
-                blocks, tid = cpu_kernels.interleave_rows(blocks, tid), cpu_kernels.INTERLEAVED[tid]    # rows in lanes
-            if stored is None or blocks is not stored[0]:
+                x8 = hugepages.copy(blocks)     # rows in lanes, in C in place (no temporaries: a 235B's lm_head)
+                blocks = x8.clone() if x8 is blocks else x8     # (never the file's own bytes)
+                cpu_kernels.interleave_inplace(blocks, tid)
+                tid = cpu_kernels.INTERLEAVED[tid]
+            elif stored is None:
                 blocks = hugepages.copy(blocks)   # made here: on 2 MiB pages (the file's own views cost no copy)
             m.register_buffer(f"{a}_q", blocks, persistent=False)
             m._quant_copies[a] = tid
-    _x8_experts(model)
-    _half_expert_copies(model)          # stacked float experts of a 16-bit checkpoint: 16-bit copies
+    _release_floats(model, found)
+    _eager_quant_linears(model)         # every eager reader of a released weight now takes its copy
 
 
 # Packed experts (QuantExperts, the file's rows) get a copy interleaved by 8 rows for the one-token C call
@@ -276,7 +295,92 @@ def _x8_experts(model: torch.nn.Module) -> None:
 
 
 
+# A CPU-only run multiplies every dense weight that has a quantized copy on the copy: one token through the C GEMV,
+# a prompt through qgemm (_prefill_qgemm) or the copy dequantized DEQUANT_CHUNK_BYTES of float rows at a time into
+# MKL's GEMM (_dequant_gemm). So the float32 weight the loader made beside the blocks is released: a 235B-A22B file's
+# attention alone is ~27 GB of float32 that llama.cpp never holds; the default model's RSS in docs/perf-log.md
+# (session 42). The weight stays a tensor of its shape (the trace swaps it for its copy by identity, _QuantLinears;
+# package_key and reprs read its shape) viewing one NaN, so a reader of the values that was missed computes NaN
+# rather than plausible numbers. MOETIER_FLOAT_COPIES=1 keeps the floats (A/B); _drop_quantized_copies restores them.
+KEEP_FLOATS = os.environ.get("MOETIER_FLOAT_COPIES", "0") == "1"
+DEQUANT_CHUNK_BYTES = 8 << 20
+
+
+def _release_floats(model: torch.nn.Module, found: list) -> None:
+    """Release the float weights among `found` ((module, attribute, weight) of dense_copies) whose copy every eager and
+    traced reader takes (_eager_quant_linears: a Linear's weight, attention's stacked qkv_weight, with fuse_qkv's q, k,
+    v views of it), as models.quant_linear.released_weight; weights loaded released stay so. Recorded in
+    model._released_floats for _restore_floats. A weight loaded released that got no copy (not expected) is
+    dequantized from its blocks here, with a warning: no forward ever reads the NaN."""
+    views = {}                                          # storage -> its (module, attribute, weight) entries
+    for m, a, w in found:
+        views.setdefault(w.untyped_storage().data_ptr(), []).append((m, a, w))
+    model._released_floats = []
+    for group in views.values():
+        m, a, w = max(group, key=lambda e: e[2].numel())
+        ok = a in m._quant_copies and (a == "qkv_weight" and len(group) == 4
+                                       or isinstance(m, torch.nn.Linear) and a == "weight" and len(group) == 1)
+        if getattr(w, "released", False):
+            if not ok:
+                log.warning("cpu_compile: %s.%s was loaded without its float values but has no quantized copy; "
+                            "dequantizing it", type(m).__name__, a)
+                _set_float(m, a, cpu_kernels.dequantize_rows(w.ggml_blocks[1], w.ggml_blocks[0]))
+                continue
+        elif KEEP_FLOATS or not ok:
+            continue
+        else:
+            _set_float(m, a, released_weight(tuple(w.shape)))
+        model._released_floats.append((m, a, getattr(w, "ggml_blocks", None)))
+        m.__dict__.setdefault("_released", set()).add(a)
+
+
+def _set_float(m: torch.nn.Module, a: str, w: torch.Tensor) -> None:
+    """m's weight `a` := w (a Parameter where it was one); attention's qkv_weight: q/k/v_proj's weights its row views
+    again (fuse_qkv)."""
+    released = getattr(w, "released", False)
+    if a in m._parameters:
+        w = torch.nn.Parameter(w, requires_grad=False)
+        m._parameters[a] = w
+    else:
+        m._buffers[a] = w
+    w.released = released
+    if a == "qkv_weight":
+        for lin, part in zip((m.q_proj, m.k_proj, m.v_proj), w.split(m.qkv_rows)):
+            lin.weight = torch.nn.Parameter(part, requires_grad=False)
+            lin.weight.released = released
+
+
+def _restore_floats(model: torch.nn.Module) -> None:
+    """The float weights _release_floats released, dequantized back from their copies (bit for bit the loader's)."""
+    for m, a, kept in model.__dict__.pop("_released_floats", []):
+        blocks, tid = m._buffers[f"{a}_q"], m._quant_copies[a]
+        base = cpu_kernels._interleaved_base(tid)
+        if base is not None:
+            blocks, tid = cpu_kernels.deinterleave_rows(blocks, base), base
+        _set_float(m, a, cpu_kernels.dequantize_rows(tid, blocks))
+        w = getattr(m, a)
+        if kept is not None:
+            w.ggml_blocks = (kept[0], kept[1], w._version)
+        m.__dict__.pop("_released", None)
+
+
+def _dequant_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [T, K] @ W.T for a released float weight W: its copy's rows dequantized (kernels.cpu.dequantize_rows, the
+    loader's values bit for bit) DEQUANT_CHUNK_BYTES of float32 at a time, each chunk one GEMM."""
+    base = cpu_kernels._interleaved_base(qtype)
+    rows = max(8, DEQUANT_CHUNK_BYTES // (4 * x.shape[1]) // 8 * 8)     # whole groups of 8 interleaved rows
+    y = torch.empty(x.shape[0], blocks.shape[0])
+    for r in range(0, blocks.shape[0], rows):
+        part, t = blocks[r:r + rows], qtype
+        if base is not None:
+            part, t = cpu_kernels.deinterleave_rows(part, base), base
+        torch.mm(x, cpu_kernels.dequantize_rows(t, part).T, out=y[:, r:r + rows])
+    return y
+
+
 def _drop_quantized_copies(model: torch.nn.Module) -> None:
+    _restore_floats(model)
+    model._dense_copies_done = False
     for m in model.modules():
         for a in getattr(m, "_quant_copies", {}):
             delattr(m, f"{a}_q")
@@ -369,9 +473,14 @@ def _on_blocks(eager, attr: str, bias: str):
         if qtype is None or blocks is None or not x.is_cpu or torch.compiler.is_compiling():
             return eager(x, *rest, **kw)
         if x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
-            if not _prefill_qgemm(self, qtype):
+            x2 = x.reshape(-1, x.shape[-1])
+            if _prefill_qgemm(self, qtype):
+                y = cpu_kernels.qgemm(qtype, blocks, x2)
+            elif attr in self.__dict__.get("_released", ()):
+                y = _dequant_gemm(x2.float().contiguous(), blocks, qtype)
+            else:
                 return eager(x, *rest, **kw)
-            y = cpu_kernels.qgemm(qtype, blocks, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1).to(x.dtype)
+            y = y.view(*x.shape[:-1], -1).to(x.dtype)
         else:
             y = cpu_kernels.qlinear_op(x, blocks, qtype, Q8_ACTIVATIONS)   # one float32 row: straight to C
         b = self._parameters.get(bias)

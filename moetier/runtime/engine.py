@@ -186,10 +186,12 @@ class Engine:
         # GGUF experts stay in their stored format unless tiers want float ones (the compiled CPU step
         # calls the packed experts' kernel as a torch op)
         packed = path.suffix == ".gguf" and placement is None and not config.dequantize_experts
+        from . import cpu_compile
         net, args, ckpt = load_model(path, device=device, dtype=dtype, progress=config.progress,
                                      skip=memory.EXPERT_PARAM if placement is not None or packed else None,
                                      quant_dense=not config.dequantize_dense,
-                                     host_embed=placement is not None and placement.embed_host_bytes > 0)
+                                     host_embed=placement is not None and placement.embed_host_bytes > 0,
+                                     release_dense=device == "cpu" and not cpu_compile.KEEP_FLOATS)
         if packed:
             from ..weights.gguf import pack_experts
             pack_experts(net, ckpt, device, dtype)
@@ -219,9 +221,10 @@ class Engine:
             if isinstance(m, Attention):
                 m.fuse_qkv()
         engine = cls(net, args, tokenizer, config, device, dtype, path, eos, gen)
-        if device == "cpu":      # packed experts prefill with int8 activations where faster, from the first prompt
-            from . import cpu_compile
-            cpu_compile.prefill_int8_experts(net)
+        if device == "cpu":
+            if not cpu_compile.KEEP_FLOATS:     # linears on their blocks (GGUF ones were loaded without float values)
+                cpu_compile.dense_copies(net)
+            cpu_compile.prefill_int8_experts(net)   # packed experts' prefill: int8 activations where faster
         if placement is not None:
             engine.tiers = memory.install(net, placement, config)
             engine.prefill_chunk = placement.prefill_chunk

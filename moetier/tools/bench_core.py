@@ -164,7 +164,8 @@ def bytes_per_token(engine, context: int) -> dict:
     model, args = engine.model, engine.args
     dense = experts = 0
     seen = set()
-    embed = model.model.embed_tokens.weight
+    embed = getattr(model.model.embed_tokens, "weight", None)
+    lm = getattr(getattr(model, "lm_head", None), "weight", None)
     # float weights with a GGML copy that the CPU step reads instead (runtime.cpu_compile._quantized_copies): storage ->
     # the copy's bytes, counted once per storage (fuse_qkv's q, k, v are views of one)
     copies = {getattr(m, a).untyped_storage().data_ptr(): getattr(m, f"{a}_q").nbytes
@@ -176,21 +177,23 @@ def bytes_per_token(engine, context: int) -> dict:
         seen.add(id(p))
         n = p.numel() * p.element_size()
         key = p.untyped_storage().data_ptr()
-        if key in copies and not (p is embed and not args.tie_word_embeddings):
+        if key in copies and (p is not embed or p is lm):
             dense += copies[key] if key not in counted else 0
             counted.add(key)
             continue
         if ".experts." in name:
             experts += n
-        elif p is embed and not args.tie_word_embeddings:
+        elif p is embed and p is not lm:        # one row a token (a tied lm_head of its own, as a copy, is counted)
             dense += n // max(1, p.shape[0])
         else:
             dense += n
     from ..models.quant_experts import QuantExperts
-    from ..models.quant_linear import QuantLinear
+    from ..models.quant_linear import QuantEmbedding, QuantLinear
     for m in model.modules():          # GGUF blocks kept as buffers: dense layers and packed experts
         if isinstance(m, QuantLinear):
             dense += m.nbytes
+        elif isinstance(m, QuantEmbedding):             # one row a token
+            dense += m.nbytes // max(1, m.num_embeddings)
         elif isinstance(m, QuantExperts):   # (not the CPU step's x8 copies of the same experts)
             experts += sum(b.numel() * b.element_size() for n, b in m.named_buffers()
                            if b.device.type != "meta" and not n.endswith("_x8"))

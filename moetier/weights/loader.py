@@ -118,12 +118,16 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, progress: bool = False,
-               skip: re.Pattern | None = None, quant_dense: bool = False, host_embed: bool = False):
+               skip: re.Pattern | None = None, quant_dense: bool = False, host_embed: bool = False,
+               release_dense: bool = False):
     """-> (model, args, NamedCheckpoint or GGUFCheckpoint). `directory` is a model directory or a
     .gguf file. Params whose names match `skip` stay on meta (the memory tiers load experts themselves).
     quant_dense (GGUF on CUDA): the dense linear layers models.quant_linear picks load as QuantLinear on their
     file blocks (no float copy). host_embed (CUDA): the token embeddings stay in pinned RAM
-    (models.host_embedding), rows gathered over PCIe."""
+    (models.host_embedding), rows gathered over PCIe. release_dense (GGUF on the CPU, float32, the C kernels): a
+    Linear's weight stored in a format the C kernels read is never dequantized: it loads as
+    models.quant_linear.released_weight (its blocks kept, no values); the caller must give those linears their
+    blocks (runtime.cpu_compile.dense_copies) before any forward."""
     directory = Path(directory)
     if is_gguf(directory):  # a .gguf file (or one part of a split set): GGUFCheckpoint, same interface
         ckpt = open_checkpoint(directory)
@@ -141,12 +145,18 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
     params = list(model.named_parameters())
     from ..models import quant_linear
     quant = quant_linear.gpu_blocks(ckpt, [n for n, _ in params], device) if quant_dense else {}
+    cpu_gguf = is_gguf(directory) and str(device) == "cpu" and dtype == torch.float32
+    release = release_dense and cpu_gguf
     bar = _progress(len(params), f"loading {directory.name}", progress)
     for name, p in params:
         if (skip is not None and skip.search(name)) or name in quant:
             bar.update(1)
             continue
-        t = _fetch(ckpt, args, name)
+        if release and _release_at_load(ckpt, model, name, tuple(p.shape)):
+            bar.update(1)
+            continue
+        t = _fast_dequant(ckpt, name, tuple(p.shape)) if cpu_gguf else None
+        t = _fetch(ckpt, args, name) if t is None else t
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"but config.json implies {tuple(p.shape)}; the config and weights disagree")
@@ -179,22 +189,64 @@ def _host_embedding(model: nn.Module, table: torch.Tensor, pin: bool) -> None:
     model.model.embed_tokens = HostEmbedding(table.pin_memory() if pin else table.clone())
 
 
+def _cpu_fast_blocks(ckpt, name: str, rows: int):
+    """(blocks as the C kernels read them, type id) of the 2-D GGUF weight `name` (a tied lm_head: the embeddings')
+    when its format is one the C kernels multiply on (kernels.cpu.FAST_TYPES, or convert to exactly), else None."""
+    from ..kernels.cpu import FAST_TYPES
+    from .gguf import CPU_EXACT_AS, cpu_blocks, qtype_name
+    found = ckpt.blocks(name)
+    if found is None and name == "lm_head.weight" and (ckpt.args.tie_word_embeddings or not ckpt.has(name)):
+        found = ckpt.blocks(EMBED)                        # tied: _fetch reads the embeddings
+    if found is None or found[0].shape[0] != rows \
+            or CPU_EXACT_AS.get(qtype_name(found[1]), qtype_name(found[1])) not in FAST_TYPES:
+        return None
+    return cpu_blocks(*found)
+
+
+def _fast_dequant(ckpt, name: str, shape: tuple) -> torch.Tensor | None:
+    """The float32 values of the 2-D GGUF weight `name` from the C dequantizer (bit-exact with the torch one, without
+    its temporaries: the load's peak RSS was ~2x a float32 lm_head above the end's), where the C kernels read its
+    format; else None."""
+    from ..kernels import cpu
+    if len(shape) != 2 or cpu.backend() != "c":
+        return None
+    blocks = _cpu_fast_blocks(ckpt, name, shape[0])
+    return None if blocks is None else cpu.dequantize_rows(blocks[1], blocks[0])
+
+
+def _release_at_load(ckpt, model: nn.Module, name: str, shape: tuple) -> bool:
+    """Load param `name` as a released_weight when it is a Linear's weight whose blocks the C kernels read (and those
+    kernels are built), the token embeddings as a QuantEmbedding on their blocks; False: load it as usual."""
+    from ..kernels.cpu import backend
+    from ..models.quant_linear import QuantEmbedding
+    if name == EMBED and isinstance(model.model.embed_tokens, nn.Embedding) and backend() == "c":
+        blocks = _cpu_fast_blocks(ckpt, name, shape[0])
+        if blocks is not None:
+            model.model.embed_tokens = QuantEmbedding(*blocks, shape[1])
+        return blocks is not None
+    mod_name, _, attr = name.rpartition(".")
+    if attr != "weight" or len(shape) != 2 or not isinstance(model.get_submodule(mod_name), nn.Linear) \
+            or backend() != "c":
+        return False
+    blocks = _cpu_fast_blocks(ckpt, name, shape[0])
+    if blocks is None:
+        return False
+    from ..models.quant_linear import released_weight
+    setattr(model.get_submodule(mod_name), attr, released_weight(shape, blocks, param=True))
+    return True
+
+
 def _keep_blocks(ckpt, model: nn.Module, name: str) -> None:
     """A dense 2-D GGUF weight stored in a format the C kernels multiply on (kernels.cpu.FAST_TYPES), or convert to
     exactly (gguf.CPU_EXACT_AS: Q5_0 as Q8_0), keeps its blocks beside the float copy: `param.ggml_blocks = (uint8
     [rows, bytes/row], type id, param._version)`; the compiled CPU decode step reads those
     (runtime.cpu_compile._quantized_copies). Blocks in a FAST_TYPES format are views of the mmapped file: no copy."""
-    from ..kernels.cpu import FAST_TYPES
-    from .gguf import CPU_EXACT_AS, cpu_blocks, qtype_name
     if not name.endswith("weight"):
         return
     p = model.get_parameter(name)
-    found = ckpt.blocks(name) if p.dim() == 2 else None
-    if found is None and p.dim() == 2 and name == "lm_head.weight" \
-            and (ckpt.args.tie_word_embeddings or not ckpt.has(name)):     # tied: _fetch read the embeddings
-        found = ckpt.blocks(EMBED)
-    if found is not None and CPU_EXACT_AS.get(qtype_name(found[1]), qtype_name(found[1])) in FAST_TYPES:
-        p.ggml_blocks = (*cpu_blocks(*found), p._version)
+    found = _cpu_fast_blocks(ckpt, name, p.shape[0]) if p.dim() == 2 else None
+    if found is not None:
+        p.ggml_blocks = (*found, p._version)
 
 
 def _fetch(ckpt: NamedCheckpoint, args: ModelArgs, name: str) -> torch.Tensor:
