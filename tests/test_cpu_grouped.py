@@ -188,30 +188,33 @@ def test_grouped_q8k_tile_matches_its_arithmetic(qtype, t, k, march, build):
     assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL"])
 @pytest.mark.parametrize("march", ["haswell", "alderlake"])
 @pytest.mark.parametrize("t,k", [(5, 3), (40, 4)])
-def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, march, build):
+def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, march, build, qtype):
     """Q4_0 rows x int8 activations per 32 values with 8 rows in the lanes (grp_tile8_nib: 256-bit dpbusd with
     AVX-512 VNNI or AVX-VNNI (alderlake), or AVX2's maddubs summed in int16 (haswell; an expert with >= 16 pairs, here
     expert 0 at 40 tokens, unpacked once:
     grp_rows8_q4_0_avx2)) against float64 on the same rounding (round(v / d), d = max |v| / 127 per 32 values). The
     integer sums are exact; this machine's own build is held to the same reference and to the AVX2 build's values
     within float32 rounding, not to its bits: on an AVX-512 VNNI box the float steps round in another order (8 of 480
-    and 116 of 3,840 values differed in the last bit, both builds at 1.3-1.5e-7 of the reference)."""
+    and 116 of 3,840 values differed in the last bit, both builds at 1.3-1.5e-7 of the reference). Q8_0 and IQ4_NL
+    rows likewise (their values + 128 in the lanes: VNNI builds; haswell's Q8_0 the 4 x 4 tile); this machine's build
+    with AVX-512 VNNI takes 16 rows in the lanes of 512-bit vectors (grp_tile16_nib: the rows here are 32-row tasks)."""
     lib = build(march)
-    if not cpu.grouped_int8_tile("Q4_0", lib):
-        pytest.skip(f"no integer tile for Q4_0 in the {march} build")
+    if not cpu.grouped_int8_tile(qtype, lib):
+        pytest.skip(f"no integer tile for {qtype} in the {march} build")
 
-    gate, up, down = layer("Q4_0", 9, 96, 160, seed=5)
+    gate, up, down = layer(qtype, 9, 96, 160, seed=5)
     x, ids, w = skewed_route(t, 9, k, 96, seed=6)
-    ref, near = rounded_reference("Q4_0", gate, up, down, x, ids, w, 32)
-    y = run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=1, lib=lib)
+    ref, near = rounded_reference(qtype, gate, up, down, x, ids, w, 32)
+    y = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1, lib=lib)
     assert_rounded_close(y, ref, near)
-    assert torch.equal(run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
-    if cpu.backend() == "c" and cpu.grouped_int8_tile("Q4_0"):
-        own = run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=1)
+    assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2, lib=lib), y)
+    if cpu.backend() == "c" and cpu.grouped_int8_tile(qtype):
+        own = run(qtype, gate, up, down, x, ids, w, q8=True, threads=1)
         assert max_rel_err(own, ref) < 1e-5 and max_rel_err(own, y) < 1e-6
-        assert torch.equal(run("Q4_0", gate, up, down, x, ids, w, q8=True, threads=2), own)
+        assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2), own)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", ("Q4_K", "Q6_K")])

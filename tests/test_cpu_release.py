@@ -107,3 +107,17 @@ def test_float_copies_kept_on_request(files, monkeypatch):
     eng = _engine(files["Q8_0"])
     assert isinstance(eng.model.model.embed_tokens, torch.nn.Embedding)
     assert not any(getattr(m.weight, "released", False) for m in _linears(eng.model).values())
+
+
+@pytest.mark.slow
+def test_compiled_step_on_released_weights(files, tmp_path, monkeypatch):
+    """The AOT-compiled decode step of a GGUF file whose linears are released and whose embeddings are blocks (the trace
+    swaps each weight for its copy; moetier::embed_rows keeps the table a uint8 buffer): the eager step's tokens and,
+    step by step, its logits (test_cpu_compile._compare). Built into tmp_path (~10-20 s)."""
+    from test_cpu_compile import _compare
+    monkeypatch.setattr(cpu_compile, "CACHE_DIR", tmp_path)
+    eng = _compare(files["Q4_K_M"], list(range(5, 45)), 16)
+    assert isinstance(eng.model.model.embed_tokens, QuantEmbedding)
+    names = eng._cpu_decode.runner.get_constant_fqns()          # (the step's module holds the model as `model`)
+    assert "model.model.embed_tokens.blocks" in names
+    assert not [n for n in names if n.endswith(("proj.weight", "lm_head.weight", "qkv_weight"))]   # floats unread

@@ -9,11 +9,12 @@
  *   4. tasks (expert, block of down rows): o[s] = down_e a[s];
  *   5. y[t] = sum_j w[t, j] o[pos(t, j)] in j order (results do not depend on the thread count).
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
- * weights widened to int8 once for all pairs; Q4_0 8 rows in lanes x 8 pairs, grp_tile8_nib, with AVX-512 VNNI or
- * AVX2, and on AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); the 256-value formats (K-quants,
+ * weights widened to int8 once for all pairs; Q4_0 8 rows in lanes x 8 pairs, grp_tile8_nib, with AVX-512 VNNI,
+ * AVX-VNNI or AVX2 (Q8_0 too where dpbusd is; 16 rows in 512-bit lanes, grp_tile16_nib, with AVX-512 VNNI), and on
+ * AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); the 256-value formats (K-quants,
  * IQ1-IQ3) a Q8_K tile: 4 rows unpacked per super-block for up to 64 pairs, activations int8 per 256 values as
  * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block (cpu_grouped_sb.c; AVX2
- * builds keep their own for Q4_K / Q6_K, grp_tile_q8k); IQ4_NL / IQ4_XS 8 rows in lanes with AVX-512 VNNI; other
+ * builds keep their own for Q4_K / Q6_K, grp_tile_q8k); IQ4_NL / IQ4_XS in lanes as Q8_0; other
  * moe_q8_type rows the q8 row dot per (row, pair); float activations: the 4
  * rows dequantized to float (GRP_KC values at a time, in L1) and a float FMA tile, so the products are the
  * dequantized model's (max relative error ~1e-6, the summation order); an expert with one pair: the row dot. */
@@ -104,8 +105,16 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
 #if GRP_VNNI || defined(__AVX2__)
 #define GRP_ROWS8 1
 #define GRP_PAIRS8 8          /* AVX2 (1 thread, 128 tokens): 4 pairs 0.7x, 6 0.8x, 12 0.8x the speed of 8 */
+#ifndef MOETIER_TILE16        /* MOETIER_TILE16=0 at build time (kernels.cpu.build_library): 8 rows only (A/B) */
+#define MOETIER_TILE16 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define GRP_TILE16 1          /* 16 rows in the lanes of 512-bit vectors (grp_tile16_nib) */
+#else
+#define GRP_TILE16 0
+#endif
 #if GRP_VNNI
-#define GRP_TILE8_IQ4 1       /* IQ4_NL / IQ4_XS rows too (their codebook + 128 needs dpbusd: maddubs saturates) */
+#define GRP_TILE8_IQ4 1       /* IQ4_NL / IQ4_XS / Q8_0 rows too (their values + 128 need dpbusd: maddubs saturates) */
 #else
 #define GRP_TILE8_IQ4 0
 #endif
@@ -127,6 +136,27 @@ static inline __attribute__((always_inline)) void grp_nib8(const uint8_t *blk, i
     }
 }
 
+/* Q8_0: the 32 int8 values of 8 rows' blocks (blk + r * rs + 2) transposed into the lanes as unsigned bytes (+ 128,
+ * dpbusd's u8 side): wq[j] lane r holds row r's values 4j .. 4j + 3. An 8 x 8 transpose of int32 words. */
+static inline __attribute__((always_inline)) void grp_q8_8(const uint8_t *blk, int64_t rs, __m256i wq[8]) {
+    __m256i t[8], u[8];
+    for (int r = 0; r < 8; r++) t[r] = _mm256_loadu_si256((const __m256i *)(blk + r * rs + 2));
+    for (int r = 0; r < 8; r += 2) {
+        u[r] = _mm256_unpacklo_epi32(t[r], t[r + 1]);      /* words 0, 1 (4, 5) of rows r, r + 1 interleaved */
+        u[r + 1] = _mm256_unpackhi_epi32(t[r], t[r + 1]);  /* words 2, 3 (6, 7) */
+    }
+    for (int h = 0; h < 8; h += 4)
+        for (int i = 0; i < 2; i++) {                       /* rows h .. h + 3: word 2i (+ 4), word 2i + 1 (+ 4) */
+            t[h + 2 * i] = _mm256_unpacklo_epi64(u[h + i], u[h + 2 + i]);
+            t[h + 2 * i + 1] = _mm256_unpackhi_epi64(u[h + i], u[h + 2 + i]);
+        }
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    for (int j = 0; j < 4; j++) {       /* t[j]: word j (lane 1: j + 4) of rows 0..3; t[4 + j]: rows 4..7 */
+        wq[j] = _mm256_xor_si256(_mm256_permute2x128_si256(t[j], t[4 + j], 0x20), bias);
+        wq[j + 4] = _mm256_xor_si256(_mm256_permute2x128_si256(t[j], t[4 + j], 0x31), bias);
+    }
+}
+
 /* lane r: the fp16 scale at the start of row r's block (blk + r * rs), each row's block line prefetched */
 static inline __m256 grp_scales8(const uint8_t *blk, int64_t rs) {
     uint16_t h[8];
@@ -144,10 +174,35 @@ static inline __m256 grp_scales8(const uint8_t *blk, int64_t rs) {
  * Per row and block d (dx dot(nib, qx) - 8 sx), as moe_row_q4_0_q8 (its rounding differs: one int32 dot per block).
  * Default model's layer (8 experts, D 384, I 256, 256 tokens, 1 thread, Zen 4): the 4 x 4 tile 4.17 ms, this 2.14.
  * kind 1 / 2: IQ4_NL / IQ4_XS rows (the same nibble bytes per 32 values; the codebook + 128 as unsigned bytes by one
- * shuffle, 128 sx off: d (dx dot(book + 128, qx) - 128 sx); IQ4_XS: d (ls - 32) of the row's sub-block). nb: blocks of
- * 32 values.
+ * shuffle, 128 sx off: d (dx dot(book + 128, qx) - 128 sx); IQ4_XS: d (ls - 32) of the row's sub-block); kind 3: Q8_0
+ * rows (grp_q8_8: the values + 128, 128 sx off, as IQ4). nb: blocks of 32 values.
  * AVX2 without VNNI (Q4_0 only): a pair's 8 maddubs (nibble u8 x int8, pair sums <= 2 x 15 x 128) summed in int16
  * (<= 30720: exact), one madd to int32: the same integer sums, so the same bits as dpbusd. */
+static inline __attribute__((always_inline)) __m256 grp_block8(const int kind, const uint8_t *w, int64_t rs, int64_t b,
+                                                               __m256i book, __m256i wq[8]) {
+    const uint8_t *blk = kind == 2 ? w + 136 * (b / 8) : w + (kind == 3 ? 34 : 18) * b;   /* or its super-block */
+    const int64_t qo = kind == 2 ? 8 + 16 * (b % 8) : 2;                  /* its nibble bytes */
+    __m256 d;                                           /* lane r: row r's scale */
+    if (kind == 2) {
+        float sc[8];
+        for (int r = 0; r < 8; r++) {
+            PREFETCH(blk + r * rs + qo);
+            sc[r] = iq4_xs_scale(blk + r * rs, (int)(b % 8));
+        }
+        d = _mm256_loadu_ps(sc);
+    } else {
+        d = grp_scales8(blk, rs);
+    }
+    if (kind == 3) {
+        grp_q8_8(blk, rs, wq);
+    } else {
+        grp_nib8(blk, rs, qo, wq);
+        if (kind)
+            for (int j = 0; j < 8; j++) wq[j] = _mm256_shuffle_epi8(book, wq[j]);
+    }
+    return d;
+}
+
 static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, const uint8_t *w, int64_t rs,
         const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
         int64_t ldo) {
@@ -157,23 +212,8 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
                                          _mm256_set1_epi8((char)0x80));       /* value + 128 as an unsigned byte */
     const float off = kind ? 128.f : 8.f;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = kind == 2 ? w + 136 * (b / 8) : w + 18 * b;      /* the block, or its super-block */
-        const int64_t qo = kind == 2 ? 8 + 16 * (b % 8) : 2;                  /* its nibble bytes */
-        __m256 d;                                       /* lane r: row r's scale */
-        if (kind == 2) {
-            float sc[8];
-            for (int r = 0; r < 8; r++) {
-                PREFETCH(blk + r * rs + qo);
-                sc[r] = iq4_xs_scale(blk + r * rs, (int)(b % 8));
-            }
-            d = _mm256_loadu_ps(sc);
-        } else {
-            d = grp_scales8(blk, rs);
-        }
         __m256i wq[8];                                  /* wq[j] lane r: row r's values 4j .. 4j + 3 */
-        grp_nib8(blk, rs, qo, wq);
-        if (kind)
-            for (int j = 0; j < 8; j++) wq[j] = _mm256_shuffle_epi8(book, wq[j]);
+        const __m256 d = grp_block8(kind, w, rs, b, book, wq);
         for (int p = 0; p < np; p++) {
             const int8_t *q = qx[p] + 32 * b;
 #if GRP_VNNI
@@ -205,18 +245,66 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
     for (int p = 0; p < np; p++) _mm256_storeu_ps(out + p * ldo, acc[p]);
 }
 
+/* a rows-in-lanes tile `fn` called with a constant np and kind (each variant keeps its accumulators in registers) */
+#define GRP_NIB_CASE(fn, n) case 4 * n: fn(0, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
+                            case 4 * n + 1: fn(1, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
+                            case 4 * n + 2: fn(2, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
+                            case 4 * n + 3: fn(3, w, rs, qx, dx, sx, n, nb, out, ldo); break;
+#define GRP_NIB_SWITCH(fn) switch (np * 4 + kind) { \
+        GRP_NIB_CASE(fn, 1) GRP_NIB_CASE(fn, 2) GRP_NIB_CASE(fn, 3) GRP_NIB_CASE(fn, 4) \
+        GRP_NIB_CASE(fn, 5) GRP_NIB_CASE(fn, 6) GRP_NIB_CASE(fn, 7) GRP_NIB_CASE(fn, 8) \
+        default: break; \
+    }
+
+#if GRP_TILE16
+/* grp_tile8_nib for 16 rows in the lanes of 512-bit vectors (AVX-512 VNNI): rows 0..7 and 8..15 unpacked as there
+ * (grp_block8) into the two halves, so a pair's block costs the 8-row tile's instructions for twice the rows; the
+ * same integer sums and float operations per row, so the same bits. Dev box (1 thread, 16 experts, D 2048, I 768,
+ * 128 tokens x 8): docs/perf-log.md session 42. */
+static inline __attribute__((always_inline)) void grp_tile16_nib(const int kind, const uint8_t *w, int64_t rs,
+        const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
+        int64_t ldo) {
+    __m512 acc[GRP_PAIRS8];
+    for (int p = 0; p < GRP_PAIRS8; p++) acc[p] = _mm512_setzero_ps();
+    const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
+                                         _mm256_set1_epi8((char)0x80));
+    const float off = kind ? 128.f : 8.f;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i lo[8], hi[8];
+        const __m256 dlo = grp_block8(kind, w, rs, b, book, lo), dhi = grp_block8(kind, w + 8 * rs, rs, b, book, hi);
+        __m512i wq[8];                                  /* wq[j] lane r: row r's values 4j .. 4j + 3 */
+        for (int j = 0; j < 8; j++) wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
+        const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dlo)),
+                                                              _mm256_castps_pd(dhi), 1));
+        for (int p = 0; p < np; p++) {
+            const int8_t *q = qx[p] + 32 * b;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                int32_t q0, q1;
+                memcpy(&q0, q + 4 * j, 4);
+                memcpy(&q1, q + 4 * j + 4, 4);
+                s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(q0));
+                s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(q1));
+            }
+            const __m512 f = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(dx[p][b]),
+                                             _mm512_set1_ps(off * sx[p][b]));
+            acc[p] = _mm512_fmadd_ps(f, d, acc[p]);
+        }
+    }
+    for (int p = 0; p < np; p++) _mm512_storeu_ps(out + p * ldo, acc[p]);
+}
+
+static void grp_tile16_nib_any(int kind, const uint8_t *w, int64_t rs, const int8_t *const *qx,
+                               const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
+                               int64_t ldo) {
+    GRP_NIB_SWITCH(grp_tile16_nib)
+}
+#endif
+
 /* the tile for a constant np (its accumulators in registers) */
 static void grp_tile8_nib_any(int kind, const uint8_t *w, int64_t rs, const int8_t *const *qx, const float *const *dx,
                                const float *const *sx, int np, int64_t nb, float *out, int64_t ldo) {
-    switch (np * 3 + kind) {
-#define GRP_TILE8_CASE(n) case 3 * n: grp_tile8_nib(0, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
-                          case 3 * n + 1: grp_tile8_nib(1, w, rs, qx, dx, sx, n, nb, out, ldo); break; \
-                          case 3 * n + 2: grp_tile8_nib(2, w, rs, qx, dx, sx, n, nb, out, ldo); break;
-    GRP_TILE8_CASE(1) GRP_TILE8_CASE(2) GRP_TILE8_CASE(3) GRP_TILE8_CASE(4)
-    GRP_TILE8_CASE(5) GRP_TILE8_CASE(6) GRP_TILE8_CASE(7) GRP_TILE8_CASE(8)
-#undef GRP_TILE8_CASE
-    default: break;
-    }
+    GRP_NIB_SWITCH(grp_tile8_nib)
 }
 #endif
 
@@ -788,10 +876,12 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
 #endif
 #ifdef GRP_ROWS8
     /* rows in lanes: 8 rows of a pair contiguous in dst */
-    if ((qtype == Q4_0 || (GRP_TILE8_IQ4 && (qtype == IQ4_NL || qtype == IQ4_XS))) && a->q8 && m % 8 == 0) {
-        const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : 2;
+    if ((qtype == Q4_0 || (GRP_TILE8_IQ4 && (qtype == IQ4_NL || qtype == IQ4_XS || qtype == Q8_0))) && a->q8
+        && m % 8 == 0) {
+        const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : qtype == IQ4_XS ? 2 : 3;
         const int64_t nb = a->K / 32;
-        for (int64_t i = 0; i < m; i += 8)
+        const int rows = GRP_TILE16 && m % 16 == 0 && MOETIER_TILE16 ? 16 : 8;
+        for (int64_t i = 0; i < m; i += rows)
             for (int64_t s = s0; s < s1; s += GRP_PAIRS8) {
                 const int np = (int)(s1 - s < GRP_PAIRS8 ? s1 - s : GRP_PAIRS8);
                 const int8_t *qx[GRP_PAIRS8];
@@ -802,6 +892,12 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
                     dx[p] = a->dx + row * nb;
                     sx[p] = a->sx + row * nb;
                 }
+#if GRP_TILE16
+                if (rows == 16) {
+                    grp_tile16_nib_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
+                    continue;
+                }
+#endif
                 grp_tile8_nib_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
             }
         return;

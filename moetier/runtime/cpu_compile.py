@@ -249,9 +249,11 @@ def dense_copies(model: torch.nn.Module) -> None:
             if tid in cpu_kernels.INTERLEAVED and blocks.shape[0] % 8 == 0 and Q8_ACTIVATIONS and INTERLEAVE \
                     and cpu_kernels.interleaved_supported(tid):
                 x8 = hugepages.copy(blocks)     # rows in lanes, in C in place (no temporaries: a 235B's lm_head)
-                blocks = x8.clone() if x8 is blocks else x8     # (never the file's own bytes)
-                cpu_kernels.interleave_inplace(blocks, tid)
-                tid = cpu_kernels.INTERLEAVED[tid]
+                x8 = x8.clone() if x8 is blocks else x8     # (never the file's own bytes)
+                cpu_kernels.interleave_inplace(x8, tid)
+                if stored is not None:          # the file's rows stay for a prompt's qgemm (no copy to undo)
+                    m.__dict__.setdefault("_file_rows", {})[a] = (blocks, tid)
+                blocks, tid = x8, cpu_kernels.INTERLEAVED[tid]
             elif stored is None:
                 blocks = hugepages.copy(blocks)   # made here: on 2 MiB pages (the file's own views cost no copy)
             m.register_buffer(f"{a}_q", blocks, persistent=False)
@@ -372,8 +374,9 @@ def _dequant_gemm(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Te
     y = torch.empty(x.shape[0], blocks.shape[0])
     for r in range(0, blocks.shape[0], rows):
         part, t = blocks[r:r + rows], qtype
-        if base is not None:
-            part, t = cpu_kernels.deinterleave_rows(part, base), base
+        if base is not None:                    # rows in lanes put back in the file's order, in C on a copy
+            part, t = part.clone(), base
+            cpu_kernels.interleave_inplace(part, base, inverse=True)
         torch.mm(x, cpu_kernels.dequantize_rows(t, part).T, out=y[:, r:r + rows])
     return y
 
@@ -391,6 +394,7 @@ def _drop_quantized_copies(model: torch.nn.Module) -> None:
             m._x8_types = None
         if "_half" in m.__dict__:
             del m._half, m.gate_up_half, m.down_half
+        m.__dict__.pop("_file_rows", None)
     model._quant_copies_done = False
 
 
@@ -403,8 +407,10 @@ EAGER_QLINEAR_ROWS = 1
 # (kernels.cpu.qgemm: each row of W read once for all rows of x) where the experts' prefill takes int8 activations
 # (prefill_int8: timed per machine). Dev box, 1 thread, 128 rows: q/k/v [5120, 2048] 23.7 ms (interleaved copy put
 # back in order included) against 49.1 ms for the float32 GEMM, o [2048, 4096] 20.0 against 29.9. Q8_0's tile lost
-# there (48.9 against 31-36 ms at q/k/v's shape): not taken.
-PREFILL_QGEMM_TYPES = {"Q4_0"}
+# there (48.9 against 31-36 ms at q/k/v's shape) until it had its rows in lanes (session 42, dev box, 2 threads, 512
+# rows: q/k/v [5120, 2048] 35.4 ms against 44.3 for its released copy dequantized a chunk at a time (34.0 for a float
+# copy); o 28.1 against 36.7 (26.5)); where the lanes tile is not built, prefill_int8 times it slower: not taken.
+PREFILL_QGEMM_TYPES = {"Q4_0", "Q8_0"}
 # The 256-value formats likewise where the build has their rows-in-lanes tile (kernels.cpu.grouped_lanes: AVX-512
 # VNNI or AVX-VNNI). Dev box, 1 thread, 256 rows x [1024, 1024]: 1.01-1.23x MKL's AVX-512 sgemm (AVX-VNNI build:
 # 1.33-1.57x MKL limited to AVX2); the wide test model's prefill +3-5% (Q2_K, IQ2_XXS, IQ3_XXS; Q4_K_M 1.00x). A
@@ -474,8 +480,9 @@ def _on_blocks(eager, attr: str, bias: str):
             return eager(x, *rest, **kw)
         if x.numel() > EAGER_QLINEAR_ROWS * x.shape[-1]:
             x2 = x.reshape(-1, x.shape[-1])
-            if _prefill_qgemm(self, qtype):
-                y = cpu_kernels.qgemm(qtype, blocks, x2)
+            if _prefill_qgemm(self, qtype):     # on the file's rows where kept (no interleaved copy put back)
+                rows, rtype = self.__dict__.get("_file_rows", {}).get(attr, (blocks, qtype))
+                y = cpu_kernels.qgemm(rtype, rows, x2)
             elif attr in self.__dict__.get("_released", ()):
                 y = _dequant_gemm(x2.float().contiguous(), blocks, qtype)
             else:
