@@ -121,3 +121,20 @@ def test_compiled_step_on_released_weights(files, tmp_path, monkeypatch):
     names = eng._cpu_decode.runner.get_constant_fqns()          # (the step's module holds the model as `model`)
     assert "model.model.embed_tokens.blocks" in names
     assert not [n for n in names if n.endswith(("proj.weight", "lm_head.weight", "qkv_weight"))]   # floats unread
+
+
+def test_memory_plan_counts_the_blocks(files, monkeypatch):
+    """The CPU memory plan (moetier plan, --ram-mem tiers) counts a GGUF file's dense weights and embeddings as the run
+    holds them: their blocks, and the rows-in-lanes copy beside the file's rows where the format has one (Q8_0's)."""
+    from moetier.memory.plan import make_placement
+    eng = _engine(files["Q8_0"])
+    held = eng.model.model.embed_tokens.nbytes
+    for m in eng.model.modules():
+        for a in m.__dict__.get("_quant_copies", {}):
+            held += m._buffers[f"{a}_q"].nbytes + sum(r.nbytes for r, _ in m.__dict__.get("_file_rows", {}).values())
+    plan = make_placement(files["Q8_0"], EngineConfig(max_context=128, ram_mem=1 << 34), "cpu", torch.float32, 128)
+    floats = sum(p.numel() * 4 for p in eng.model.parameters() if not getattr(p, "released", False))  # norms, routers
+    assert plan.dense_bytes + plan.embed_bytes == held + floats
+    monkeypatch.setattr(cpu_compile, "KEEP_FLOATS", True)
+    floats = make_placement(files["Q8_0"], EngineConfig(max_context=128, ram_mem=1 << 34), "cpu", torch.float32, 128)
+    assert plan.dense_bytes + plan.embed_bytes < 0.6 * (floats.dense_bytes + floats.embed_bytes)

@@ -120,8 +120,9 @@ def build_library(cache_dir: Path | None = None, march: str = "native", source: 
         flags.append(f"-DPREFETCH_AHEAD={int(os.environ['MOETIER_PREFETCH_AHEAD'])}")
     if os.environ.get("MOETIER_X8_DENSE_AHEAD"):       # an A/B of the dense interleaved matvec's distance (bytes)
         flags.append(f"-DX8_DENSE_AHEAD={int(os.environ['MOETIER_X8_DENSE_AHEAD'])}")
-    if os.environ.get("MOETIER_TILE16"):               # 0: the prefill's 32-value formats on 8 rows in lanes (A/B)
-        flags.append(f"-DMOETIER_TILE16={int(os.environ['MOETIER_TILE16'])}")
+    for ab in ("MOETIER_TILE16", "MOETIER_UNPACK16"):  # 0: the 32-value formats' prefill on 8 rows in lanes / 16 rows
+        if os.environ.get(ab):                          # unpacked per tile of pairs (A/B)
+            flags.append(f"-D{ab}={int(os.environ[ab])}")
     if os.environ.get("MOETIER_MISS_CHUNKS"):          # an A/B of the miss server's chunks per thread and phase
         flags.append(f"-DCHUNKS={int(os.environ['MOETIER_MISS_CHUNKS'])}")
     header = iq_tables_header()

@@ -10,7 +10,8 @@
  *   5. y[t] = sum_j w[t, j] o[pos(t, j)] in j order (results do not depend on the thread count).
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
  * weights widened to int8 once for all pairs; Q4_0 8 rows in lanes x 8 pairs, grp_tile8_nib, with AVX-512 VNNI,
- * AVX-VNNI or AVX2 (Q8_0 too where dpbusd is; 16 rows in 512-bit lanes, grp_tile16_nib, with AVX-512 VNNI), and on
+ * AVX-VNNI or AVX2 (Q8_0 too where dpbusd is; 16 rows in 512-bit lanes with AVX-512 VNNI, unpacked once an expert:
+ * grp_tile16_nib, grp_rows16_buf), and on
  * AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); the 256-value formats (K-quants,
  * IQ1-IQ3) a Q8_K tile: 4 rows unpacked per super-block for up to 64 pairs, activations int8 per 256 values as
  * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block (cpu_grouped_sb.c; AVX2
@@ -107,6 +108,9 @@ static void grp_tile_q8_any(int qtype, const uint8_t *w, int64_t rs, const int8_
 #define GRP_PAIRS8 8          /* AVX2 (1 thread, 128 tokens): 4 pairs 0.7x, 6 0.8x, 12 0.8x the speed of 8 */
 #ifndef MOETIER_TILE16        /* MOETIER_TILE16=0 at build time (kernels.cpu.build_library): 8 rows only (A/B) */
 #define MOETIER_TILE16 1
+#endif
+#ifndef MOETIER_UNPACK16      /* MOETIER_UNPACK16=0: 16-row blocks unpacked per tile of pairs (A/B) */
+#define MOETIER_UNPACK16 1
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define GRP_TILE16 1          /* 16 rows in the lanes of 512-bit vectors (grp_tile16_nib) */
@@ -261,37 +265,76 @@ static inline __attribute__((always_inline)) void grp_tile8_nib(const int kind, 
  * (grp_block8) into the two halves, so a pair's block costs the 8-row tile's instructions for twice the rows; the
  * same integer sums and float operations per row, so the same bits. Dev box (1 thread, 16 experts, D 2048, I 768,
  * 128 tokens x 8): docs/perf-log.md session 42. */
+/* acc + d (dx dot(wq, q) - off_sx): one block of 16 rows in lanes (wq[j] lane r: row r's values 4j .. 4j + 3) and
+ * one pair's 32 int8 values q, its scale dx and off times its scaled sum */
+static inline __attribute__((always_inline)) __m512 grp_dot16(const __m512i *wq, const int8_t *q, float dxb,
+                                                              float off_sx, __m512 d, __m512 acc) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        int32_t q0, q1;
+        memcpy(&q0, q + 4 * j, 4);
+        memcpy(&q1, q + 4 * j + 4, 4);
+        s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(q0));
+        s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(q1));
+    }
+    const __m512 f = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(dxb),
+                                     _mm512_set1_ps(off_sx));
+    return _mm512_fmadd_ps(f, d, acc);
+}
+
+/* block b of 16 rows (w, stride rs) unpacked into the lanes: wq[8], and the rows' scales as the return value */
+static inline __attribute__((always_inline)) __m512 grp_block16(const int kind, const uint8_t *w, int64_t rs,
+                                                                int64_t b, __m512i wq[8]) {
+    const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
+                                         _mm256_set1_epi8((char)0x80));
+    __m256i lo[8], hi[8];
+    const __m256 dlo = grp_block8(kind, w, rs, b, book, lo), dhi = grp_block8(kind, w + 8 * rs, rs, b, book, hi);
+    for (int j = 0; j < 8; j++) wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dlo)), _mm256_castps_pd(dhi),
+                                               1));
+}
+
 static inline __attribute__((always_inline)) void grp_tile16_nib(const int kind, const uint8_t *w, int64_t rs,
         const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float *out,
         int64_t ldo) {
     __m512 acc[GRP_PAIRS8];
     for (int p = 0; p < GRP_PAIRS8; p++) acc[p] = _mm512_setzero_ps();
-    const __m256i book = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)iq4nl_values)),
-                                         _mm256_set1_epi8((char)0x80));
     const float off = kind ? 128.f : 8.f;
     for (int64_t b = 0; b < nb; b++) {
-        __m256i lo[8], hi[8];
-        const __m256 dlo = grp_block8(kind, w, rs, b, book, lo), dhi = grp_block8(kind, w + 8 * rs, rs, b, book, hi);
-        __m512i wq[8];                                  /* wq[j] lane r: row r's values 4j .. 4j + 3 */
-        for (int j = 0; j < 8; j++) wq[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
-        const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(dlo)),
-                                                              _mm256_castps_pd(dhi), 1));
-        for (int p = 0; p < np; p++) {
-            const int8_t *q = qx[p] + 32 * b;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                int32_t q0, q1;
-                memcpy(&q0, q + 4 * j, 4);
-                memcpy(&q1, q + 4 * j + 4, 4);
-                s0 = _mm512_dpbusd_epi32(s0, wq[j], _mm512_set1_epi32(q0));
-                s1 = _mm512_dpbusd_epi32(s1, wq[j + 1], _mm512_set1_epi32(q1));
-            }
-            const __m512 f = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(dx[p][b]),
-                                             _mm512_set1_ps(off * sx[p][b]));
-            acc[p] = _mm512_fmadd_ps(f, d, acc[p]);
-        }
+        __m512i wq[8];
+        const __m512 d = grp_block16(kind, w, rs, b, wq);
+        for (int p = 0; p < np; p++) acc[p] = grp_dot16(wq, qx[p] + 32 * b, dx[p][b], off * sx[p][b], d, acc[p]);
     }
     for (int p = 0; p < np; p++) _mm512_storeu_ps(out + p * ldo, acc[p]);
+}
+
+/* grp_tile16_nib over 16 rows unpacked once (grp_unpack16) for all of an expert's pairs: an expert with more pairs
+ * than one tile no longer unpacks every block once per GRP_PAIRS8 pairs */
+static void grp_unpack16(int kind, const uint8_t *w, int64_t rs, int64_t nb, __m512i *wq, __m512 *d) {
+    for (int64_t b = 0; b < nb; b++) d[b] = grp_block16(kind, w, rs, b, wq + 8 * b);
+}
+
+static inline __attribute__((always_inline)) void grp_rows16_buf(const __m512i *wbuf, const __m512 *dbuf,
+        const int8_t *const *qx, const float *const *dx, const float *const *sx, int np, int64_t nb, float off,
+        float *out, int64_t ldo) {
+    __m512 acc[GRP_PAIRS8];
+    for (int p = 0; p < GRP_PAIRS8; p++) acc[p] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int p = 0; p < np; p++)
+            acc[p] = grp_dot16(wbuf + 8 * b, qx[p] + 32 * b, dx[p][b], off * sx[p][b], dbuf[b], acc[p]);
+    for (int p = 0; p < np; p++) _mm512_storeu_ps(out + p * ldo, acc[p]);
+}
+
+static void grp_rows16_buf_any(const __m512i *wbuf, const __m512 *dbuf, const int8_t *const *qx,
+                               const float *const *dx, const float *const *sx, int np, int64_t nb, float off,
+                               float *out, int64_t ldo) {
+    switch (np) {
+#define GRP_BUF16_CASE(n) case n: grp_rows16_buf(wbuf, dbuf, qx, dx, sx, n, nb, off, out, ldo); break;
+    GRP_BUF16_CASE(1) GRP_BUF16_CASE(2) GRP_BUF16_CASE(3) GRP_BUF16_CASE(4)
+    GRP_BUF16_CASE(5) GRP_BUF16_CASE(6) GRP_BUF16_CASE(7) GRP_BUF16_CASE(8)
+#undef GRP_BUF16_CASE
+    default: break;
+    }
 }
 
 static void grp_tile16_nib_any(int kind, const uint8_t *w, int64_t rs, const int8_t *const *qx,
@@ -881,7 +924,17 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
         const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : qtype == IQ4_XS ? 2 : 3;
         const int64_t nb = a->K / 32;
         const int rows = GRP_TILE16 && m % 16 == 0 && MOETIER_TILE16 ? 16 : 8;
-        for (int64_t i = 0; i < m; i += rows)
+#if GRP_TILE16
+        /* an expert's 16 rows unpacked once into L1 for all its pairs (grp_rows16_buf) when it has more than a tile */
+        __m512i *wbuf = rows == 16 && s1 - s0 > GRP_PAIRS8 && MOETIER_UNPACK16
+                        ? aligned_alloc(64, nb * (8 * sizeof(__m512i) + sizeof(__m512))) : NULL;
+        __m512 *dbuf = wbuf ? (__m512 *)(wbuf + 8 * nb) : NULL;
+#endif
+        for (int64_t i = 0; i < m; i += rows) {
+#if GRP_TILE16
+            if (wbuf)
+                grp_unpack16(kind, w + i * rs, rs, nb, wbuf, dbuf);
+#endif
             for (int64_t s = s0; s < s1; s += GRP_PAIRS8) {
                 const int np = (int)(s1 - s < GRP_PAIRS8 ? s1 - s : GRP_PAIRS8);
                 const int8_t *qx[GRP_PAIRS8];
@@ -892,14 +945,23 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
                     dx[p] = a->dx + row * nb;
                     sx[p] = a->sx + row * nb;
                 }
+                float *o = dst + s * ld + r + i;
 #if GRP_TILE16
+                if (wbuf) {
+                    grp_rows16_buf_any(wbuf, dbuf, qx, dx, sx, np, nb, kind ? 128.f : 8.f, o, ld);
+                    continue;
+                }
                 if (rows == 16) {
-                    grp_tile16_nib_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
+                    grp_tile16_nib_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, o, ld);
                     continue;
                 }
 #endif
-                grp_tile8_nib_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, dst + s * ld + r + i, ld);
+                grp_tile8_nib_any(kind, w + i * rs, rs, qx, dx, sx, np, nb, o, ld);
             }
+        }
+#if GRP_TILE16
+        free(wbuf);
+#endif
         return;
     }
 #endif

@@ -242,9 +242,11 @@ def make_placement(path: Path, config: EngineConfig, device: str, dtype: torch.d
     args, model, ckpt, layout = inspected or inspect(Path(path))
     L, E = layout.num_layers, layout.num_experts
     cuda = device.startswith("cuda")
-    from ..models.quant_linear import gpu_bytes
+    from ..models.quant_linear import cpu_bytes, gpu_bytes
     quant = {} if getattr(config, "dequantize_dense", False) else \
         gpu_bytes(ckpt, [n for n, _ in model.named_parameters()], device)
+    if device == "cpu":         # a CPU run's GGUF linears and embeddings stay in their blocks (no float copy)
+        quant = cpu_bytes(ckpt, model, dtype)
     host_embed = host_embedding(config, device)
     groups, dense, embed, embed_host = _groups(model, dtype, quant, host_embed)
     head = dict(model.named_parameters()).get("lm_head.weight")

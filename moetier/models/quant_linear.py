@@ -149,6 +149,28 @@ def gpu_bytes(ckpt, names, device: str) -> dict[str, int]:
     return out
 
 
+def cpu_bytes(ckpt, model: nn.Module, dtype) -> dict[str, int]:
+    """{name: bytes in RAM} of the dense params a CPU run keeps in their GGUF blocks instead of float (for the memory
+    plan; weights.loader release_dense): Linear weights and the token embeddings in a format the C kernels read, with
+    the rows-in-lanes copy the decode reads for the formats that have one (runtime.cpu_compile.dense_copies). {} for
+    other checkpoints, dtypes, without the C kernels or under MOETIER_FLOAT_COPIES=1."""
+    from ..kernels import cpu
+    from ..runtime.cpu_compile import KEEP_FLOATS
+    from ..weights.loader import EMBED, _cpu_fast_blocks
+    if not hasattr(ckpt, "blocks") or dtype != torch.float32 or cpu.backend() != "c" or KEEP_FLOATS:
+        return {}
+    out = {}
+    for n, p in model.named_parameters():
+        linear = n.endswith(".weight") and isinstance(model.get_submodule(n.rpartition(".")[0]), nn.Linear)
+        if p.dim() != 2 or not (n == EMBED or linear):
+            continue
+        found = _cpu_fast_blocks(ckpt, n, p.shape[0])
+        if found is not None:
+            lanes = n != EMBED and found[1] in cpu.INTERLEAVED and p.shape[0] % 8 == 0
+            out[n] = found[0].numel() * (2 if lanes else 1)
+    return out
+
+
 def released_weight(shape: tuple, blocks: tuple | None = None, param: bool = False) -> torch.Tensor:
     """A float32 weight of `shape` without values (an nn.Parameter if `param`): every element views one NaN (views of
     it stay one storage; a reader that was missed computes NaN, not plausible numbers). `.released` is True; blocks:
