@@ -156,13 +156,12 @@ def cpu_bytes(ckpt, model: nn.Module, dtype) -> dict[str, int]:
     other checkpoints, dtypes, without the C kernels or under MOETIER_FLOAT_COPIES=1."""
     from ..kernels import cpu
     from ..runtime.cpu_compile import KEEP_FLOATS
-    from ..weights.loader import EMBED, _cpu_fast_blocks
+    from ..weights.loader import EMBED, _cpu_fast_blocks, releasable
     if not hasattr(ckpt, "blocks") or dtype != torch.float32 or cpu.backend() != "c" or KEEP_FLOATS:
         return {}
     out = {}
     for n, p in model.named_parameters():
-        linear = n.endswith(".weight") and isinstance(model.get_submodule(n.rpartition(".")[0]), nn.Linear)
-        if p.dim() != 2 or not (n == EMBED or linear):
+        if p.dim() != 2 or not releasable(model, n):
             continue
         found = _cpu_fast_blocks(ckpt, n, p.shape[0])
         if found is not None:

@@ -145,18 +145,23 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
     params = list(model.named_parameters())
     from ..models import quant_linear
     quant = quant_linear.gpu_blocks(ckpt, [n for n, _ in params], device) if quant_dense else {}
-    cpu_gguf = is_gguf(directory) and str(device) == "cpu" and dtype == torch.float32
-    release = release_dense and cpu_gguf
+    from ..kernels.cpu import backend, dequantize_rows
+    cpu_gguf = is_gguf(directory) and str(device) == "cpu"
+    c_float32 = cpu_gguf and dtype == torch.float32 and backend() == "c"
+    release = release_dense and c_float32
     bar = _progress(len(params), f"loading {directory.name}", progress)
     for name, p in params:
         if (skip is not None and skip.search(name)) or name in quant:
             bar.update(1)
             continue
-        if release and _release_at_load(ckpt, model, name, tuple(p.shape)):
+        blocks = _cpu_fast_blocks(ckpt, name, p.shape[0]) if cpu_gguf and p.dim() == 2 else None
+        if release and blocks is not None and releasable(model, name):
+            _release(model, name, tuple(p.shape), blocks)
             bar.update(1)
             continue
-        t = _fast_dequant(ckpt, name, tuple(p.shape)) if cpu_gguf else None
-        t = _fetch(ckpt, args, name) if t is None else t
+        # the C dequantizer where it reads the format: bit-exact with the torch one, without its temporaries (the
+        # load's peak RSS was ~2x a float32 lm_head above the end's)
+        t = dequantize_rows(blocks[1], blocks[0]) if c_float32 and blocks is not None else _fetch(ckpt, args, name)
         if tuple(t.shape) != tuple(p.shape):
             raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(t.shape)}, "
                                   f"but config.json implies {tuple(p.shape)}; the config and weights disagree")
@@ -166,8 +171,8 @@ def load_model(directory: str | Path, device: str = "cpu", dtype=torch.float32, 
             continue
         t = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
         _set_param(model, name, t.contiguous())
-        if is_gguf(directory) and str(device) == "cpu":
-            _keep_blocks(ckpt, model, name)
+        if blocks is not None and name.endswith("weight"):
+            _keep_blocks(model.get_parameter(name), blocks)
         bar.update(1)
     bar.close()
     quant_linear.install(model, quant, device)
@@ -203,50 +208,30 @@ def _cpu_fast_blocks(ckpt, name: str, rows: int):
     return cpu_blocks(*found)
 
 
-def _fast_dequant(ckpt, name: str, shape: tuple) -> torch.Tensor | None:
-    """The float32 values of the 2-D GGUF weight `name` from the C dequantizer (bit-exact with the torch one, without
-    its temporaries: the load's peak RSS was ~2x a float32 lm_head above the end's), where the C kernels read its
-    format; else None."""
-    from ..kernels import cpu
-    if len(shape) != 2 or cpu.backend() != "c":
-        return None
-    blocks = _cpu_fast_blocks(ckpt, name, shape[0])
-    return None if blocks is None else cpu.dequantize_rows(blocks[1], blocks[0])
-
-
-def _release_at_load(ckpt, model: nn.Module, name: str, shape: tuple) -> bool:
-    """Load param `name` as a released_weight when it is a Linear's weight whose blocks the C kernels read (and those
-    kernels are built), the token embeddings as a QuantEmbedding on their blocks; False: load it as usual."""
-    from ..kernels.cpu import backend
-    from ..models.quant_linear import QuantEmbedding
-    if name == EMBED and isinstance(model.model.embed_tokens, nn.Embedding) and backend() == "c":
-        blocks = _cpu_fast_blocks(ckpt, name, shape[0])
-        if blocks is not None:
-            model.model.embed_tokens = QuantEmbedding(*blocks, shape[1])
-        return blocks is not None
+def releasable(model: nn.Module, name: str) -> bool:
+    """Whether param `name` of `model` loads without float values when its GGUF blocks are a C-kernel format
+    (release_dense): a Linear's weight, or the token embeddings (a QuantEmbedding)."""
     mod_name, _, attr = name.rpartition(".")
-    if attr != "weight" or len(shape) != 2 or not isinstance(model.get_submodule(mod_name), nn.Linear) \
-            or backend() != "c":
-        return False
-    blocks = _cpu_fast_blocks(ckpt, name, shape[0])
-    if blocks is None:
-        return False
-    from ..models.quant_linear import released_weight
+    return name == EMBED and isinstance(model.model.embed_tokens, nn.Embedding) \
+        or attr == "weight" and isinstance(model.get_submodule(mod_name), nn.Linear)
+
+
+def _release(model: nn.Module, name: str, shape: tuple, blocks: tuple) -> None:
+    """Param `name` (releasable) on its blocks: the embeddings a QuantEmbedding, a Linear's weight a released_weight."""
+    from ..models.quant_linear import QuantEmbedding, released_weight
+    if name == EMBED:
+        model.model.embed_tokens = QuantEmbedding(*blocks, shape[1])
+        return
+    mod_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(mod_name), attr, released_weight(shape, blocks, param=True))
-    return True
 
 
-def _keep_blocks(ckpt, model: nn.Module, name: str) -> None:
+def _keep_blocks(p: nn.Parameter, blocks: tuple) -> None:
     """A dense 2-D GGUF weight stored in a format the C kernels multiply on (kernels.cpu.FAST_TYPES), or convert to
     exactly (gguf.CPU_EXACT_AS: Q5_0 as Q8_0), keeps its blocks beside the float copy: `param.ggml_blocks = (uint8
     [rows, bytes/row], type id, param._version)`; the compiled CPU decode step reads those
-    (runtime.cpu_compile._quantized_copies). Blocks in a FAST_TYPES format are views of the mmapped file: no copy."""
-    if not name.endswith("weight"):
-        return
-    p = model.get_parameter(name)
-    found = _cpu_fast_blocks(ckpt, name, p.shape[0]) if p.dim() == 2 else None
-    if found is not None:
-        p.ggml_blocks = (*found, p._version)
+    (runtime.cpu_compile.dense_copies). Blocks in a FAST_TYPES format are views of the mmapped file: no copy."""
+    p.ggml_blocks = (*blocks, p._version)
 
 
 def _fetch(ckpt: NamedCheckpoint, args: ModelArgs, name: str) -> torch.Tensor:
