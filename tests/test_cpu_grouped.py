@@ -217,6 +217,59 @@ def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, march, build, q
         assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=2), own)
 
 
+@pytest.fixture
+def amx():
+    """AMX on for the test (skipped where the CPU, build or OS has none), the process's state restored after"""
+    if cpu.backend() != "c" or not cpu.amx():
+        pytest.skip("no AMX tile here (needs amx_int8 and the kernel's permission)")
+    yield
+    cpu.amx(True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS", ("Q4_0", "Q8_0")])
+@pytest.mark.parametrize("t,k", [(40, 4), (23, 6)])
+def test_grouped_amx_tile_is_the_vnni_tile_bit_for_bit(qtype, t, k, amx):
+    """The 32-value formats' AMX tile (TDPBUSD on 16 rows x a group of 16 pairs, cpu_grouped.c grp_amx_tile) gives
+    the AVX-512 VNNI tile's bits: the same integer sums, the same float steps in the same order. Expert 0 has every
+    token (40: groups of 16, 16, 8; 23: 16, 7), the others 5-20 pairs (under 6: the VNNI tile); K 96 / 160 are odd
+    block counts (the three blocks in flight end early); both sides (x's groups, h's) and both row counts of tasks;
+    and against float64 on the tile's rounding."""
+    d, i = (256, 512) if "IQ4_XS" in qtype else (96, 160)
+    gate, up, down = layer(qtype, 9, d, i, seed=7)
+    x, ids, w = skewed_route(t, 9, k, d, seed=8)
+    y = run(qtype, gate, up, down, x, ids, w, q8=True, threads=2)
+    assert cpu.amx(False) is False
+    vnni = run(qtype, gate, up, down, x, ids, w, q8=True, threads=2)
+    cpu.amx(True)
+    assert torch.equal(y, vnni)
+    assert torch.equal(run(qtype, gate, up, down, x, ids, w, q8=True, threads=1), y)
+    if not isinstance(qtype, tuple):
+        ref, near = rounded_reference(qtype, gate, up, down, x, ids, w, 32)
+        assert_rounded_close(y, ref, near)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("t,n", [(37, 48), (16, 44), (70, 80)])
+def test_qgemm_amx_tile_is_the_vnni_tile_bit_for_bit(qtype, t, n, amx):
+    """cpu.qgemm (a dense projection of a prompt) on the AMX tile: the tokens in groups of 16 (37: 16, 16, 5), 32-row
+    and 16-row tasks (48), a 12-row one (44: the 8-row VNNI tile for those), equal to the VNNI tile and within 1e-5 of
+    float64 on x rounded per 32 values"""
+    k = 256 if qtype == "IQ4_XS" else 96
+    g = torch.Generator().manual_seed(13)
+    wq = pack(torch.randn(n, k, generator=g) / 16, qtype)
+    x = torch.randn(t, k, generator=g)
+    y = cpu.qgemm(qtype, wq, x, threads=2)
+    cpu.amx(False)
+    vnni = cpu.qgemm(qtype, wq, x, threads=2)
+    cpu.amx(True)
+    assert torch.equal(y, vnni) and not y.isnan().any()
+    blocks = x.reshape(-1, 32)
+    dk = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks * (1 / dk)).double() * dk.double()).reshape(t, k)
+    want = xq @ dequantize(wq, get_format(qtype), (n, k)).double().T
+    assert max_rel_err(y, want.float()) < 1e-5
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", ("Q4_K", "Q6_K")])
 @pytest.mark.parametrize("t,k", [(3, 8), (5, 3), (64, 6)])
 def test_avx2_build_q8k_tile(qtype, t, k, build):

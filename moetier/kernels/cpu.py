@@ -123,6 +123,8 @@ def build_library(cache_dir: Path | None = None, march: str = "native", source: 
     for ab in ("MOETIER_TILE16", "MOETIER_UNPACK16"):  # 0: the 32-value formats' prefill on 8 rows in lanes / 16 rows
         if os.environ.get(ab):                          # unpacked per tile of pairs (A/B)
             flags.append(f"-D{ab}={int(os.environ[ab])}")
+    for d in os.environ.get("MOETIER_CDEFS", "").split():    # experiments: NAME=VALUE macros for the compile
+        flags.append(f"-D{d}")
     if os.environ.get("MOETIER_MISS_CHUNKS"):          # an A/B of the miss server's chunks per thread and phase
         flags.append(f"-DCHUNKS={int(os.environ['MOETIER_MISS_CHUNKS'])}")
     header = iq_tables_header()
@@ -162,6 +164,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_moe_grouped.argtypes = lib.moetier_moe_tokens.argtypes
     lib.moetier_grouped_int8_tile.argtypes = [c_int]
     lib.moetier_grouped_lanes.argtypes = []
+    lib.moetier_amx.argtypes = [c_int]
     lib.moetier_qgemm.argtypes = [c_int, ptr, i64, i64, i64, i64, ptr, ptr, c_int, c_int]
     f32 = ctypes.c_float
     lib.moetier_decode_attn.argtypes = [ptr, ptr, ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32,
@@ -424,6 +427,16 @@ def grouped_lanes(lib: ctypes.CDLL | None = None) -> int:
     if lib is not None:
         return int(lib.moetier_grouped_lanes())
     return int(_lib.moetier_grouped_lanes()) if backend() == "c" else 0
+
+
+def amx(want: bool | None = None, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether this process computes the 32-value formats' int8 prefill tile (Q4_0, Q8_0, IQ4_NL, IQ4_XS) on AMX
+    (TDPBUSD: the same bits as the AVX-512 VNNI tile); `want` False / True turns it off / on where the CPU, the build
+    and the OS allow it (MOETIER_AMX=0 in the environment starts it off). `lib`: another build (tests, benches)."""
+    lib = lib or (_lib if backend() == "c" else None)
+    if lib is None:
+        return False
+    return bool(lib.moetier_amx(-1 if want is None else int(want)))
 
 
 def grouped_int8_tile(qtype, lib: ctypes.CDLL | None = None) -> bool:

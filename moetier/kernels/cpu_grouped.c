@@ -11,7 +11,7 @@
  * Row kernels, 4 rows x GRP_PAIRS pairs at a time: int8 activations: Q4_0 / Q8_0 an integer tile (each block's
  * weights widened to int8 once for all pairs; Q4_0 8 rows in lanes x 8 pairs, grp_tile8_nib, with AVX-512 VNNI,
  * AVX-VNNI or AVX2 (Q8_0 too where dpbusd is; 16 rows in 512-bit lanes with AVX-512 VNNI, unpacked once an expert:
- * grp_tile16_nib, grp_rows16_buf), and on
+ * grp_tile16_nib, grp_rows16_buf; on AMX, 16 rows x 16 pairs a TDPBUSD: grp_amx_tile), and on
  * AVX2 an expert's rows unpacked once for >= GRP_OUTER_PAIRS pairs); the 256-value formats (K-quants,
  * IQ1-IQ3) a Q8_K tile: 4 rows unpacked per super-block for up to 64 pairs, activations int8 per 256 values as
  * llama.cpp's Q8_K, sub-block scales applied in int32, one float conversion per super-block (cpu_grouped_sb.c; AVX2
@@ -705,6 +705,9 @@ typedef struct {
     int8_t *qx;               /* int8 copies, scales dx, scaled sums sx: same row indexing */
     float *dx, *sx, *vs;      /* vs [K / 16] per row: the K-quant tile's scaled sums per 16 */
     const int64_t *row;       /* sorted pair s -> its activation row (token t for x, s itself for a) */
+    int8_t *qt;               /* AMX (grp_amx_side): the int8 rows of each group of 16 pairs in AMX's B layout, */
+    float *dxt, *sxt;         /* their scales and scaled sums 16 a block; NULL: no AMX tile on this side */
+    const int64_t *gof;       /* sorted pair s -> its group (a group: up to 16 pairs of one expert from its first) */
 } grp_side;
 
 static inline const float *grp_x(const grp_side *a, int64_t s) { return a->x + a->row[s] * a->ldx; }
@@ -861,6 +864,7 @@ static void grp_side_init(grp_side *a, int qtype, int q8, int64_t K, const float
 #if defined(GRP_Q8K) && GSL_ON
     a->u8 = a->q8k && gsb_type(qtype);
 #endif
+    a->qt = NULL, a->dxt = a->sxt = NULL, a->gof = NULL;
     a->xs = (float *)*mem;
     a->dx = a->xs + n * (K / 32);
     a->sx = a->dx + n * (K / 32);
@@ -902,10 +906,213 @@ static void grp_rows8_q4_0_avx2(const uint8_t *w, int64_t rs, const grp_side *a,
 }
 #endif
 
+#if GRP_TILE16 && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
+/* AMX (Sapphire Rapids and later) for the rows-in-lanes formats (Q4_0, Q8_0, IQ4_NL, IQ4_XS): TDPBUSD multiplies a
+ * block of 16 weight rows (A: 16 x 32 bytes, the values unsigned as the VNNI tile has them: Q4_0's nibbles, IQ4's and
+ * Q8_0's + 128) by a block of 16 pairs' int8 activations (B: 8 x 64 bytes, pair p's values 4j .. 4j + 3 in int32
+ * word p of row j) into a 16 x 16 int32 tile. The activations are put in that layout once a call per group of 16
+ * pairs (grp_amx_side), the weights unpacked once per 16 rows of a task (grp_amx_unpack) for all its pairs. The tile
+ * goes to L1 and each row's 16 sums get grp_dot16's float operations (d (dx dot - off sx): the same integer sums, the
+ * same order, so the same bits as the VNNI tile), pairs in the lanes; the 16 x 16 result is transposed at the end.
+ * Tiles in two sets, three blocks in flight, so the tile unit's work may overlap the float work of the block before
+ * (measured: partly; a tile store and the loads after it are what bind, docs/perf-log.md session 43).
+ * Linux grants the tile state once a process (arch_prctl ARCH_REQ_XCOMP_PERM); MOETIER_AMX=0 in the environment or
+ * moetier_amx(0) keeps the VNNI tile. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GRP_AMX 1
+#ifndef GRP_AMX_MIN_PAIRS
+#define GRP_AMX_MIN_PAIRS 6   /* an expert with fewer pairs: the VNNI tile */
+#endif
+static int grp_amx_state;      /* 0 not asked yet, 1 on, -1 off */
+
+static int grp_amx_on(void) {
+    int s = __atomic_load_n(&grp_amx_state, __ATOMIC_RELAXED);
+    if (!s) {
+        const char *e = getenv("MOETIER_AMX");
+        s = e && e[0] == '0' ? -1 : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                            18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&grp_amx_state, s, __ATOMIC_RELAXED);
+    }
+    return s > 0;
+}
+
+/* the formats with an AMX tile, where it is on */
+static int grp_amx_type(int qtype) {
+    return (qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == IQ4_XS) && grp_amx_on();
+}
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } grp_tilecfg;
+
+static void grp_amx_config(void) {
+    grp_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) c.rows[t] = 16, c.colsb[t] = 64;    /* 0, 1: C, 16 rows x 16 pairs of int32 */
+    for (int t = 2; t < 4; t++) c.rows[t] = 16, c.colsb[t] = 32;    /* 2, 3: A, 16 rows x 32 values */
+    for (int t = 4; t < 6; t++) c.rows[t] = 8, c.colsb[t] = 64;     /* 4, 5: B, 8 x (16 pairs x 4 values) */
+    _tile_loadconfig(&c);
+}
+
+/* group G of side a: pairs s .. s + np (np <= 16; the rest zero) in the B layout, 512 bytes a block */
+static void grp_amx_side(grp_side *a, int64_t s, int np, int64_t G) {
+    const int64_t K = a->K, nb = K / 32;
+    int32_t *qt = (int32_t *)(a->qt + G * nb * 512);
+    float *dxt = a->dxt + G * nb * 16, *sxt = a->sxt + G * nb * 16;
+    for (int p = 0; p < 16; p++) {
+        const int64_t row = p < np ? a->row[s + p] : 0;
+        const int32_t *q = (const int32_t *)(a->qx + row * K);
+        for (int64_t b = 0; b < nb; b++) {
+            for (int j = 0; j < 8; j++) qt[b * 128 + j * 16 + p] = p < np ? q[8 * b + j] : 0;
+            dxt[b * 16 + p] = p < np ? a->dx[row * nb + b] : 0.f;
+            sxt[b * 16 + p] = p < np ? a->sx[row * nb + b] : 0.f;
+        }
+    }
+}
+
+/* 16 rows (w, stride rs) -> their blocks as A tiles (wa + 512 b, a row's 32 values unsigned, in order) and their
+ * scales (d[16 b + r]) */
+static void grp_amx_unpack(const int kind, const uint8_t *w, int64_t rs, int64_t nb, uint8_t *wa, float *d) {
+    const __m128i lo = _mm_set1_epi8(0x0F);
+    const __m128i book = _mm_add_epi8(_mm_load_si128((const __m128i *)iq4nl_values), _mm_set1_epi8((char)0x80));
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *row = w + r * rs;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = wa + 512 * b + 32 * r;
+            if (kind == 3) {
+                const uint8_t *blk = row + 34 * b;
+                d[16 * b + r] = fp16_to_f32(blk);
+                _mm256_store_si256((__m256i *)o, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)),
+                                                                  _mm256_set1_epi8((char)0x80)));
+                continue;
+            }
+            const uint8_t *blk = kind == 2 ? row + 136 * (b / 8) : row + 18 * b;
+            d[16 * b + r] = kind == 2 ? iq4_xs_scale(blk, (int)(b % 8)) : fp16_to_f32(blk);
+            const __m128i q = _mm_loadu_si128((const __m128i *)(blk + (kind == 2 ? 8 + 16 * (b % 8) : 2)));
+            __m128i l = _mm_and_si128(q, lo), h = _mm_and_si128(_mm_srli_epi16(q, 4), lo);
+            if (kind) l = _mm_shuffle_epi8(book, l), h = _mm_shuffle_epi8(book, h);
+            _mm_store_si128((__m128i *)o, l);
+            _mm_store_si128((__m128i *)(o + 16), h);
+        }
+    }
+}
+
+#define GRP_AMX_ISSUE(tc, ta, tb, b) do { _tile_zero(tc); _tile_loadd(ta, wa + 512 * (b), 32); \
+    _tile_loadd(tb, qt + 512 * (b), 64); _tile_dpbusd(tc, ta, tb); _tile_stored(tc, c[(b) & 3], 64); } while (0)
+
+/* out[p * ldo + r] = 16 unpacked rows (wa, d) . the pairs p < np of one group (qt, dxt, sxt), nb blocks */
+static void grp_amx_tile(const uint8_t *wa, const float *d, const int8_t *qt, const float *dxt, const float *sxt,
+                         int64_t nb, float off, int np, float *out, int64_t ldo, const char *pf, int64_t pfn) {
+    int32_t c[4][256] __attribute__((aligned(64)));
+    __m512 acc[16];
+    const __m512 voff = _mm512_set1_ps(off);
+    const int64_t pfq = (pfn + nb - 1) / nb;          /* lines of pf asked for a block */
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+#define GRP_AMX_EPI(b) do { \
+        const __m512 dxv = _mm512_loadu_ps(dxt + 16 * (b)); \
+        const __m512 osx = _mm512_mul_ps(_mm512_loadu_ps(sxt + 16 * (b)), voff); \
+        const int32_t *cb = c[(b) & 3]; \
+        _Pragma("GCC unroll 16") for (int r = 0; r < 16; r++) \
+            acc[r] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * r)), dxv, osx), \
+                                     _mm512_set1_ps(d[16 * (b) + r]), acc[r]); \
+    } while (0)
+    GRP_AMX_ISSUE(0, 2, 4, 0);
+    if (nb > 1) GRP_AMX_ISSUE(1, 3, 5, 1);
+    if (nb > 2) GRP_AMX_ISSUE(0, 2, 4, 2);
+    for (int64_t b = 0; b < nb; b += 2) {
+        for (int64_t l = b * pfq; l < (b + 2) * pfq && l < pfn; l++) __builtin_prefetch(pf + 64 * l, 0, 3);
+        GRP_AMX_EPI(b);
+        if (b + 3 < nb) GRP_AMX_ISSUE(1, 3, 5, b + 3);
+        if (b + 1 < nb) {
+            GRP_AMX_EPI(b + 1);
+            if (b + 4 < nb) GRP_AMX_ISSUE(0, 2, 4, b + 4);
+        }
+    }
+#undef GRP_AMX_EPI
+    /* acc[r] lane p -> out[p * ldo + r]: a 16 x 16 transpose through L1 */
+    float t[16][16] __attribute__((aligned(64)));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++) _mm512_store_ps(t[r], acc[r]);
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int p = 0; p < np; p++)
+        _mm512_storeu_ps(out + p * ldo, _mm512_i32gather_ps(col, &t[0][p], 4));
+}
+
+/* Whether grp_task runs qtype's rows of this side on AMX */
+static inline int grp_amx_task(int qtype, const grp_side *a, int64_t m, int64_t np) {
+    return a->qt && m % 16 == 0 && np >= GRP_AMX_MIN_PAIRS && (qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL
+                                                                 || qtype == IQ4_XS);
+}
+
+/* An AMX side for groups of up to 16 pairs: gstart / gnp of each group, gof of each pair, and the B-layout buffers
+ * (one allocation, *buf; NULL when out of memory: the side stays without) */
+static void grp_amx_alloc(grp_side *a, int64_t ngroups, const int64_t *gof, void **buf) {
+    const int64_t nb = a->K / 32;
+    char *m = aligned_alloc(64, (size_t)(ngroups * nb * (512 + 2 * 16 * sizeof(float))));
+    *buf = m;
+    if (!m) return;
+    a->qt = (int8_t *)m;
+    a->dxt = (float *)(m + ngroups * nb * 512);
+    a->sxt = a->dxt + ngroups * nb * 16;
+    a->gof = gof;
+}
+#else
+#define GRP_AMX 0
+#endif
+
+/* -1: whether this process computes the 32-value formats' int8 prefill tile on AMX; 0 / 1: turn it off / on (where
+ * the CPU, the build and the OS allow it); returns the state then */
+int moetier_amx(int want) {
+#if GRP_AMX
+    if (want == 0) __atomic_store_n(&grp_amx_state, -1, __ATOMIC_RELAXED);
+    if (want == 1)
+        __atomic_store_n(&grp_amx_state, syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1, __ATOMIC_RELAXED);
+    return grp_amx_on();
+#else
+    (void)want;
+    return 0;
+#endif
+}
+
 /* out rows [r, r + m) of expert e's matrix (rows at w, stride rs) for all its pairs [s0, s1), scattered to
  * dst[s ld + r + j] (pairs in chunks of 64: a tile on the stack) */
 static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const grp_side *a, int64_t s0, int64_t s1,
                      float *dst, int64_t ld, int64_t r) {
+#if GRP_AMX
+    if (grp_amx_task(qtype, a, m, s1 - s0)) {
+        const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : qtype == IQ4_XS ? 2 : 3;
+        const int64_t nb = a->K / 32;
+        /* the unpacked rows: a buffer per thread, kept (grown) across calls */
+        static __thread uint8_t *wa;
+        static __thread int64_t wa_nb;
+        if (wa_nb < nb) {
+            free(wa);
+            wa = aligned_alloc(64, nb * (512 + 16 * sizeof(float)));
+            wa_nb = wa ? nb : 0;
+        }
+        if (wa) {
+            float *d = (float *)(wa + nb * 512);
+            /* the next 16 rows' bytes asked for while these 16 are multiplied (the unpack would wait for RAM) */
+            const int64_t groups = (s1 - s0 + 15) / 16, lines = (16 * rs + 63) / 64;
+            const int64_t per = (lines + groups - 1) / groups;
+            grp_amx_config();
+            for (int64_t i = 0; i < m; i += 16) {
+                grp_amx_unpack(kind, w + i * rs, rs, nb, wa, d);
+                for (int64_t s = s0, g = 0; s < s1; s += 16, g++) {
+                    const int64_t G = a->gof[s], first = g * per;
+                    const int64_t n = first >= lines ? 0 : lines - first < per ? lines - first : per;
+                    grp_amx_tile(wa, d, a->qt + G * nb * 512, a->dxt + G * nb * 16, a->sxt + G * nb * 16, nb,
+                                 kind ? 128.f : 8.f, (int)(s1 - s < 16 ? s1 - s : 16), dst + s * ld + r + i, ld,
+                                 (const char *)(w + (i + 16) * rs) + 64 * first, n);
+                }
+            }
+            _tile_release();
+            return;
+        }
+    }
+#endif
 #if defined(GRP_ROWS8) && !GRP_VNNI
     __m256i *wq = qtype == Q4_0 && a->q8 && m % 8 == 0 && s1 - s0 >= GRP_OUTER_PAIRS
                   ? aligned_alloc(32, (a->K / 32) * (8 * sizeof(__m256i) + sizeof(__m256))) : NULL;
@@ -988,6 +1195,33 @@ static int64_t grp_tasks(const int64_t *start, int64_t E, int64_t n, int64_t cut
     return nt;
 }
 
+/* The calls' workspace, kept for the next call (up to GRP_WS_KEEP bytes): a prompt's layer needs tens of MB (h and
+ * o alone 58 MB at 512 tokens of Qwen3-30B-A3B), above glibc's largest mmap threshold (32 MB), so a fresh one was
+ * mapped and faulted in page by page every call. One cached block, taken and given back by atomic exchange (calls
+ * from two threads at once: the second allocates its own). */
+#define GRP_WS_KEEP ((size_t)256 << 20)
+static void *grp_ws_cache;     /* a block: its size in the first 8 of 64 header bytes */
+
+static char *grp_ws_take(size_t n) {
+    char *h = __atomic_exchange_n((char **)&grp_ws_cache, NULL, __ATOMIC_ACQUIRE);
+    if (h && *(size_t *)h >= n) return h + 64;
+    free(h);
+    h = malloc(64 + n);
+    if (!h) return NULL;
+    *(size_t *)h = n;
+    return h + 64;
+}
+
+static void grp_ws_give(char *p) {
+    if (!p) return;
+    char *h = p - 64;
+    if (*(size_t *)h > GRP_WS_KEEP) {
+        free(h);
+        return;
+    }
+    free(__atomic_exchange_n((char **)&grp_ws_cache, h, __ATOMIC_RELEASE));   /* the block cached before, if any */
+}
+
 /* Types whose q8 rows run an integer tile in this build (each block's weights unpacked once for all pairs);
  * the others take the q8 row dot per (row, pair) */
 int moetier_grouped_int8_tile(int qtype) {
@@ -1023,7 +1257,7 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
     const int64_t Gg = 2 * I / GRP_ROWS + 2, Gd = D / GRP_ROWS + 1;
     const int64_t ni = E + 1 + 3 * P + 3 * E * (Gg + Gd);
     const int64_t sides = sizeof(float) * 5 * (T * (D / 32) + P * (I / 32)) + T * D + P * I;
-    char *mem = malloc(sizeof(int64_t) * ni + sizeof(float) * P * (2 * I + D) + sides + 256);
+    char *mem = grp_ws_take(sizeof(int64_t) * ni + sizeof(float) * P * (2 * I + D) + sides + 256);
     if (!mem) return -2;
     int64_t *start = (int64_t *)mem, *pos = start + E + 1, *tok = pos + P, *self = tok + P;
     int64_t *gtask = self + P, *dtask = gtask + 3 * E * Gg;
@@ -1048,6 +1282,26 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
     grp_side ax, ah;
     grp_side_init(&ax, gq, q8, D, x, D, tok, &cur, T);
     grp_side_init(&ah, dq, q8, I, h, 2 * I, self, &cur, P);
+#if GRP_AMX
+    /* AMX sides: each expert's pairs in groups of 16 from its first */
+    int64_t *gof = NULL, *gstart = NULL, *gnp = NULL, ngroups = 0;
+    void *bx = NULL, *bh = NULL;
+    const int x_amx = ax.q8 && !ax.q8k && grp_amx_type(gq), h_amx = ah.q8 && !ah.q8k && grp_amx_type(dq);
+    if (x_amx || h_amx) {
+        for (int64_t e = 0; e < E; e++) ngroups += (start[e + 1] - start[e] + 15) / 16;
+        gof = malloc(sizeof(int64_t) * (P + 2 * ngroups));
+        if (gof) {
+            gstart = gof + P, gnp = gstart + ngroups;
+            for (int64_t e = 0, G = 0; e < E; e++)
+                for (int64_t s = start[e]; s < start[e + 1]; s += 16, G++) {
+                    gstart[G] = s, gnp[G] = start[e + 1] - s < 16 ? start[e + 1] - s : 16;
+                    for (int64_t j = s; j < s + gnp[G]; j++) gof[j] = G;
+                }
+            if (x_amx) grp_amx_alloc(&ax, ngroups, gof, &bx);
+            if (h_amx) grp_amx_alloc(&ah, ngroups, gof, &bh);
+        }
+    }
+#endif
     const int64_t gbytes = 2 * I * (D / block_elems(gq)) * block_bytes(gq);
     const int64_t dbytes = D * (I / block_elems(dq)) * block_bytes(dq);
     int64_t used = 0;
@@ -1059,6 +1313,12 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) grp_prepare(&ax, t);
+#if GRP_AMX
+        if (ax.qt) {
+            #pragma omp for schedule(dynamic, 4)
+            for (int64_t G = 0; G < ngroups; G++) grp_amx_side(&ax, gstart[G], (int)gnp[G], G);
+        }
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < ng; i++) {             /* gate / up rows: h[s, r .. r + m) */
             const int64_t e = gtask[3 * i], r = gtask[3 * i + 1], m = gtask[3 * i + 2];
@@ -1071,6 +1331,12 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
             grp_swiglu(a, a + I, I);
             grp_prepare(&ah, s);
         }
+#if GRP_AMX
+        if (ah.qt) {
+            #pragma omp for schedule(dynamic, 4)
+            for (int64_t G = 0; G < ngroups; G++) grp_amx_side(&ah, gstart[G], (int)gnp[G], G);
+        }
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < nd; i++) {             /* down rows: o[s, r .. r + m) */
             const int64_t e = dtask[3 * i], r = dtask[3 * i + 1], m = dtask[3 * i + 2];
@@ -1086,7 +1352,10 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
             }
         }
     }
-    free(mem);
+#if GRP_AMX
+    free(gof), free(bx), free(bh);
+#endif
+    grp_ws_give(mem);
     return 0;
 }
 
@@ -1097,25 +1366,43 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
 int moetier_qgemm(int qtype, const uint8_t *w, int64_t rs, int64_t N, int64_t K, int64_t T, const float *x, float *y,
                   int q8, int nthreads) {
     if (!moetier_supported(qtype) || K % block_elems(qtype) || K % 32 || N < 1 || T < 1) return -1;
-    char *mem = malloc(sizeof(int64_t) * T + sizeof(float) * 5 * T * (K / 32) + T * K + 128);
+    char *mem = grp_ws_take(sizeof(int64_t) * T + sizeof(float) * 5 * T * (K / 32) + T * K + 128);
     if (!mem) return -2;
     int64_t *row = (int64_t *)mem;                  /* token t's activation row: t */
     for (int64_t t = 0; t < T; t++) row[t] = t;
     char *cur = (char *)(((uintptr_t)(row + T) + 63) & ~(uintptr_t)63);
     grp_side a;
     grp_side_init(&a, qtype, q8, K, x, K, row, &cur, T);
+#if GRP_AMX
+    const int64_t ngroups = (T + 15) / 16;            /* AMX: the tokens in groups of 16 */
+    int64_t *gof = NULL;
+    void *buf = NULL;
+    if (a.q8 && !a.q8k && grp_amx_type(qtype) && (gof = malloc(sizeof(int64_t) * T))) {
+        for (int64_t t = 0; t < T; t++) gof[t] = t / 16;
+        grp_amx_alloc(&a, ngroups, gof, &buf);
+    }
+#endif
     const int64_t tasks = (N + GRP_ROWS - 1) / GRP_ROWS, bytes = N * (K / block_elems(qtype)) * block_bytes(qtype);
     if (nthreads > 1 + bytes / MIN_BYTES_PER_THREAD) nthreads = (int)(1 + bytes / MIN_BYTES_PER_THREAD);
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) grp_prepare(&a, t);
+#if GRP_AMX
+        if (a.qt) {
+            #pragma omp for schedule(dynamic, 4)
+            for (int64_t G = 0; G < ngroups; G++) grp_amx_side(&a, 16 * G, (int)(T - 16 * G < 16 ? T - 16 * G : 16), G);
+        }
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < tasks; i++) {      /* rows [r, r + m) for all tokens: y[t, r .. r + m) */
             const int64_t r = i * GRP_ROWS, m = N - r < GRP_ROWS ? N - r : GRP_ROWS;
             grp_task(qtype, w + r * rs, rs, m, &a, 0, T, y, N, r);
         }
     }
-    free(mem);
+#if GRP_AMX
+    free(gof), free(buf);
+#endif
+    grp_ws_give(mem);
     return 0;
 }
