@@ -30,6 +30,26 @@ def attention_twin(qkv, qw, kw, eps, cos, sin, pos, kv, h, hkv, scale):
     return one_token_attention(q, keys, values, pos, scale).reshape(1, h * dh)
 
 
+@pytest.mark.parametrize("t,h,hkv,dh,rot,norm", [(7, 8, 2, 64, 64, True), (33, 6, 6, 32, 16, False),
+                                                 (5, 4, 1, 128, 96, True), (70, 32, 4, 128, 128, True)])
+def test_prompt_qk_norm_rope_matches_the_twin(t, h, hkv, dh, rot, norm):
+    """A prompt's q / k heads in one C pass (cpu.qk_norm_rope, Attention._fused_qkv's eager CPU path): each head
+    RMSNorm'd by its weight (q heads q_norm's, k heads k_norm's; none) and rotated by its token's cos / sin (partial
+    RoPE: the rest passed through), from qkv rows with v's columns after them, against rms_normalize * w and
+    apply_rope"""
+    g = torch.Generator().manual_seed(t)
+    qkv = torch.randn(t, (h + 2 * hkv) * dh, generator=g) * 3
+    qw, kw = (torch.rand(dh, generator=g) + 0.5, torch.rand(dh, generator=g) + 0.5) if norm else (None, None)
+    cos, sin = Rope({"rope_theta": 10000.0}, rot, 4096).span(11, t, torch.float32, "cpu")
+    qk = qkv[:, :(h + hkv) * dh].view(t, h + hkv, dh)
+    if norm:
+        qk = rms_normalize(qk, 1e-6) * torch.cat([qw.expand(h, -1), kw.expand(hkv, -1)])
+    want = apply_rope(qk, cos, sin)
+    got = small_ops.qk_norm_rope(qkv, h, hkv, dh, qw, kw, 1e-6, cos, sin, lambda: None)
+    assert got is not None and got.shape == (t, h + hkv, dh)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("h,hkv,dh,rot,pos,norm,c_core,sharp", [
     (8, 2, 64, 64, 0, True, True, 1), (8, 2, 64, 64, 37, True, True, 1), (6, 6, 32, 16, 5, False, True, 1),
     (4, 1, 128, 96, 300, True, True, 1), (4, 1, 128, 96, 300, True, False, 1),
@@ -116,7 +136,7 @@ def counted(monkeypatch, **names) -> dict:
 
 def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkeypatch):
     """The engine's eager CPU decode (a tiny Qwen3-MoE) runs cpu_small.c's attention and router once a layer a token
-    and its RMSNorm for each block's input norm and the final one, and its logits are the torch twins'
+    and its RMSNorm for each block's input norm and the final one (the prompt's rows too), and its logits are the torch twins'
     (MOETIER_CPU_SMALL=0's) to float32 rounding; forcing the torch backend turns them off."""
     eng = Engine.load(build_qwen3_moe(tmp_path / "model"),
                       EngineConfig(device="cpu", threads=2, progress=False, max_context=128, cpu_compile="off"))
@@ -141,7 +161,9 @@ def test_eager_cpu_decode_takes_the_c_ops_and_matches_the_twins(tmp_path, monkey
     assert calls == {"attn": 0, "router": 0, "norm": 0}
     got = logits(True)
     layers = len(eng.model.model.layers)
-    assert calls == {"attn": len(toks) * layers, "router": len(toks) * layers, "norm": len(toks) * (layers + 1)}
+    # and the prompt's norms (its 9 rows a call: each block's two, the final one; a token's second is the router's)
+    assert calls == {"attn": len(toks) * layers, "router": len(toks) * layers,
+                     "norm": len(toks) * (layers + 1) + 2 * layers + 1}
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(got.argmax(-1), want.argmax(-1))
     logits(True, force_torch=True)
     assert calls["attn"] == len(toks) * layers           # use("torch"): the twins

@@ -174,7 +174,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.moetier_decode_attn_prep.restype = None
     lib.moetier_router_add_norm.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, ptr, ptr, ptr, ptr,
                                             c_int]
-    lib.moetier_rms_norm.argtypes = [ptr, ptr, f32, i64, c_int, ptr]
+    lib.moetier_rms_norm.argtypes = [ptr, ptr, f32, i64, c_int, ptr, c_int]
+    lib.moetier_qk_norm_rope.argtypes = [ptr, i64, i64, c_int, c_int, c_int, ptr, ptr, f32, ptr, ptr, c_int, ptr,
+                                         c_int]
+    lib.moetier_qk_norm_rope.restype = None
     lib.moetier_attn_block.argtypes = [ptr, ptr, f32, c_int, *[c_int, ptr, i64, i64] * 3, c_int, ptr, i64, c_int, ptr,
                                        ptr, f32, ptr, ptr, c_int, i64, ptr, ptr, c_int, c_int, c_int, f32, ptr, c_int]
     lib.moetier_moe_block.argtypes = [ptr, ptr, ptr, f32, c_int, ptr, c_int, c_int, c_int, c_int, c_int, ptr, ptr, i64,
@@ -810,10 +813,23 @@ def decode_attention(qkv, q_w, k_w, eps: float, cos, sin, pos: int, k_cache, v_c
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm(x) * weight over x's last dim (rows of a float32 token's tensor, weight [N]; cpu_small.c). The twin is
-    models.layers.RMSNorm.native (F.rms_norm: float32 sums in another order)."""
+    """RMSNorm(x) * weight over x's last dim (rows of a float32 contiguous tensor, weight [N]; cpu_small.c; a prompt's
+    rows over torch's threads). The twin is models.layers.RMSNorm.native (F.rms_norm: float32 sums in another order)."""
     y = torch.empty_like(x)
-    _lib.moetier_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1], y.data_ptr())
+    _lib.moetier_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1], y.data_ptr(),
+                          torch.get_num_threads())
+    return y
+
+
+def qk_norm_rope(qkv: torch.Tensor, h: int, hkv: int, dh: int, qw: torch.Tensor | None, kw: torch.Tensor | None,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A prompt's q and k heads from qkv [T, >= (h + hkv) dh] (rows contiguous, any row stride): each head
+    RMSNorm'd by qw / kw [dh] (None: no norm) and rotated by cos / sin [T, rot] (halves, rot <= dh, the rest passed
+    through) -> [T, h + hkv, dh] (cpu_small.c; the twin: models.layers' rms_normalize * w and apply_rope)."""
+    t = qkv.shape[0]
+    y = torch.empty(t, h + hkv, dh)
+    _lib.moetier_qk_norm_rope(qkv.data_ptr(), qkv.stride(0), t, h, hkv, dh, _ptr(qw), _ptr(kw), eps, cos.data_ptr(),
+                              sin.data_ptr(), cos.shape[-1], y.data_ptr(), torch.get_num_threads())
     return y
 
 

@@ -13,7 +13,8 @@
  *   moetier_moe_block          the router's call, then the k experts (moetier_moe_tokens) and the residual add: a
  *                              decode block's MoE half in one call (SoftmaxMoE.add_norm_forward)
  *   moetier_rms_norm           rows of x -> RMSNorm(x) * w (RMSNorm.forward: a block's input norm, the final norm;
- *                              F.rms_norm took 22 us on 384 values there, dev box)
+ *                              F.rms_norm took 22 us on 384 values there, dev box; a prompt's rows over threads)
+ *   moetier_qk_norm_rope       a prompt's q / k heads normed and rotated in one pass (Attention._fused_qkv)
  */
 #include <math.h>
 
@@ -47,8 +48,10 @@ static void small_rms_norm(const float *x, const float *w, float eps, int n, flo
         y[i] = (x[i] * r) * w[i];
 }
 
-/* rows x [rows, n] -> y [rows, n] = RMSNorm(x) * w (w [n]) */
-void moetier_rms_norm(const float *x, const float *w, float eps, int64_t rows, int n, float *y) {
+/* rows x [rows, n] -> y [rows, n] = RMSNorm(x) * w (w [n]); a prompt's rows over threads */
+void moetier_rms_norm(const float *x, const float *w, float eps, int64_t rows, int n, float *y, int nthreads) {
+    const int nt = small_threads(rows * n, nthreads);
+    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t r = 0; r < rows; r++)
         small_rms_norm(x + r * n, w, eps, n, y + r * n);
 }
@@ -68,6 +71,20 @@ static void small_norm_rope(const float *x, const float *w, float eps, int dh, c
         y[i] = a * cs[i] - b * sn[i];
         y[i + half] = b * cs[i + half] + a * sn[i + half];
     }
+}
+
+/* A prompt's q and k: T rows of qkv (stride ld: h q heads, then hkv k heads of dh values) -> y [T, h + hkv, dh],
+ * each head RMSNorm'd (qw for q heads, kw for k heads; NULL: none) and rotated (cs / sn [T, rot]: token t's), as
+ * Attention._fused_qkv's torch ops (rms_norm, apply_rope) compute it: one pass, the tokens over threads. */
+void moetier_qk_norm_rope(const float *qkv, int64_t ld, int64_t T, int h, int hkv, int dh, const float *qw,
+                          const float *kw, float eps, const float *cs, const float *sn, int rot, float *y,
+                          int nthreads) {
+    const int nt = small_threads(T * (h + hkv) * dh, nthreads);
+    #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < h + hkv; i++)
+            small_norm_rope(qkv + t * ld + (int64_t)i * dh, i < h ? qw : kw, eps, dh, cs + t * rot, sn + t * rot, rot,
+                            y + (t * (h + hkv) + i) * dh);
 }
 
 /* The prep: qkv [(h + 2 hkv) dh] (q heads, k heads, v heads) -> q heads normed and rotated into q [h dh], k heads

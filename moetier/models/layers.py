@@ -302,12 +302,16 @@ class Attention(nn.Module):
         [T, H + Hkv, Dh]) normed and rotated together: the same math as separately, half the ops."""
         t, nq, nk = x.shape[0], self.qkv_rows[0], self.qkv_rows[1]
         qkv = self._qkv(x)                                                   # [T, (H + 2 Hkv) Dh]
-        qk = qkv[:, :nq + nk].view(t, self.h + self.hkv, self.dh)
-        if self.qk_norm:   # per-head RMSNorm: q heads take q_norm's weight, k heads k_norm's
-            w = torch.cat([self.q_norm.weight.expand(self.h, -1), self.k_norm.weight.expand(self.hkv, -1)])
-            eps = self.q_norm.eps
-            qk = small_ops.rms_norm(qk, w, eps, lambda y: rms_normalize(y, eps) * w)
-        qk = apply_rope(qk, *rope)
+        qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+
+        def twin():
+            qk = qkv[:, :nq + nk].view(t, self.h + self.hkv, self.dh)
+            if self.qk_norm:   # per-head RMSNorm: q heads take q_norm's weight, k heads k_norm's
+                w = torch.cat([qw.expand(self.h, -1), kw.expand(self.hkv, -1)])
+                qk = small_ops.rms_norm(qk, w, eps, lambda y: rms_normalize(y, eps) * w)
+            return apply_rope(qk, *rope)
+        qk = small_ops.qk_norm_rope(qkv, self.h, self.hkv, self.dh, qw, kw, eps, *rope, twin)
         return qk[:, :self.h], qk[:, self.h:], qkv[:, nq + nk:].view(t, self.hkv, self.dh)
 
     def forward(self, x: torch.Tensor, rope: tuple, kv: KVCache, start: int, pre: tuple | None = None) -> torch.Tensor:
