@@ -200,7 +200,7 @@ def test_grouped_q4_0_rows_in_lanes_match_their_arithmetic(t, k, march, build, q
     within float32 rounding, not to its bits: on an AVX-512 VNNI box the float steps round in another order (8 of 480
     and 116 of 3,840 values differed in the last bit, both builds at 1.3-1.5e-7 of the reference). Q8_0 and IQ4_NL
     rows likewise (their values + 128 in the lanes: VNNI builds; haswell's Q8_0 the 4 x 4 tile); this machine's build
-    with AVX-512 VNNI takes 16 rows in the lanes of 512-bit vectors (grp_tile16_nib: the rows here are 32-row tasks)."""
+    with AVX-512 VNNI takes 16 rows in the lanes of 512-bit vectors (grp_tile16_nib: the rows here are 32- and 64-row tasks)."""
     lib = build(march)
     if not cpu.grouped_int8_tile(qtype, lib):
         pytest.skip(f"no integer tile for {qtype} in the {march} build")
@@ -251,8 +251,8 @@ def test_grouped_amx_tile_is_the_vnni_tile_bit_for_bit(qtype, t, k, amx):
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS"])
 @pytest.mark.parametrize("t,n", [(37, 48), (16, 44), (70, 80)])
 def test_qgemm_amx_tile_is_the_vnni_tile_bit_for_bit(qtype, t, n, amx):
-    """cpu.qgemm (a dense projection of a prompt) on the AMX tile: the tokens in groups of 16 (37: 16, 16, 5), 32-row
-    and 16-row tasks (48), a 12-row one (44: the 8-row VNNI tile for those), equal to the VNNI tile and within 1e-5 of
+    """cpu.qgemm (a dense projection of a prompt) on the AMX tile: the tokens in groups of 16 (37: 16, 16, 5), tasks
+    of 48 rows (48) and of 64 and 16 (80), a 44-row one (44: not 16-row blocks, the other tiles), equal to the VNNI tile and within 1e-5 of
     float64 on x rounded per 32 values"""
     k = 256 if qtype == "IQ4_XS" else 96
     g = torch.Generator().manual_seed(13)
@@ -366,7 +366,7 @@ def test_expert_ffn_rows_take_the_grouped_kernel(qtype):
 @pytest.mark.parametrize("qtype", Q8K_FORMATS)
 @pytest.mark.parametrize("t", [5, 17])
 def test_qgemm_q8k_tiles_on_odd_rows(qtype, t):
-    """cpu.qgemm (the experts' tile with one expert) in the 256-value formats over 44 rows (a task of 32, one of 12:
+    """cpu.qgemm (the experts' tile with one expert) in the 256-value formats over 44 rows (one task:
     the rows-in-lanes tile's 16-row blocks padded, the 4 x 4 tile's last rows): float64 on the tile's rounding (x int8
     per 256 values in float32), within 1e-5; 5 rows of x take the 4 x 4 tile, 17 the rows-in-lanes one (AVX-512
     VNNI builds, >= 8 pairs)."""
