@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from moetier import EngineConfig, SamplingParams
 from moetier.kernels import cpu, small_ops
-from moetier.models.layers import Rope, apply_rope, one_token_attention, rms_normalize, softmax_topk
+from moetier.models.layers import (Rope, apply_rope, attention, causal_mask, one_token_attention, rms_normalize,
+                                   softmax_topk)
 from moetier.runtime.engine import Engine
 from moetier.runtime.kv_cache import KVCache
 from moetier.commands.quantize import quantize
@@ -28,6 +29,18 @@ def attention_twin(qkv, qw, kw, eps, cos, sin, pos, kv, h, hkv, scale):
     q, k = apply_rope(q[None], cos, sin), apply_rope(k[None], cos, sin)
     keys, values = kv.update(pos, k, v[None])
     return one_token_attention(q, keys, values, pos, scale).reshape(1, h * dh)
+
+
+@pytest.mark.parametrize("t,window", [(37, None), (37, 64), (37, 16), (2, None)])
+def test_fresh_prompt_attention_is_the_masked_one(t, window):
+    """A fresh CPU prompt's attention takes SDPA's is_causal (its own keys, no window cut: 37 within a window of 64),
+    the masked SDPA otherwise (a window of 16 cuts 37 tokens); both equal the explicit causal mask's result"""
+    g = torch.Generator().manual_seed(t)
+    q, k, v = torch.randn(t, 8, 32, generator=g), torch.randn(t, 2, 32, generator=g), torch.randn(t, 2, 32, generator=g)
+    mask = causal_mask(t, t, 0, window, "cpu")
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                          attn_mask=mask, scale=0.2, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(attention(q, k, v, 0, 0.2, window), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("t,h,hkv,dh,rot,norm", [(7, 8, 2, 64, 64, True), (33, 6, 6, 32, 16, False),

@@ -145,12 +145,16 @@ def attention(q, k, v, start, scale: float, window: int | None = None,
     s, hkv = k.shape[0], k.shape[1]
     if t == 1 and q.dtype == torch.float32 and sinks is None and not q.is_cuda and (window is None or s <= window):
         return one_token_attention(q, k, v, start, scale)
-    need_mask = t > 1 or (window is not None and s > window) or isinstance(start, torch.Tensor)
+    # a fresh CPU prompt (keys = its own tokens, no window cut): is_causal instead of the mask (torch's CPU flash
+    # kernel then skips the masked blocks: 512 tokens x 32 heads 19.6 -> 17.4 ms on 2 threads, the same bits)
+    causal = (sinks is None and not q.is_cuda and t > 1 and t == s and isinstance(start, int) and start == 0
+              and (window is None or t <= window))
+    need_mask = not causal and (t > 1 or (window is not None and s > window) or isinstance(start, torch.Tensor))
     mask = causal_mask(t, s, start, window, q.device) if need_mask else None
     if sinks is None:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, scale=scale, enable_gqa=hkv != h)
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=hkv != h)
         return out[0].transpose(0, 1)
     # attention sinks (GPT-OSS): one extra logit per head that takes probability mass, no value
     rep = h // hkv
