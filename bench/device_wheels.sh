@@ -14,6 +14,19 @@ python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform ma
 # libgguf (the K / i-quant packer: tests of Q4_K experts) is built for glibc 2.28
 python3 -m pip download -q -d .whl --no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all: \
   libgguf
+# one wheel per package: a second download of a newer release left two regex wheels, pip refused to install the set
+# and a device call ran without gguf (session 43)
+python3 - <<'PY'
+import re
+from pathlib import Path
+seen = {}
+for w in sorted(Path(".whl").glob("*.whl"), key=lambda p: p.stat().st_mtime):
+    name = re.split(r"-\d", w.name, maxsplit=1)[0].lower().replace("_", "-")
+    if name in seen:
+        print("dropping", seen[name].name, "for", w.name)
+        seen[name].unlink()
+    seen[name] = w
+PY
 du -sh .whl
 # `bench/device_wheels.sh xl`: .whl-xl for the cpuyard step instead: llama.cpp's CPU build (xllamacpp) with its
 # library stripped of debug info (106 -> 26 MB, 10 MB packed; the wheel is 33 MB) as a tar, and the wheels moetier's
