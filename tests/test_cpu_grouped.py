@@ -231,7 +231,7 @@ def amx():
 def test_grouped_amx_tile_is_the_vnni_tile_bit_for_bit(qtype, t, k, amx):
     """The 32-value formats' AMX tile (TDPBUSD on 16 rows x a group of 16 pairs, cpu_grouped.c grp_amx_tile) gives
     the AVX-512 VNNI tile's bits: the same integer sums, the same float steps in the same order. Expert 0 has every
-    token (40: groups of 16, 16, 8; 23: 16, 7), the others 5-20 pairs (under 6: the VNNI tile); K 96 / 160 are odd
+    token (40: groups of 16, 16, 8; 23: 16, 7), the others 5-20 pairs (under 9: the VNNI tile); K 96 / 160 are odd
     block counts (the three blocks in flight end early); both sides (x's groups, h's) and both row counts of tasks;
     and against float64 on the tile's rounding."""
     d, i = (256, 512) if "IQ4_XS" in qtype else (96, 160)
