@@ -910,6 +910,9 @@ static void grp_rows8_q4_0_avx2(const uint8_t *w, int64_t rs, const grp_side *a,
 }
 #endif
 
+/* a rows-in-lanes format's kind (grp_block8, grp_amx_unpack): Q4_0 0, IQ4_NL 1, IQ4_XS 2, Q8_0 3 */
+static inline int grp_nib_kind(int qtype) { return qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : qtype == IQ4_XS ? 2 : 3; }
+
 #if GRP_TILE16 && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__linux__)
 /* AMX (Sapphire Rapids and later) for the rows-in-lanes formats (Q4_0, Q8_0, IQ4_NL, IQ4_XS): TDPBUSD multiplies a
  * block of 16 weight rows (A: 16 x 32 bytes, the values unsigned as the VNNI tile has them: Q4_0's nibbles, IQ4's and
@@ -931,21 +934,28 @@ static void grp_rows8_q4_0_avx2(const uint8_t *w, int64_t rs, const grp_side *a,
 #endif
 static int grp_amx_state;      /* 0 not asked yet, 1 on, -1 off */
 
+/* Linux's permission for the tile state: 1 granted, -1 not */
+static int grp_amx_ask(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+}
+
 static int grp_amx_on(void) {
     int s = __atomic_load_n(&grp_amx_state, __ATOMIC_RELAXED);
     if (!s) {
         const char *e = getenv("MOETIER_AMX");
-        s = e && e[0] == '0' ? -1 : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                            18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        s = e && e[0] == '0' ? -1 : grp_amx_ask();
         __atomic_store_n(&grp_amx_state, s, __ATOMIC_RELAXED);
     }
     return s > 0;
 }
 
-/* the formats with an AMX tile, where it is on */
-static int grp_amx_type(int qtype) {
-    return (qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == IQ4_XS) && grp_amx_on();
+/* the formats with an AMX tile (the rows-in-lanes ones) */
+static inline int grp_amx_format(int qtype) {
+    return qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL || qtype == IQ4_XS;
 }
+
+/* ... where it is on */
+static int grp_amx_type(int qtype) { return grp_amx_format(qtype) && grp_amx_on(); }
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } grp_tilecfg;
 
@@ -1060,8 +1070,7 @@ static void grp_amx_tile(const uint8_t *wa, const float *d, const int8_t *qt, co
 
 /* Whether grp_task runs qtype's rows of this side on AMX */
 static inline int grp_amx_task(int qtype, const grp_side *a, int64_t m, int64_t np) {
-    return a->qt && m % 16 == 0 && np >= GRP_AMX_MIN_PAIRS && (qtype == Q4_0 || qtype == Q8_0 || qtype == IQ4_NL
-                                                                 || qtype == IQ4_XS);
+    return a->qt && m % 16 == 0 && np >= GRP_AMX_MIN_PAIRS && grp_amx_format(qtype);
 }
 
 /* An AMX side for groups of up to 16 pairs: gstart / gnp of each group, gof of each pair, and the B-layout buffers
@@ -1085,8 +1094,7 @@ static void grp_amx_alloc(grp_side *a, int64_t ngroups, const int64_t *gof, void
 int moetier_amx(int want) {
 #if GRP_AMX
     if (want == 0) __atomic_store_n(&grp_amx_state, -1, __ATOMIC_RELAXED);
-    if (want == 1)
-        __atomic_store_n(&grp_amx_state, syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1, __ATOMIC_RELAXED);
+    if (want == 1) __atomic_store_n(&grp_amx_state, grp_amx_ask(), __ATOMIC_RELAXED);
     return grp_amx_on();
 #else
     (void)want;
@@ -1100,7 +1108,7 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
                      float *dst, int64_t ld, int64_t r) {
 #if GRP_AMX
     if (grp_amx_task(qtype, a, m, s1 - s0)) {
-        const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : qtype == IQ4_XS ? 2 : 3;
+        const int kind = grp_nib_kind(qtype);
         const int64_t nb = a->K / 32;
         /* the unpacked rows: a buffer per thread, kept (grown) across calls */
         static __thread uint8_t *wa;
@@ -1146,7 +1154,7 @@ static void grp_task(int qtype, const uint8_t *w, int64_t rs, int64_t m, const g
     /* rows in lanes: 8 rows of a pair contiguous in dst */
     if ((qtype == Q4_0 || (GRP_TILE8_IQ4 && (qtype == IQ4_NL || qtype == IQ4_XS || qtype == Q8_0))) && a->q8
         && m % 8 == 0) {
-        const int kind = qtype == Q4_0 ? 0 : qtype == IQ4_NL ? 1 : qtype == IQ4_XS ? 2 : 3;
+        const int kind = grp_nib_kind(qtype);
         const int64_t nb = a->K / 32;
         const int rows = GRP_TILE16 && m % 16 == 0 && MOETIER_TILE16 ? 16 : 8;
 #if GRP_TILE16
