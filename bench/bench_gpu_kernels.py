@@ -556,6 +556,19 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
                 for v in os.environ.get("V5QX_VARIANTS", tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl")).split(","):
                     pair(c, v, tiles, "v5qxdown")
             os.environ.pop("MOETIER_V5_SPLIT", None)
+    # --only regab: gate_up under a register cap against none, interleaved none / cap / none / cap (env REGAB_CAP,
+    # default 128; REGAB_VARIANTS, default the format's default variant and v5qx; REGAB_FMT, default Q4_K,Q6_K:
+    # those of --fmt): triton_decode_q8.gate_up_maxnreg
+    regab = set(os.environ.get("REGAB_FMT", "Q4_K,Q6_K").split(",")) if "regab" in wanted else set()
+    for c in cases.values():
+        for cap in ("", f"{c.fmt}:{os.environ.get('REGAB_CAP', '128')}") * 2 if c.fmt in regab and v5(c.fmt) else ():
+            os.environ["MOETIER_V5_MAXNREG"] = cap
+            log(f"  MOETIER_V5_MAXNREG={cap}")
+            default = tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl")
+            for v in os.environ.get("REGAB_VARIANTS", ",".join(dict.fromkeys((default, "v5qx")))).split(","):
+                pair(c, v, sweep="regab")
+                out[-1]["maxnreg"] = cap
+        os.environ.pop("MOETIER_V5_MAXNREG", None)
     if wanted & {"v5qx", "v5qxtiles", "v5qxdown", "v5q", "v5pdl"} and DEV == "cuda":
         out.append({"compiled": compiled_kernels()})
         log(f"  compiled: {out[-1]['compiled']}")

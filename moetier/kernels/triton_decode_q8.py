@@ -850,6 +850,17 @@ def gate_up_pieces(d: int, fmt: str) -> tuple[int, int]:
     return nb1, nb2
 
 
+def gate_up_maxnreg(fmt: str) -> dict:
+    """A register cap for gate_up, for A/B in one process (env MOETIER_V5_MAXNREG, read at each launch, e.g.
+    "Q4_K:128,Q5_K:128": ptxas then spills what does not fit; Q4_K's v5qx at (32, 0, 8) holds 224 registers, one
+    program an SM, where two fit at 128). -> the launch's option, {} without one."""
+    for item in filter(None, os.environ.get("MOETIER_V5_MAXNREG", "").split(",")):
+        f, _, cap = item.partition(":")
+        if f == fmt and cap.isdigit():
+            return {"maxnreg": int(cap)}
+    return {}
+
+
 def h_quantizer(rows: int) -> int:
     """gate_up's QH for a tile of `rows` rows: 2 (32 divides them), 1 (they divide 32), else 0 (none)."""
     return 2 if rows % 32 == 0 else 1 if 32 % rows == 0 else 0
@@ -889,7 +900,7 @@ def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
         NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, XQ=x is not None,
         NBP=triton.next_power_of_2(d // 32), num_warps=tile.warps, **_trace_args("gate_up", xd),
-        **({"launch_pdl": True} if pdl else {}))
+        **gate_up_maxnreg(w.fmt), **({"launch_pdl": True} if pdl else {}))
 
 
 _counters: dict = {}
