@@ -556,12 +556,13 @@ def variants(model: str, fmts, gen, cgen, copy_bw: float, budget_s: float, only:
                 for v in os.environ.get("V5QX_VARIANTS", tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl")).split(","):
                     pair(c, v, tiles, "v5qxdown")
             os.environ.pop("MOETIER_V5_SPLIT", None)
-    # --only regab: gate_up under a register cap against none, interleaved none / cap / none / cap (env REGAB_CAP,
-    # default 128; REGAB_VARIANTS, default the format's default variant and v5qx; REGAB_FMT, default Q4_K,Q6_K:
-    # those of --fmt): triton_decode_q8.gate_up_maxnreg
+    # --only regab: gate_up (and down) under register caps against none, interleaved none / caps / none / caps (env
+    # REGAB_CAP, default "{fmt}:128", e.g. "{fmt}:128,{fmt}/down:128"; REGAB_VARIANTS, default the format's default
+    # variant and v5qx; REGAB_FMT, default Q4_K,Q6_K: those of --fmt): triton_decode_q8.v5_maxnreg
     regab = set(os.environ.get("REGAB_FMT", "Q4_K,Q6_K").split(",")) if "regab" in wanted else set()
     for c in cases.values():
-        for cap in ("", f"{c.fmt}:{os.environ.get('REGAB_CAP', '128')}") * 2 if c.fmt in regab and v5(c.fmt) else ():
+        caps = os.environ.get("REGAB_CAP", "{fmt}:128").replace("{fmt}", c.fmt)
+        for cap in ("", caps) * 2 if c.fmt in regab and v5(c.fmt) else ():
             os.environ["MOETIER_V5_MAXNREG"] = cap
             log(f"  MOETIER_V5_MAXNREG={cap}")
             default = tm.DEFAULT_VARIANT.get(c.fmt, "v5pdl")

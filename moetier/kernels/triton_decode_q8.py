@@ -850,13 +850,15 @@ def gate_up_pieces(d: int, fmt: str) -> tuple[int, int]:
     return nb1, nb2
 
 
-def gate_up_maxnreg(fmt: str) -> dict:
-    """A register cap for gate_up, for A/B in one process (env MOETIER_V5_MAXNREG, read at each launch, e.g.
-    "Q4_K:128,Q5_K:128": ptxas then spills what does not fit; Q4_K's v5qx at (32, 0, 8) holds 224 registers, one
-    program an SM, where two fit at 128). -> the launch's option, {} without one."""
+def v5_maxnreg(fmt: str, kernel: str = "gate_up") -> dict:
+    """A register cap for gate_up (or down), for A/B in one process (env MOETIER_V5_MAXNREG, read at each launch,
+    e.g. "Q4_K:128,Q6_K/down:128": ptxas then spills what does not fit; Q4_K's v5qx gate_up at (32, 0, 8) holds 224
+    registers, one program an SM, where two fit at 128; Q6_K's down at (8, 0, 2) 255, too many to load its weights
+    beside gate_up's program). -> the launch's option, {} without one."""
+    want = fmt if kernel == "gate_up" else f"{fmt}/{kernel}"
     for item in filter(None, os.environ.get("MOETIER_V5_MAXNREG", "").split(",")):
         f, _, cap = item.partition(":")
-        if f == fmt and cap.isdigit():
+        if f == want and cap.isdigit():
             return {"maxnreg": int(cap)}
     return {}
 
@@ -900,7 +902,7 @@ def launch_gate_up(xq, ids, w, act: int, alpha: float, limit: float, bias, h, hx
         I=i, D=d, KTOP=k, FMT=w.code, ACT=act, HAS_BIAS=bias is not None, BS=STEP_BLOCK[w.fmt], BN=tile.bn,
         NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), ROUND=rnd, QH=qh, XQ=x is not None,
         NBP=triton.next_power_of_2(d // 32), num_warps=tile.warps, **_trace_args("gate_up", xd),
-        **gate_up_maxnreg(w.fmt), **({"launch_pdl": True} if pdl else {}))
+        **v5_maxnreg(w.fmt), **({"launch_pdl": True} if pdl else {}))
 
 
 _counters: dict = {}
@@ -952,7 +954,8 @@ def launch_down(hq, ids, wt, w, bias, out, tile, pdl: bool):
         hq[0].view(torch.int32), *hq[1:], ids, wt, *_planes(w), b, sb, out, out.stride(0),
         D=d, I=i, KTOP=k, KP=triton.next_power_of_2(k), FMT=w.code, HAS_BIAS=bias is not None,
         BS=STEP_BLOCK[w.fmt], BN=tile.bn, NB1=nb1, NB2=nb2, PDL=pdl, EMU=_emulate(), TRIGGER=pdl and PDL_CHAIN,
-        num_warps=tile.warps, **_trace_args("down", out), **({"launch_pdl": True} if pdl else {}))
+        num_warps=tile.warps, **_trace_args("down", out), **v5_maxnreg(w.fmt, "down"),
+        **({"launch_pdl": True} if pdl else {}))
     return out
 
 
