@@ -330,10 +330,12 @@ def test_decode_variant_errors_say_what_reads_what():
     with pytest.raises(ValueError, match="v2 every quantized"):
         tm.variant_of("dense", "v2")
     assert tm.variant_of("dense", None) == "v1"
-    # timed faster on the H200 (sessions 8-38): v5q (h quantized by gate_up) where its pair won, v5qx (and x) for Q4_0;
-    # IQ2_XXS's, Q2_K's and Q3_K's v5 kernels are not timed yet: v2 by default, v5 / v5pdl on request
+    # timed faster on the H200 (sessions 8-38): v5q (h quantized by gate_up) where its pair won, v5qx (and x) for Q4_0
+    # (and Q5_K, on an H100: session 44); IQ2_XXS's, Q2_K's and Q3_K's v5 kernels are not timed yet: v2 by default,
+    # v5 / v5pdl on request
     untimed = ("IQ2_XXS", "Q2_K", "Q3_K")
-    assert {f: tm.variant_of(f, None) for f in QUANT} == {f: "v5qx" if f == "Q4_0" else "v5q" if f in ("Q6_K", "Q4_K")
+    assert {f: tm.variant_of(f, None) for f in QUANT} == {f: "v5qx" if f in ("Q4_0", "Q5_K")
+                                                          else "v5q" if f in ("Q6_K", "Q4_K")
                                                           else "v2" if f in tm.RAW_FORMATS or f in untimed
                                                           else "v5pdl" for f in QUANT}
     assert all(tm.variant_of(f, "v5pdl") == "v5pdl" and tm.variant_of(f, "v5") == "v5" for f in untimed)

@@ -446,8 +446,10 @@ def _bias(b, like: torch.Tensor):
 # session 36 Q4_K v5qx with gate_up's row in two pieces (triton_decode_q8.SPLIT_FORMATS) 12.43 / 12.54 vs v5q 12.75 /
 # 12.67 (interleaved in one process; v5qx in one piece 13.79 / 13.89); session 38, Q4_K's scales as two words a load
 # (quant.repack): v5q at gate_up (32, 0, 8) in two pieces 11.91 / 11.93 vs v5qx 12.36-12.48 (its 32 rows: 12.41-14.53)
+# session 44 (H100): Q5_K v5qx 15.15-15.17 us vs v5pdl 15.88-16.10 (58% vs 55-56% of the copy rate; four processes,
+# session 43's one call too); not yet timed on an H200
 DEFAULT_VARIANT = {"Q4_0": "v5qx", "Q8_0": "v5pdl", "Q4_K": "v5q", "Q6_K": "v5q", "MXFP4": "v5pdl",
-                   "Q5_K": "v5pdl", "IQ3_XXS": "v5pdl"}
+                   "Q5_K": "v5qx", "IQ3_XXS": "v5pdl"}
 VARIANTS = ("v1", "v2", "v2pdl", "v3", "v3pdl", "v5", "v5pdl", "v5q", "v5qx")
 
 
@@ -459,8 +461,9 @@ def variant_of(fmt: str, variant: str | None) -> str:
     "v3pdl" (v3, the down kernel a programmatic dependent that loads its weights before waiting), "v5" / "v5pdl"
     (triton_decode_q8.FORMATS: x and h quantized to int8 per 32-block, dp4a integer dots; other formats run v3 /
     v3pdl), "v5q" (v5pdl with h quantized by gate_up's programs instead of a launch of its own, the default for
-    Q6_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer launch:
-    each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0 and Q4_K).
+    Q6_K and Q4_K: moe_decode only; decode_gate_up / decode_down alone run v5pdl), "v5qx" (v5q without x's quantizer
+    launch: each gate_up program quantizes x itself while its weight loads are in flight; the default for Q4_0 and
+    Q5_K). DEFAULT_VARIANT has the timings that chose them.
     (v4, the whole layer in one persistent launch for T=1 Q4_0 / Q8_0, was slower and was removed (session 31: history
     `triton_decode_v4.py`); v6, the v5 pair in one launch whose programs spin on counters, was slower than v5pdl and
     raced on the H200: docs/perf-log.md, session 15; v5qxf, v5qx whose down waited for h's blocks by counters that
