@@ -324,6 +324,18 @@ def test_decode_v5_quantize_matches_twin():
     assert torch.allclose(xs, dx * q.float().view(5, 3, 32).sum(-1))
 
 
+def test_register_cap_knob_names_one_kernel_of_one_format(monkeypatch):
+    """MOETIER_V5_MAXNREG (A/B of register caps, read at each launch): "FMT:CAP" caps that format's gate_up,
+    "FMT/down:CAP" its down; anything else leaves the launch as it was."""
+    from moetier.kernels import triton_decode_q8 as q8
+    monkeypatch.setenv("MOETIER_V5_MAXNREG", "Q4_K:128,Q6_K/down:168,Q8_0:x,,MXFP4/gate:96")
+    assert q8.v5_maxnreg("Q4_K") == {"maxnreg": 128} and q8.v5_maxnreg("Q4_K", "down") == {}
+    assert q8.v5_maxnreg("Q6_K", "down") == {"maxnreg": 168} and q8.v5_maxnreg("Q6_K") == {}
+    assert q8.v5_maxnreg("Q8_0") == {} and q8.v5_maxnreg("MXFP4") == {} and q8.v5_maxnreg("Q4_0") == {}
+    monkeypatch.delenv("MOETIER_V5_MAXNREG")
+    assert q8.v5_maxnreg("Q4_K") == {}
+
+
 def test_decode_variant_errors_say_what_reads_what():
     with pytest.raises(ValueError, match="v1 reads"):
         tm.variant_of("MXFP4", "v1")
