@@ -68,6 +68,28 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
+_flags: frozenset | None = None
+
+
+def cpu_flags() -> frozenset:
+    """/proc/cpuinfo's flags of the first CPU (empty where there is none)."""
+    global _flags
+    if _flags is None:
+        try:
+            line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+            _flags = frozenset(line.split(":", 1)[1].split())
+        except (OSError, StopIteration, IndexError):
+            _flags = frozenset()
+    return _flags
+
+
+def bf16_native() -> bool:
+    """The CPU multiplies bf16 in hardware (AMX-BF16 tiles or AVX512-BF16 dot products), so torch's bf16 GEMMs and
+    attention run faster than float32 ones (a 512-token prompt's attention, 32 / 4 heads of 128: 16.3 -> 3.7 ms on 2
+    AMX cores); elsewhere bf16 is converted element by element and is slower."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
 def iq_tables_header() -> str:
     """cpu_iq_tables.h: the codebook tables of cpu_iquants.c as C arrays, from moetier.quant's own
     tables (so the C kernels and the torch dequantizers cannot disagree on them)."""

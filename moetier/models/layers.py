@@ -137,10 +137,27 @@ def causal_mask(t: int, s: int, start, window: int | None, device) -> torch.Tens
     return mask
 
 
+def prompt_in_bf16(kv, q: torch.Tensor) -> bool:
+    """A CPU prompt (T > 1) of float32 activations over a cache that stores K / V as bf16 (`--kv-dtype bf16`), on a
+    CPU that multiplies bf16 in hardware: its attention runs in bf16 (K / V as stored, so exactly; q rounded to bf16;
+    torch's flash kernel accumulates in float32). A 512-token prompt's attention 16.3 -> 3.7 ms on 2 AMX cores."""
+    store = getattr(kv, "k", None)
+    return (isinstance(store, torch.Tensor) and store.dtype == torch.bfloat16 and q.dtype == torch.float32
+            and q.shape[0] > 1 and not q.is_cuda and _bf16_native())
+
+
+def _bf16_native() -> bool:
+    from ..kernels.cpu import bf16_native
+    return bf16_native()
+
+
 def attention(q, k, v, start, scale: float, window: int | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
     """q [T, H, Dh], k [S, Hkv, Dh], v [S, Hkv, Dv] with S = start + T -> [T, H, Dv]
-    (S = the whole cache when `start` is a device tensor: the mask does the rest)."""
+    (S = the whole cache when `start` is a device tensor: the mask does the rest). bf16 (prompt_in_bf16): the
+    products in bf16, the result in q's dtype."""
+    if bf16 and sinks is None:
+        return attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), start, scale, window).to(q.dtype)
     t, h, _ = q.shape
     s, hkv = k.shape[0], k.shape[1]
     if t == 1 and q.dtype == torch.float32 and sinks is None and not q.is_cuda and (window is None or s <= window):
@@ -346,7 +363,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = kv.update(start, k, v)
-        out = attention(q, k, v, start, self.scale, self.window, self.sinks)
+        out = attention(q, k, v, start, self.scale, self.window, self.sinks, prompt_in_bf16(kv, q))
         return self.o_proj(out.reshape(t, self.h * self.dh))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import ModelArgs
 from ..errors import CheckpointError
 from .base import Block, CausalLM
-from .layers import Attention, RMSNorm, Rope, SoftmaxMoE, apply_rope, attention
+from .layers import Attention, RMSNorm, Rope, SoftmaxMoE, apply_rope, attention, prompt_in_bf16
 
 
 class OlmoeAttention(Attention):
@@ -26,7 +26,7 @@ class OlmoeAttention(Attention):
         q = apply_rope(q.view(t, self.h, self.dh), *rope)
         k = apply_rope(k.view(t, self.hkv, self.dh), *rope)
         k, v = kv.update(start, k, v.view(t, self.hkv, self.dh))
-        out = attention(q, k, v, start, self.scale)
+        out = attention(q, k, v, start, self.scale, bf16=prompt_in_bf16(kv, q))
         return self.o_proj(out.reshape(t, self.h * self.dh))
 
 

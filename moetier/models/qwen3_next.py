@@ -20,7 +20,7 @@ from ..kernels import deltanet_ops
 from ..runtime.kv_cache import KVCache, RecurrentState
 from .base import CausalLM
 from .deltanet import CHUNK, GatedRMSNorm, causal_conv, l2norm
-from .layers import MLP, DenseExperts, Rope, SoftmaxRouter, apply_rope, attention
+from .layers import MLP, DenseExperts, Rope, SoftmaxRouter, apply_rope, attention, prompt_in_bf16
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -62,7 +62,7 @@ class GatedAttention(nn.Module):
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.hkv, self.dh)), *rope)
         k, v = kv.update(start, k, self.v_proj(x).view(t, self.hkv, self.dh))
-        out = attention(q, k, v, start, self.scale)                          # [T, H, Dh]
+        out = attention(q, k, v, start, self.scale, bf16=prompt_in_bf16(kv, q))      # [T, H, Dh]
         return self.o_proj((out * torch.sigmoid(gate)).reshape(t, self.h * self.dh))
 
 
