@@ -25,12 +25,17 @@ import urllib.request
 from pathlib import Path
 
 
-def llama_cpp(path: Path, threads: int):
+def context(prompt_len: int, gen: int) -> int:
+    """Both engines' context: 2,048 positions, more for a longer prompt and its generation."""
+    return max(2048, prompt_len + gen + 64)
+
+
+def llama_cpp(path: Path, threads: int, ctx: int = 2048):
     """A llama.cpp server on the GGUF; -> (server, run(prompt, n) -> {decode_tok_s, prefill_tok_s})."""
     import xllamacpp as xlc
     p = xlc.CommonParams()
     p.model.path = str(path)
-    p.n_ctx = 2048
+    p.n_ctx = ctx
     p.n_gpu_layers = 0
     p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads
     server = xlc.Server(p)
@@ -46,18 +51,20 @@ def llama_cpp(path: Path, threads: int):
     return server, run
 
 
-def moetier(path: Path, threads: int, cpu_compile: str, prompt: list[int], thp: bool = True):
+def moetier(path: Path, threads: int, cpu_compile: str, prompt: list[int], thp: bool = True, kv_dtype: str = "auto",
+            ctx: int = 2048):
     """The Engine on the GGUF with the EngineConfig defaults, its first request run (the warm-up: it makes the CPU
     step's copies); -> (engine, run(prompt, n) -> rates, seconds to load and warm up). thp=False: its copies on 4 KiB
-    pages (memory/hugepages.py off while it loads and warms up)."""
+    pages (memory/hugepages.py off while it loads and warms up). kv_dtype: EngineConfig's (bf16: a prompt's attention
+    in bf16 on CPUs with bf16 hardware, layers.prompt_in_bf16)."""
     from moetier import EngineConfig, SamplingParams
     from moetier.memory import hugepages
     from moetier.runtime.engine import Engine
     t0, was = time.perf_counter(), hugepages.ENABLED
     hugepages.ENABLED = was and thp
     try:
-        eng = Engine.load(path, EngineConfig(device="cpu", threads=threads, progress=False, max_context=2048,
-                                             cpu_compile=cpu_compile))
+        eng = Engine.load(path, EngineConfig(device="cpu", threads=threads, progress=False, max_context=ctx,
+                                             cpu_compile=cpu_compile, kv_dtype=kv_dtype))
         eng.complete(prompt_ids=prompt, max_tokens=4, params=SamplingParams(temperature=0), ignore_eos=True)
     finally:
         hugepages.ENABLED = was
@@ -85,6 +92,7 @@ def main():
     ap.add_argument("--gguf", default=None, help="GGUF files to compare on as they are (comma-separated)")
     ap.add_argument("--thp-ab", action="store_true", help="also a second moetier engine with its CPU copies on 4 KiB "
                     "pages (MOETIER_THP=0's), in the same rounds: thp_gain")
+    ap.add_argument("--kv-dtype", default="auto", help="moetier's KV cache storage (llama.cpp keeps its default, f16)")
     a = ap.parse_args()
     from moetier.runtime.engine import default_model_path, default_threads
     src = Path(a.model) if a.model else default_model_path()
@@ -102,10 +110,12 @@ def main():
                 gguf = Path(tmp) / f"model-{qt}.gguf"
                 subprocess.run([sys.executable, "-m", "moetier", "quantize", str(src), "--type", qt, "--out",
                                 str(gguf)], check=True, capture_output=True)
-            server, run_ref = llama_cpp(gguf, threads)
+            ctx = context(a.prompt_len, a.gen)
+            server, run_ref = llama_cpp(gguf, threads, ctx)
             # the warm-up includes loading (or with --cpu-compile on, building) the step
-            eng, run_ours, first_s = moetier(gguf, threads, a.cpu_compile, prompt)
-            eng4k, run_4k = moetier(gguf, threads, a.cpu_compile, prompt, thp=False)[:2] if a.thp_ab else (None, None)
+            eng, run_ours, first_s = moetier(gguf, threads, a.cpu_compile, prompt, kv_dtype=a.kv_dtype, ctx=ctx)
+            eng4k, run_4k = moetier(gguf, threads, a.cpu_compile, prompt, thp=False, kv_dtype=a.kv_dtype, ctx=ctx)[:2] \
+                if a.thp_ab else (None, None)
             run_ref(prompt, a.gen)
             refs, ours, ours4k = [], [], []
             for _ in range(a.rounds):   # interleaved, so a busy moment hits both engines alike
@@ -125,7 +135,8 @@ def main():
                 o4 = best(ours4k)
                 rows[-1] |= {"moetier_4k_pages": o4, "thp_gain": round(ours["decode_tok_s"] / o4["decode_tok_s"], 3)}
     model = ",".join(map(str, files)) or str(src)
-    print(json.dumps({"model": model, "threads": threads, "cpu_compile": a.cpu_compile, "prompt_len": a.prompt_len,
+    print(json.dumps({"model": model, "threads": threads, "cpu_compile": a.cpu_compile, "kv_dtype": a.kv_dtype,
+                      "prompt_len": a.prompt_len,
                       "gen": a.gen, "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)], "results": rows}))
 
 
