@@ -110,11 +110,12 @@ def test_default_model_int8_kl_and_top1_over_1k_positions(default_engine):
     assert kl_and_agreement(ref[960:], short)[0].median() > 10 * kl[960:].median()
 
 
-def test_bf16_kv_prompts_attend_in_bf16_where_the_cpu_multiplies_bf16(default_engine, monkeypatch):
-    """--kv-dtype bf16 on a CPU with bf16 hardware (AMX / AVX512-BF16): a prompt's attention runs in bf16 (K / V as
-    stored, q rounded; layers.prompt_in_bf16), a float32 KV cache or such a CPU's absence keeps float32. On the
-    default model over 512 positions of real text (chunks of 128, so later chunks attend to the cache), the bf16
-    products stay as close to the float32 ones as the int8 cache's bound, and they do differ (the path ran)."""
+def test_bf16_kv_attends_in_bf16_where_the_cpu_multiplies_bf16(default_engine, monkeypatch):
+    """--kv-dtype bf16 on a CPU with bf16 hardware (AMX / AVX512-BF16): attention runs in bf16 (K / V as stored, q
+    rounded; layers.attend_in_bf16), prompts and one-token steps; a float32 KV cache or such a CPU's absence keeps
+    float32. On the default model over 512 positions of real text (448 as chunks of 128, so later chunks attend to the
+    cache, then 64 one token at a time), the bf16 products stay as close to the float32 ones as the int8 cache's
+    bound, and they do differ (the path ran)."""
     from moetier.kernels import cpu
     from moetier.models import layers
     model = default_engine.model
@@ -125,22 +126,27 @@ def test_bf16_kv_prompts_attend_in_bf16_where_the_cpu_multiplies_bf16(default_en
     def spy(q, k, v, **kw):
         seen.append((q.dtype, k.dtype, q.shape[-2]))
         return sdpa(q, k, v, **kw)
+
+    def logits(kv_dtype: str) -> torch.Tensor:
+        cache = session_cache(model, 512, torch.float32, "cpu", kv_dtype)
+        with torch.inference_mode():
+            return torch.cat([teacher_forced_logits(model, ids[:448], cache)]
+                             + [model(ids[i:i + 1], cache) for i in range(448, 512)]).float()
     monkeypatch.setattr(layers.F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(cpu, "bf16_native", lambda: False)
-    ref = teacher_forced_logits(model, ids, session_cache(model, 512, torch.float32, "cpu", "bf16"))
+    ref = logits("bf16")
     assert seen and all(q == k == torch.float32 for q, k, _ in seen)
     seen.clear()
     monkeypatch.setattr(cpu, "bf16_native", lambda: True)
-    got = teacher_forced_logits(model, ids, session_cache(model, 512, torch.float32, "cpu", "bf16"))
-    assert seen and all(q == k == torch.bfloat16 for q, k, _ in seen)
+    got = logits("bf16")
+    assert all(q == k == torch.bfloat16 for q, k, _ in seen) and {n for *_, n in seen} >= {1, 128}
     kl, agree = kl_and_agreement(ref, got)
     assert kl.median().item() <= 0.003 and agree >= 0.97, (kl.median().item(), agree)
-    assert not torch.equal(ref, got)
+    assert kl[448:].median().item() <= 0.003                      # the one-token steps too
+    assert not torch.equal(ref, got) and not torch.equal(ref[448:], got[448:])
     seen.clear()
-    teacher_forced_logits(model, ids[:256], session_cache(model, 256, torch.float32, "cpu", "fp32"))
-    assert seen and all(q == k == torch.float32 for q, k, _ in seen)   # a float32 cache: float32
-    assert not layers.prompt_in_bf16(session_cache(model, 8, torch.float32, "cpu", "bf16").layers[0],
-                                     torch.zeros(1, 4, 8))                           # one token: the decode path
+    logits("fp32")
+    assert all(q == k == torch.float32 for q, k, _ in seen)                          # a float32 cache: float32
 
 
 def test_engine_int8_greedy_matches_reference(tiny_model_dir):

@@ -44,8 +44,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "on the default model")
     g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "int8"),
                    help="KV cache storage; int8 (+ an fp16 scale per 32 values) takes ~53%% of bf16; bf16 on a "
-                        "CPU with bf16 hardware (AMX, AVX512-BF16) also runs a prompt's attention in bf16 (faster long "
-                        "prompts; decode converts the cache each token) "
+                        "CPU with bf16 hardware (AMX, AVX512-BF16) also runs attention in bf16 (faster long prompts) "
                         "(default: auto, the model dtype)")
     g.add_argument("--kv-offload", action="store_true",
                    help="keep the KV cache in pinned host memory and copy it to the GPU each step, "

@@ -199,6 +199,12 @@ class CastKVCache(KVCache):
         self.write(start, k, v)
         return self.decode(self.parts(None if isinstance(start, torch.Tensor) else start + k.shape[0]), k.dtype)
 
+    def update_stored(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """update's write, and K / V of [0, end) as stored (views, no copy): for an attention that computes in the
+        stored dtype (models.layers.attend_in_bf16). A plain cast's store only (int8 parts are not K / V)."""
+        self.write(start, k, v)
+        return self.k[:start + k.shape[0]], self.v[:start + k.shape[0]]
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
