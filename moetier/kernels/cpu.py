@@ -59,13 +59,17 @@ _lib = None
 _backend: str | None = None
 
 
+def _flags_line() -> str | None:
+    """/proc/cpuinfo's flags line of the first CPU, None where there is none."""
+    try:
+        return next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+
+
 def _cpu_signature() -> str:
     """Identifies the instruction set the library is built for (-march=native)."""
-    try:
-        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return platform.machine() + flags
+    return platform.machine() + (_flags_line() or platform.processor())
 
 
 _flags: frozenset | None = None
@@ -75,11 +79,7 @@ def cpu_flags() -> frozenset:
     """/proc/cpuinfo's flags of the first CPU (empty where there is none)."""
     global _flags
     if _flags is None:
-        try:
-            line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-            _flags = frozenset(line.split(":", 1)[1].split())
-        except (OSError, StopIteration, IndexError):
-            _flags = frozenset()
+        _flags = frozenset((_flags_line() or ":").split(":", 1)[1].split())
     return _flags
 
 

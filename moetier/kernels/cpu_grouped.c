@@ -985,6 +985,14 @@ static void grp_amx_side(grp_side *a, int64_t s, int np, int64_t G) {
     }
 }
 
+/* every group of side a in the B layout, over the threads of the enclosing parallel region (an orphaned worksharing
+ * loop: all of its threads call this, and a->qt, shared, sends all or none of them past the test) */
+static void grp_amx_sides(grp_side *a, const int64_t *gstart, const int64_t *gnp, int64_t ngroups) {
+    if (!a->qt) return;
+    #pragma omp for schedule(dynamic, 4)
+    for (int64_t G = 0; G < ngroups; G++) grp_amx_side(a, gstart[G], (int)gnp[G], G);
+}
+
 /* 16 rows (w, stride rs) -> their blocks as A tiles (wa + 512 b, a row's 32 values unsigned, in order) and their
  * scales (d[16 b + r]) */
 static inline __attribute__((always_inline)) void grp_amx_unpack(const int kind, const uint8_t *w, int64_t rs,
@@ -1346,10 +1354,7 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) grp_prepare(&ax, t);
 #if GRP_AMX
-        if (ax.qt) {
-            #pragma omp for schedule(dynamic, 4)
-            for (int64_t G = 0; G < ngroups; G++) grp_amx_side(&ax, gstart[G], (int)gnp[G], G);
-        }
+        grp_amx_sides(&ax, gstart, gnp, ngroups);
 #endif
         #pragma omp for schedule(dynamic, gchunk)
         for (int64_t i = 0; i < ng; i++) {             /* gate / up rows: h[s, r .. r + m) */
@@ -1364,10 +1369,7 @@ int moetier_moe_grouped(int gq, int dq, const uint8_t *gate, const uint8_t *up, 
             grp_prepare(&ah, s);
         }
 #if GRP_AMX
-        if (ah.qt) {
-            #pragma omp for schedule(dynamic, 4)
-            for (int64_t G = 0; G < ngroups; G++) grp_amx_side(&ah, gstart[G], (int)gnp[G], G);
-        }
+        grp_amx_sides(&ah, gstart, gnp, ngroups);
 #endif
         #pragma omp for schedule(dynamic, dchunk)
         for (int64_t i = 0; i < nd; i++) {             /* down rows: o[s, r .. r + m) */

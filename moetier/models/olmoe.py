@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import ModelArgs
 from ..errors import CheckpointError
 from .base import Block, CausalLM
-from .layers import Attention, RMSNorm, Rope, SoftmaxMoE, apply_rope, attend_in_bf16, attention, kv_update
+from .layers import Attention, RMSNorm, Rope, SoftmaxMoE, apply_rope, cached_attention
 
 
 class OlmoeAttention(Attention):
@@ -25,9 +25,7 @@ class OlmoeAttention(Attention):
             q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
         q = apply_rope(q.view(t, self.h, self.dh), *rope)
         k = apply_rope(k.view(t, self.hkv, self.dh), *rope)
-        bf16 = attend_in_bf16(kv, q)
-        k, v = kv_update(kv, start, k, v.view(t, self.hkv, self.dh), bf16)
-        out = attention(q, k, v, start, self.scale, bf16=bf16)
+        out = cached_attention(kv, q, k, v.view(t, self.hkv, self.dh), start, self.scale)
         return self.o_proj(out.reshape(t, self.h * self.dh))
 
 

@@ -20,7 +20,7 @@ from ..kernels import deltanet_ops
 from ..runtime.kv_cache import KVCache, RecurrentState
 from .base import CausalLM
 from .deltanet import CHUNK, GatedRMSNorm, causal_conv, l2norm
-from .layers import MLP, DenseExperts, Rope, SoftmaxRouter, apply_rope, attend_in_bf16, attention, kv_update
+from .layers import MLP, DenseExperts, Rope, SoftmaxRouter, apply_rope, cached_attention
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -61,9 +61,7 @@ class GatedAttention(nn.Module):
         q, gate = self.q_proj(x).view(t, self.h, 2 * self.dh).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(self.k_proj(x).view(t, self.hkv, self.dh)), *rope)
-        bf16 = attend_in_bf16(kv, q)
-        k, v = kv_update(kv, start, k, self.v_proj(x).view(t, self.hkv, self.dh), bf16)
-        out = attention(q, k, v, start, self.scale, bf16=bf16)                       # [T, H, Dh]
+        out = cached_attention(kv, q, k, self.v_proj(x).view(t, self.hkv, self.dh), start, self.scale)  # [T, H, Dh]
         return self.o_proj((out * torch.sigmoid(gate)).reshape(t, self.h * self.dh))
 
 
